@@ -1,0 +1,1 @@
+"""Driver side: code that runs in the Spark driver process only."""

@@ -1,0 +1,153 @@
+"""Driver: every check on the user's input that can run before a Spark job starts.
+
+Each failure is a ValueError (bad value) or TypeError (bad type) whose message starts with
+the parameter or column at fault. Nothing here touches the store or launches a job: the
+schema comes from the DataFrame's analyzed plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
+    DataType,
+    IntegralType,
+    NumericType,
+    StructType,
+)
+
+from ..serialization import dumps
+from ..spec import ColumnSpec
+
+
+def _numeric(dt: DataType) -> bool:
+    return isinstance(dt, NumericType)
+
+
+def column_spec(schema: StructType, name: str, role: str) -> ColumnSpec:
+    """Check that column ``name`` exists with a type supported for ``role`` (feature/label)."""
+    if name not in schema.names:
+        raise ValueError(
+            f"{role}_cols: column '{name}' is not in the DataFrame (columns: {schema.names})"
+        )
+    dt = schema[name].dataType
+    if _numeric(dt):
+        integral = role == "label" and isinstance(dt, IntegralType)
+        return ColumnSpec(name, "scalar", integral)
+    if isinstance(dt, ArrayType) and _numeric(dt.elementType):
+        integral = role == "label" and isinstance(dt.elementType, IntegralType)
+        return ColumnSpec(name, "array", integral)
+    if role == "feature" and isinstance(dt, VectorUDT):
+        return ColumnSpec(name, "vector", False)
+    allowed = "a numeric scalar or array<numeric>" + (
+        " or an ML Vector" if role == "feature" else ""
+    )
+    raise TypeError(
+        f"{role}_cols: column '{name}' has type {dt.simpleString()}; {role} columns must be "
+        f"{allowed}"
+    )
+
+
+def check_columns(
+    schema: StructType, feature_cols: list[str], label_cols: list[str]
+) -> tuple[list[ColumnSpec], list[ColumnSpec]]:
+    if not feature_cols:
+        raise ValueError("feature_cols: at least one feature column is required")
+    if not label_cols:
+        raise ValueError("label_cols: at least one label column is required")
+    overlap = set(feature_cols) & set(label_cols)
+    if overlap:
+        raise ValueError(f"label_cols: {sorted(overlap)} also listed in feature_cols")
+    for param, cols in (("feature_cols", feature_cols), ("label_cols", label_cols)):
+        if len(set(cols)) != len(cols):
+            raise ValueError(f"{param}: duplicate column names in {cols}")
+    features = [column_spec(schema, c, "feature") for c in feature_cols]
+    labels = [column_spec(schema, c, "label") for c in label_cols]
+    return features, labels
+
+
+def check_validation(schema: StructType, validation, used_cols: list[str]) -> None:
+    if validation is None:
+        return
+    if isinstance(validation, str):
+        if validation not in schema.names:
+            raise ValueError(
+                f"validation: column '{validation}' is not in the DataFrame "
+                f"(columns: {schema.names})"
+            )
+        if validation in used_cols:
+            raise ValueError(f"validation: column '{validation}' is also a feature or label")
+        dt = schema[validation].dataType
+        if not isinstance(dt, BooleanType):
+            raise TypeError(
+                f"validation: column '{validation}' has type {dt.simpleString()}; "
+                "a validation column must be boolean"
+            )
+        return
+    if not 0.0 < validation < 1.0:
+        raise ValueError(f"validation: a fraction must be in (0, 1), got {validation}")
+
+
+def check_input_shapes(input_shapes, feature_cols: list[str]) -> None:
+    if input_shapes is None:
+        return
+    if len(input_shapes) != len(feature_cols):
+        raise ValueError(
+            f"input_shapes: {len(input_shapes)} shapes given for {len(feature_cols)} "
+            f"feature columns {feature_cols}"
+        )
+    for col, shape in zip(feature_cols, input_shapes):
+        if not shape or shape.count(-1) > 1 or any(d == 0 or d < -1 for d in shape):
+            raise ValueError(
+                f"input_shapes: shape {shape} for column '{col}' must be non-empty, with "
+                "positive sizes and at most one -1"
+            )
+
+
+def check_positive(name: str, value) -> None:
+    if value is None or value < 1:
+        raise ValueError(f"{name}: must be >= 1, got {value}")
+
+
+def check_num_proc(num_proc: int, slots: int) -> None:
+    check_positive("num_proc", num_proc)
+    if num_proc > slots:
+        raise ValueError(
+            f"num_proc: {num_proc} training processes requested but the cluster can run only "
+            f"{slots} tasks at once; a barrier job needs all of them at the same time. Lower "
+            "num_proc or add executor cores."
+        )
+
+
+def check_training_objects(model, optimizer, loss) -> bytes:
+    """Check model/optimizer/loss and return their cloudpickled bundle."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if loss is None or not callable(loss):
+        raise TypeError(f"loss: expected a loss module or a function (output, label), got {loss!r}")
+    model_params = {id(p) for p in model.parameters()}
+    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not opt_params or any(id(p) not in model_params for p in opt_params):
+        raise ValueError(
+            "optimizer: its parameters are not the model's parameters; build it with "
+            "optimizer_class(model.parameters(), ...) on the same model instance"
+        )
+    dumps(model, "model")
+    dumps(loss, "loss")
+    return dumps((model, optimizer, loss), "optimizer")
+
+
+def check_output_cols(output_cols, existing: list[str]) -> None:
+    if output_cols is None:
+        return
+    if not output_cols or len(set(output_cols)) != len(output_cols):
+        raise ValueError(f"output_cols: must be distinct non-empty names, got {output_cols}")
+    clash = [c for c in output_cols if c in existing]
+    if clash:
+        raise ValueError(f"output_cols: {clash} already exist in the DataFrame")

@@ -1,0 +1,138 @@
+"""Driver: TorchModel, the fitted Spark ML Model; transform() runs batched inference.
+
+``transform`` adds one column per model output through ``mapInArrow`` (whole Arrow batches,
+the model shipped once per task, never one row at a time): a double column for outputs of
+shape [B] or [B, 1], an array<float> column otherwise. Input columns are kept unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from pyspark.ml import Model
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import DataFrame
+from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
+
+from .driver import validate
+from .params import HasModelIO, with_accessors
+from .persistence import ObjectParamsReader, ObjectParamsWriter
+from .serialization import dumps
+from .worker.predict import predict_batches
+
+
+@with_accessors
+class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
+    """A trained torch module as a Spark ML Transformer, made by ``TorchEstimator.fit``.
+
+    ``getHistory()`` has one dict per epoch, e.g. ``{"epoch": 1, "train": {"loss": 0.3},
+    "validation": {"loss": 0.4}}``; ``getModel()`` is the trained module on CPU.
+    """
+
+    model = Param(Params._dummy(), "model", "the trained torch.nn.Module", TypeConverters.identity)
+
+    def __init__(
+        self,
+        *,
+        model=None,
+        feature_cols=None,
+        input_shapes=None,
+        output_cols=None,
+        history=None,
+        output_shapes=None,
+        run_id=None,
+    ):
+        super().__init__()
+        self._set(
+            **{
+                k: v
+                for k, v in dict(
+                    model=model,
+                    feature_cols=feature_cols,
+                    input_shapes=input_shapes,
+                    output_cols=output_cols,
+                ).items()
+                if v is not None
+            }
+        )
+        self._history = list(history or [])
+        self._output_shapes = output_shapes
+        self._run_id = run_id
+
+    def getHistory(self) -> list[dict]:
+        """Per-epoch training and validation metrics, averaged across ranks."""
+        return list(self._history)
+
+    def getRunId(self) -> str | None:
+        """The run folder in the store that produced this model (None if not from a fit)."""
+        return self._run_id
+
+    def getOutputShapes(self) -> list[list[int]] | None:
+        """Each model output's shape without the batch dimension, as seen in training."""
+        return self._output_shapes
+
+    def _output_names(self) -> list[str]:
+        if self.getOutputCols():
+            return self.getOutputCols()
+        if self._output_shapes and len(self._output_shapes) > 1:
+            return [f"prediction_{i}" for i in range(len(self._output_shapes))]
+        return ["prediction"]
+
+    def _transform(self, dataset: DataFrame) -> DataFrame:
+        if not self.isDefined("model") or not self.isDefined("feature_cols"):
+            raise ValueError("model, feature_cols: a TorchModel needs both to transform")
+        schema = dataset.schema
+        features = [validate.column_spec(schema, c, "feature") for c in self.getFeatureCols()]
+        validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols())
+        names = self._output_names()
+        validate.check_output_cols(names, schema.names)
+        if self._output_shapes is not None and len(self._output_shapes) != len(names):
+            raise ValueError(
+                f"output_cols: {names} name {len(names)} columns but the model has "
+                f"{len(self._output_shapes)} outputs"
+            )
+        scalar = [
+            self._output_shapes is not None and shape in ([], [1])
+            for shape in (self._output_shapes or [None] * len(names))
+        ]
+        out_schema = StructType(
+            list(schema.fields)
+            + [
+                StructField(n, DoubleType() if s else ArrayType(FloatType(), False), False)
+                for n, s in zip(names, scalar)
+            ]
+        )
+        predict = functools.partial(
+            predict_batches,
+            model_bytes=dumps(self.getModel(), "model"),
+            features=features,
+            input_shapes=self.getInputShapes(),
+            output_cols=names,
+            scalar_outputs=scalar,
+        )
+        return dataset.mapInArrow(predict, out_schema)
+
+    # -- persistence ---------------------------------------------------------------------
+    def write(self) -> ObjectParamsWriter:
+        return ObjectParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ObjectParamsReader:
+        return ObjectParamsReader(cls)
+
+    def _objects(self) -> dict:
+        return {"model": self.getModel()} if self.isDefined("model") else {}
+
+    def _extra_metadata(self) -> dict:
+        return {
+            "history": self._history,
+            "output_shapes": self._output_shapes,
+            "run_id": self._run_id,
+        }
+
+    def _restore(self, objects: dict, metadata: dict) -> None:
+        self._set(**objects)
+        self._history = metadata.get("history") or []
+        self._output_shapes = metadata.get("output_shapes")
+        self._run_id = metadata.get("run_id")

@@ -1,0 +1,166 @@
+"""Spark ML Params shared by TorchEstimator and TorchModel (driver side).
+
+Each param is a real ``pyspark.ml.param.Param``; ``getX``/``setX`` accessors are generated
+from the param's name (``batch_size`` -> ``getBatchSize``/``setBatchSize``). Names follow
+Horovod's Spark estimator wherever it has the same concept, so migrating users keep them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.ml.param import Param, Params, TypeConverters
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _to_optional_int(value: Any) -> int | None:
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def _to_optional_str(value: Any) -> str | None:
+    return None if value is None else TypeConverters.toString(value)
+
+
+def _to_optional_list_str(value: Any) -> list[str] | None:
+    return None if value is None else TypeConverters.toListString(value)
+
+
+def _to_input_shapes(value: Any) -> list[list[int]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s) for s in value
+    ):
+        raise TypeError(f"input_shapes: expected a list of int lists, got {value!r}")
+    return [list(s) for s in value]
+
+
+def _to_validation(value: Any) -> float | str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"validation: expected a fraction in (0, 1) or a boolean column name, got {value!r}"
+        )
+    return float(value)
+
+
+def _param(name: str, doc: str, converter=TypeConverters.identity) -> Param:
+    return Param(Params._dummy(), name, doc, typeConverter=converter)
+
+
+def with_accessors(cls):
+    """Add ``getX``/``setX`` for every Param declared directly on ``cls``."""
+    for attr, value in list(vars(cls).items()):
+        if not isinstance(value, Param):
+            continue
+        camel = _camel(attr)
+
+        def getter(self, _p=attr):
+            return self.getOrDefault(getattr(self, _p))
+
+        def setter(self, value, _p=attr):
+            return self._set(**{_p: value})
+
+        getter.__doc__ = f"Gets the value of `{attr}`: {value.doc}"
+        setter.__doc__ = f"Sets the value of `{attr}`: {value.doc}"
+        getter.__name__, setter.__name__ = f"get{camel}", f"set{camel}"
+        if not hasattr(cls, getter.__name__):
+            setattr(cls, getter.__name__, getter)
+        if not hasattr(cls, setter.__name__):
+            setattr(cls, setter.__name__, setter)
+    return cls
+
+
+@with_accessors
+class HasModelIO(Params):
+    """What both the estimator and the fitted model need to feed the network."""
+
+    feature_cols = _param(
+        "feature_cols",
+        "input columns; each becomes one positional argument of the model's forward()",
+        TypeConverters.toListString,
+    )
+    input_shapes = _param(
+        "input_shapes",
+        "optional shape per feature column, e.g. [[-1, 1, 8, 8]]; -1 is the batch dimension",
+        _to_input_shapes,
+    )
+    output_cols = _param(
+        "output_cols",
+        "names of the output columns of transform(); default 'prediction' for one model "
+        "output, 'prediction_0', 'prediction_1', ... for several",
+        _to_optional_list_str,
+    )
+
+    def __init__(self):
+        super().__init__()
+        self._setDefault(input_shapes=None, output_cols=None)
+
+
+@with_accessors
+class EstimatorParams(HasModelIO):
+    """The training parameters of TorchEstimator."""
+
+    model = _param("model", "the torch.nn.Module to train")
+    optimizer = _param("optimizer", "a torch.optim.Optimizer built on the model's parameters")
+    loss = _param("loss", "a loss module or a function (output, label) -> scalar tensor")
+    label_cols = _param(
+        "label_cols",
+        "label columns; with several, the model returns one output per label",
+        TypeConverters.toListString,
+    )
+    batch_size = _param("batch_size", "rows per step on each process", TypeConverters.toInt)
+    epochs = _param("epochs", "number of passes over the training data", TypeConverters.toInt)
+    num_proc = _param(
+        "num_proc",
+        "number of training processes (barrier tasks); default: every task slot of the cluster",
+        _to_optional_int,
+    )
+    validation = _param(
+        "validation",
+        "fraction of rows held out for validation (a seeded random split), or the name of a "
+        "boolean column marking validation rows; default none",
+        _to_validation,
+    )
+    random_seed = _param(
+        "random_seed",
+        "seed of the validation split, the shuffling and torch's generators",
+        TypeConverters.toInt,
+    )
+    store = _param("store", "the Store holding materialized data, checkpoints and results")
+    use_gpu = _param(
+        "use_gpu",
+        "train on the GPU Spark assigned to each task; falls back to CPU where none is",
+        TypeConverters.toBoolean,
+    )
+    run_id = _param(
+        "run_id",
+        "name of this run's folder in the store; generated when not set",
+        _to_optional_str,
+    )
+
+    def __init__(self):
+        super().__init__()
+        self._setDefault(
+            batch_size=32,
+            epochs=1,
+            num_proc=None,
+            validation=None,
+            random_seed=0,
+            store=None,
+            use_gpu=True,
+            run_id=None,
+        )
+
+
+# Params whose values are Python objects: persisted by pickle, not in JSON metadata.
+OBJECT_PARAMS = ("model", "optimizer", "loss", "store")
+
+
+def json_params(instance: Params) -> dict[str, Any]:
+    """The explicitly set params of ``instance`` that go into Spark ML's JSON metadata."""
+    return {p.name: v for p, v in instance._paramMap.items() if p.name not in OBJECT_PARAMS}

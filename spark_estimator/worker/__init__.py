@@ -1,0 +1,1 @@
+"""Executor side: code that runs inside Spark tasks (training ranks, inference)."""

@@ -1,0 +1,108 @@
+"""Executor: whole Arrow columns to tensors and back, without per-row Python loops.
+
+Used by the training loader (Parquet row groups) and by transform (Arrow batches from
+mapInArrow, where ML vectors arrive as their struct encoding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+
+def _combine(column: pa.Array | pa.ChunkedArray) -> pa.Array:
+    if isinstance(column, pa.ChunkedArray):
+        return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return column
+
+
+def _fixed_length(name: str, lengths: np.ndarray) -> int:
+    if len(lengths) == 0:
+        return 0
+    lo, hi = int(lengths.min()), int(lengths.max())
+    if lo != hi:
+        raise ValueError(
+            f"column '{name}': arrays have varying lengths ({lo} to {hi}); every row of an "
+            "array or vector column must have the same length"
+        )
+    return lo
+
+
+def _list_to_numpy(name: str, arr: pa.ListArray) -> np.ndarray:
+    lengths = pc.list_value_length(arr).to_numpy(zero_copy_only=False)
+    width = _fixed_length(name, lengths)
+    values = arr.flatten()
+    if values.null_count:
+        raise ValueError(f"column '{name}': arrays contain null elements")
+    return values.to_numpy(zero_copy_only=False).reshape(len(arr), width)
+
+
+def _vector_to_numpy(name: str, arr: pa.StructArray) -> np.ndarray:
+    """Decode pyspark.ml's vector struct (type 0 sparse, 1 dense) into a dense 2-d array."""
+    n = len(arr)
+    kind = arr.field("type").to_numpy(zero_copy_only=False)
+    values = arr.field("values")
+    value_lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
+    sizes = np.where(kind == 1, value_lengths, arr.field("size").fill_null(0).to_numpy())
+    width = _fixed_length(name, sizes)
+    out = np.zeros((n, width), dtype=np.float32)
+    dense = np.flatnonzero(kind == 1)
+    if len(dense):
+        flat = pc.list_flatten(values.take(pa.array(dense))).to_numpy(zero_copy_only=False)
+        out[dense] = flat.reshape(len(dense), width)
+    sparse = np.flatnonzero(kind == 0)
+    if len(sparse):
+        idx_lists = arr.field("indices").take(pa.array(sparse))
+        counts = pc.list_value_length(idx_lists).to_numpy(zero_copy_only=False)
+        rows = np.repeat(sparse, counts)
+        cols = pc.list_flatten(idx_lists).to_numpy(zero_copy_only=False)
+        vals = pc.list_flatten(values.take(pa.array(sparse))).to_numpy(zero_copy_only=False)
+        out[rows, cols] = vals
+    return out
+
+
+def column_to_numpy(name: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    arr = _combine(column)
+    if arr.null_count:
+        raise ValueError(
+            f"column '{name}': {arr.null_count} null values; drop or fill them before fit"
+        )
+    if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
+        return _list_to_numpy(name, arr)
+    if pa.types.is_struct(arr.type):
+        return _vector_to_numpy(name, arr)
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
+    array = column_to_numpy(name, column)
+    np_dtype = np.int64 if dtype == torch.int64 else np.float32
+    # Arrow's buffers are read-only; torch needs writable memory, so copy only if required
+    return torch.from_numpy(np.require(array, dtype=np_dtype, requirements=["C", "W"]))
+
+
+def reshape_input(name: str, tensor: torch.Tensor, shape: list[int] | None) -> torch.Tensor:
+    """Apply a column's ``input_shapes`` entry to a batch."""
+    if shape is None:
+        return tensor
+    try:
+        return tensor.reshape(shape)
+    except RuntimeError as e:
+        per_row = tensor[0].numel() if len(tensor) else 0
+        raise ValueError(
+            f"input_shapes: shape {shape} does not fit column '{name}' with {per_row} "
+            f"values per row ({e})"
+        ) from None
+
+
+def tensor_to_arrow(output: torch.Tensor, as_scalar: bool) -> pa.Array:
+    """One model output of shape [B, ...] as a double column or an array<float> column."""
+    out = output.detach().to("cpu")
+    if as_scalar:
+        return pa.array(out.reshape(len(out)).to(torch.float64).numpy())
+    flat = out.reshape(len(out), -1).to(torch.float32).numpy()
+    width = flat.shape[1]
+    offsets = np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
