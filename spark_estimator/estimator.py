@@ -64,6 +64,10 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         super().__init__()
         self._set(**self._input_kwargs)
 
+    def setParams(self, **params) -> TorchEstimator:
+        """Set several params at once by name, e.g. ``setParams(epochs=5, batch_size=64)``."""
+        return self._set(**params)
+
     # -- fit -----------------------------------------------------------------------------
     def _fit(self, dataset: DataFrame) -> TorchModel:
         spark = dataset.sparkSession

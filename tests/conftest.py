@@ -1,0 +1,116 @@
+"""Shared fixtures: one real Spark session at a time (local[4] or local-cluster), data."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+from pyspark import cloudpickle as pyspark_cloudpickle
+from pyspark.ml.linalg import Vectors
+from pyspark.sql import SparkSession
+
+from spark_estimator import Store
+
+# Executors must run this interpreter (the test venv), not whatever python3 is on PATH.
+os.environ["PYSPARK_PYTHON"] = sys.executable
+
+LOCAL = "local[4]"
+CLUSTER = "local-cluster[2,1,1024]"
+_current: dict[str, SparkSession] = {}
+
+
+def spark_session(master: str) -> SparkSession:
+    """The session for ``master``, stopping a session of another master first."""
+    if master in _current:
+        return _current[master]
+    for other in list(_current):
+        _current.pop(other).stop()
+    session = (
+        SparkSession.builder.master(master)
+        .appName("spark-estimator tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "4")
+        .config("spark.driver.memory", "2g")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    _current[master] = session
+    return session
+
+
+def pytest_collection_modifyitems(items):
+    """Run the local-cluster tests last, so the JVM is switched once; ship test code by value.
+
+    Test modules are not importable in Spark's Python workers, so functions and classes
+    defined in them are pickled by value, as user code in ``__main__`` or a notebook is.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)
+    for module in {item.module for item in items}:
+        cloudpickle.register_pickle_by_value(module)
+        pyspark_cloudpickle.register_pickle_by_value(module)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for s in _current.values():
+        s.stop()
+
+
+@pytest.fixture
+def spark() -> SparkSession:
+    return spark_session(LOCAL)
+
+
+@pytest.fixture
+def cluster_spark() -> SparkSession:
+    return spark_session(CLUSTER)
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store.create(str(tmp_path / "store"))
+
+
+def digits_rows(limit: int | None = None):
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = digits.data[:limit] / 16.0, digits.target[:limit]
+    return [(Vectors.dense(row), int(label)) for row, label in zip(x, y)]
+
+
+@pytest.fixture
+def digits_df(spark):
+    return spark.createDataFrame(digits_rows(), ["features", "label"])
+
+
+def regression_rows(n: int = 200, seed: int = 0):
+    """y = x . w + 0.5 with 3 features, as (array features, double label, row id)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3))
+    y = x @ np.array([1.5, -2.0, 0.7]) + 0.5
+    return [(row.tolist(), float(t), i) for i, (row, t) in enumerate(zip(x, y))]
+
+
+@pytest.fixture
+def regression_df(spark):
+    return spark.createDataFrame(regression_rows(), "x array<double>, y double, id long")
+
+
+def linear_net(inputs: int = 3, outputs: int = 1, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(inputs, outputs)
+
+
+def cnn(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 64, 10),
+    )

@@ -1,0 +1,162 @@
+import threading
+
+import pytest
+import torch
+from pyspark.ml.linalg import VectorUDT
+from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
+    DoubleType,
+    FloatType,
+    IntegerType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+)
+
+from spark_estimator.driver import validate
+
+SCHEMA = StructType(
+    [
+        StructField("vec", VectorUDT()),
+        StructField("arr", ArrayType(DoubleType())),
+        StructField("num", FloatType()),
+        StructField("cls", LongType()),
+        StructField("cls_arr", ArrayType(IntegerType())),
+        StructField("name", StringType()),
+        StructField("tags", MapType(StringType(), DoubleType())),
+        StructField("nested", StructType([StructField("a", DoubleType())])),
+        StructField("is_val", BooleanType()),
+        StructField("words", ArrayType(StringType())),
+    ]
+)
+
+
+def test_supported_feature_and_label_types():
+    features, labels = validate.check_columns(SCHEMA, ["vec", "arr", "num"], ["cls", "cls_arr"])
+    assert [(c.kind, c.integral) for c in features] == [
+        ("vector", False),
+        ("array", False),
+        ("scalar", False),
+    ]
+    assert [(c.kind, c.integral) for c in labels] == [("scalar", True), ("array", True)]
+    assert [c.torch_dtype for c in labels] == [torch.int64, torch.int64]
+    _, float_label = validate.check_columns(SCHEMA, ["vec"], ["num"])
+    assert float_label[0].torch_dtype == torch.float32
+
+
+def test_missing_column_is_named():
+    with pytest.raises(ValueError, match="feature_cols: column 'nope' is not in the DataFrame"):
+        validate.check_columns(SCHEMA, ["nope"], ["cls"])
+    with pytest.raises(ValueError, match="label_cols: column 'gone'"):
+        validate.check_columns(SCHEMA, ["vec"], ["gone"])
+
+
+@pytest.mark.parametrize("col", ["name", "tags", "nested", "words", "is_val"])
+def test_unsupported_feature_types_are_named(col):
+    with pytest.raises(TypeError, match=f"feature_cols: column '{col}' has type"):
+        validate.check_columns(SCHEMA, [col], ["cls"])
+
+
+def test_vector_labels_are_rejected():
+    with pytest.raises(TypeError, match="label_cols: column 'vec'"):
+        validate.check_columns(SCHEMA, ["arr"], ["vec"])
+
+
+def test_empty_duplicate_and_overlapping_columns():
+    with pytest.raises(ValueError, match="feature_cols: at least one"):
+        validate.check_columns(SCHEMA, [], ["cls"])
+    with pytest.raises(ValueError, match="label_cols: at least one"):
+        validate.check_columns(SCHEMA, ["vec"], [])
+    with pytest.raises(ValueError, match="feature_cols: duplicate"):
+        validate.check_columns(SCHEMA, ["vec", "vec"], ["cls"])
+    with pytest.raises(ValueError, match="label_cols: .*also listed in feature_cols"):
+        validate.check_columns(SCHEMA, ["num"], ["num"])
+
+
+def test_validation_values():
+    validate.check_validation(SCHEMA, None, [])
+    validate.check_validation(SCHEMA, 0.2, [])
+    validate.check_validation(SCHEMA, "is_val", ["vec"])
+    for bad in (0.0, 1.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="validation: a fraction must be in"):
+            validate.check_validation(SCHEMA, bad, [])
+    with pytest.raises(ValueError, match="validation: column 'missing'"):
+        validate.check_validation(SCHEMA, "missing", [])
+    with pytest.raises(TypeError, match="validation: column 'num' has type float"):
+        validate.check_validation(SCHEMA, "num", [])
+    with pytest.raises(ValueError, match="validation: column 'is_val' is also"):
+        validate.check_validation(SCHEMA, "is_val", ["is_val"])
+
+
+def test_input_shapes():
+    validate.check_input_shapes(None, ["a"])
+    validate.check_input_shapes([[-1, 1, 8, 8]], ["a"])
+    with pytest.raises(ValueError, match="input_shapes: 2 shapes given for 1"):
+        validate.check_input_shapes([[-1], [-1]], ["a"])
+    for bad in ([], [-1, -1], [-1, 0], [-2, 4]):
+        with pytest.raises(ValueError, match="input_shapes: shape"):
+            validate.check_input_shapes([bad], ["a"])
+
+
+def test_positive_numbers_and_slots():
+    validate.check_positive("batch_size", 1)
+    for bad in (0, -3, None):
+        with pytest.raises(ValueError, match="batch_size: must be >= 1"):
+            validate.check_positive("batch_size", bad)
+    validate.check_num_proc(4, 4)
+    with pytest.raises(ValueError, match="num_proc: must be >= 1"):
+        validate.check_num_proc(0, 4)
+    with pytest.raises(ValueError, match="num_proc: 5 training processes .* only 4 tasks"):
+        validate.check_num_proc(5, 4)
+
+
+def test_training_objects():
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.Adam(net.parameters())
+    assert isinstance(validate.check_training_objects(net, opt, torch.nn.MSELoss()), bytes)
+    validate.check_training_objects(net, opt, lambda out, y: ((out - y) ** 2).mean())
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        validate.check_training_objects(lambda x: x, opt, torch.nn.MSELoss())
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer"):
+        validate.check_training_objects(net, "adam", torch.nn.MSELoss())
+    with pytest.raises(TypeError, match="loss: expected"):
+        validate.check_training_objects(net, opt, 3)
+
+
+def test_optimizer_must_hold_the_models_parameters():
+    net, other = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="optimizer: its parameters are not the model's"):
+        validate.check_training_objects(net, torch.optim.SGD(other.parameters(), lr=1), abs)
+
+
+def test_unpicklable_model_and_loss_are_named():
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+            self.lock = threading.Lock()
+
+    net = Holder()
+    with pytest.raises(TypeError, match="model: cannot be serialized"):
+        validate.check_training_objects(net, torch.optim.SGD(net.parameters(), lr=1), abs)
+    lock = threading.Lock()
+    good = torch.nn.Linear(2, 1)
+
+    def loss(out, y):
+        with lock:
+            return (out - y).abs().mean()
+
+    with pytest.raises(TypeError, match="loss: cannot be serialized"):
+        validate.check_training_objects(good, torch.optim.SGD(good.parameters(), lr=1), loss)
+
+
+def test_output_cols():
+    validate.check_output_cols(None, ["a"])
+    validate.check_output_cols(["p"], ["a"])
+    with pytest.raises(ValueError, match="output_cols: \\['a'\\] already exist"):
+        validate.check_output_cols(["a"], ["a"])
+    with pytest.raises(ValueError, match="output_cols: must be distinct"):
+        validate.check_output_cols(["p", "p"], [])

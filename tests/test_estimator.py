@@ -1,0 +1,289 @@
+"""TorchEstimator.fit end to end on a real local[4] Spark session."""
+
+import math
+import threading
+import uuid
+
+import pytest
+import torch
+from pyspark.sql import functions as F
+
+from spark_estimator import Store, TorchEstimator, TorchModel
+from tests.conftest import LOCAL, cnn, digits_rows, linear_net, spark_session
+
+
+def estimator(net, store, **kw):
+    base = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=16,
+        epochs=3,
+        num_proc=2,
+        store=store,
+        use_gpu=False,
+    )
+    base.update(kw)
+    return TorchEstimator(**base)
+
+
+def ranks(store, model):
+    return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+
+
+@pytest.fixture(scope="module")
+def digits_fit(tmp_path_factory):
+    spark = spark_session(LOCAL)
+    store = Store.create(str(tmp_path_factory.mktemp("digits") / "store"))
+    train, test = spark.createDataFrame(digits_rows(), ["features", "label"]).randomSplit(
+        [0.8, 0.2], seed=7
+    )
+    net = cnn()
+    est = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
+        loss=torch.nn.CrossEntropyLoss(),
+        feature_cols=["features"],
+        label_cols=["label"],
+        input_shapes=[[-1, 1, 8, 8]],
+        batch_size=32,
+        epochs=6,
+        num_proc=2,
+        validation=0.2,
+        random_seed=42,
+        store=store,
+        run_id="digits-run",
+    )
+    return est, est.fit(train), train, test, store
+
+
+def test_digits_reach_high_held_out_accuracy(digits_fit):
+    _, model, _, test, _ = digits_fit
+    predicted = F.expr("array_position(prediction, array_max(prediction)) - 1")
+    out = model.transform(test)
+    accuracy = out.select(F.avg((predicted == F.col("label")).cast("double"))).first()[0]
+    assert accuracy >= 0.9
+
+
+def test_history_has_one_record_per_epoch_with_train_and_validation_loss(digits_fit):
+    _, model, _, _, _ = digits_fit
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert all(set(h) == {"epoch", "train", "validation"} for h in history)
+    assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2
+    assert history[-1]["validation"]["loss"] < history[0]["validation"]["loss"] / 2
+
+
+def test_rank_zero_checkpoints_every_epoch_under_the_run_id(digits_fit):
+    _, model, _, _, store = digits_fit
+    assert model.getRunId() == "digits-run"
+    for epoch in range(1, 7):
+        data = store.read_bytes(store.checkpoint_path("digits-run", epoch))
+        checkpoint = torch.load(__import__("io").BytesIO(data), weights_only=True)
+        assert checkpoint["epoch"] == epoch and len(checkpoint["history"]) == epoch
+        assert set(checkpoint["optimizer"]) == {"state", "param_groups"}
+    final = torch.load(
+        __import__("io").BytesIO(store.read_bytes(store.checkpoint_path("digits-run", 6))),
+        weights_only=True,
+    )["model"]
+    trained = model.getModel().state_dict()
+    assert all(torch.equal(final[k], trained[k]) for k in trained)
+
+
+def test_ranks_split_the_rows_and_end_with_identical_weights(digits_fit):
+    est, model, train, _, store = digits_fit
+    summary = ranks(store, model)
+    assert [s["rank"] for s in summary] == [0, 1]
+    assert len({s["weights_digest"] for s in summary}) == 1
+    train_rows = sum(s["train_rows"] for s in summary)
+    val_rows = sum(s["validation_rows"] for s in summary)
+    assert train_rows + val_rows == train.count()
+    per_rank = math.ceil(train_rows / 2)
+    assert all(s["steps_per_epoch"] == math.ceil(per_rank / 32) for s in summary)
+
+
+def test_returned_model_is_a_cpu_module_and_fit_left_the_users_model_alone(digits_fit):
+    est, model, _, _, _ = digits_fit
+    assert isinstance(model, TorchModel)
+    trained = model.getModel()
+    assert all(p.device.type == "cpu" for p in trained.parameters())
+    assert trained is not est.getModel()
+    untouched = cnn().state_dict()
+    assert all(torch.equal(untouched[k], v) for k, v in est.getModel().state_dict().items())
+
+
+def test_refit_reuses_the_materialized_data(digits_fit):
+    est, model, train, _, store = digits_fit
+    meta = store.fs.glob(store.join("datasets", "*", "_meta.json"))
+    assert len(meta) == 1
+    before = store.fs.modified(meta[0])
+    again = est.copy({est.epochs: 1, est.run_id: "digits-again"}).fit(train)
+    assert store.fs.glob(store.join("datasets", "*", "_meta.json")) == meta
+    assert store.fs.modified(meta[0]) == before
+    assert len(again.getHistory()) == 1
+
+
+def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, store):
+    net = linear_net()
+    est = estimator(
+        net, store, loss=lambda out, y: ((out - y) ** 2).mean(), epochs=15, output_cols=["y_hat"]
+    )
+    model = est.fit(regression_df)
+    assert model.getHistory()[-1]["train"]["loss"] < 1e-3
+    out = model.transform(regression_df)
+    assert out.columns == ["x", "y", "id", "y_hat"]
+    assert dict(out.dtypes)["y_hat"] == "double"
+    worst = out.select(F.max(F.abs(F.col("y") - F.col("y_hat")))).first()[0]
+    assert worst < 0.1
+
+
+def test_same_seed_same_weights_other_seed_other_weights(regression_df, store):
+    def weights(seed):
+        model = estimator(linear_net(), store, random_seed=seed, validation=0.2).fit(regression_df)
+        return model.getModel().weight.detach().clone()
+
+    first, again, other = weights(1), weights(1), weights(2)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+def test_default_num_proc_uses_every_slot_and_uneven_shards_do_not_hang(spark, store):
+    # 7 rows on 4 ranks with batch_size 1: shards of 2, 2, 2, 1, so the last rank has an
+    # empty batch in step 2 and must still join the allreduce.
+    df = spark.createDataFrame(
+        [([float(i)], float(i)) for i in range(7)], "x array<float>, y float"
+    )
+    model = estimator(linear_net(1), store, num_proc=None, batch_size=1, epochs=2).fit(df)
+    summary = ranks(store, model)
+    assert [s["train_rows"] for s in summary] == [2, 2, 2, 1]
+    assert {s["steps_per_epoch"] for s in summary} == {2}
+
+
+def test_boolean_validation_column(regression_df, store):
+    df = regression_df.withColumn("is_val", F.col("id") < 40)
+    model = estimator(linear_net(), store, validation="is_val").fit(df)
+    assert sum(s["validation_rows"] for s in ranks(store, model)) == 40
+    assert "validation" in model.getHistory()[0]
+
+
+def test_two_label_columns_with_two_model_outputs(spark, store):
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 3)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    rows = [([float(i % 5), 1.0], float(i % 5), i % 3) for i in range(60)]
+    df = spark.createDataFrame(rows, "x array<float>, y float, c int")
+
+    def loss(out, label):
+        if label.dtype == torch.int64:
+            return torch.nn.functional.cross_entropy(out, label)
+        return torch.nn.functional.mse_loss(out, label)
+
+    torch.manual_seed(0)
+    net = TwoHeads()
+    model = estimator(net, store, label_cols=["y", "c"], loss=loss).fit(df)
+    assert model.getOutputShapes() == [[1], [3]]
+    out = model.transform(df)
+    assert dict(out.dtypes)["prediction_0"] == "double"
+    assert dict(out.dtypes)["prediction_1"] == "array<float>"
+
+
+def test_shape_mismatch_is_reported_from_the_first_batch(regression_df, store):
+    # float labels of shape [B] against class scores [B, 4]: CrossEntropyLoss refuses
+    est = estimator(linear_net(3, 4), store, loss=torch.nn.CrossEntropyLoss(), num_proc=1)
+    with pytest.raises(Exception, match=r"loss: failed on output of shape \(16, 4\)"):
+        est.fit(regression_df)
+
+
+# -- bad input: a clear error naming the parameter or column, before any Spark job --------
+def _bad_inputs():
+    net = linear_net()
+    other = linear_net()
+
+    class Unpicklable(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(3, 1)
+            self.lock = threading.Lock()
+
+    bad_net = Unpicklable()
+    return {
+        "missing feature column": (
+            dict(feature_cols=["nope"]),
+            ValueError,
+            "feature_cols: column 'nope'",
+        ),
+        "missing label column": (
+            dict(label_cols=["nope"]),
+            ValueError,
+            "label_cols: column 'nope'",
+        ),
+        "string feature": (
+            dict(feature_cols=["name"]),
+            TypeError,
+            "feature_cols: column 'name' has type string",
+        ),
+        "num_proc < 1": (dict(num_proc=0), ValueError, "num_proc: must be >= 1"),
+        "num_proc > slots": (dict(num_proc=5), ValueError, "num_proc: 5 training processes"),
+        "validation out of range": (dict(validation=1.5), ValueError, "validation: a fraction"),
+        "validation not boolean": (
+            dict(validation="id"),
+            TypeError,
+            "validation: column 'id' has type bigint",
+        ),
+        "validation missing": (dict(validation="nope"), ValueError, "validation: column 'nope'"),
+        "batch_size <= 0": (dict(batch_size=0), ValueError, "batch_size: must be >= 1"),
+        "epochs <= 0": (dict(epochs=0), ValueError, "epochs: must be >= 1"),
+        "input_shapes count": (
+            dict(input_shapes=[[-1, 3], [-1]]),
+            ValueError,
+            "input_shapes: 2 shapes",
+        ),
+        "optimizer of another model": (
+            dict(model=net, optimizer=torch.optim.SGD(other.parameters(), lr=0.1)),
+            ValueError,
+            "optimizer: its parameters are not the model's",
+        ),
+        "unpicklable model": (
+            dict(model=bad_net, optimizer=torch.optim.SGD(bad_net.parameters(), lr=0.1)),
+            TypeError,
+            "model: cannot be serialized",
+        ),
+        "no loss": (dict(loss=None), ValueError, "loss: is required"),
+        "no store": (dict(store=None), ValueError, "store: is required"),
+        "store not a Store": (
+            dict(store="/tmp/x"),
+            TypeError,
+            "store: expected a spark_estimator.Store",
+        ),
+        "finished run_id": (dict(run_id="done"), ValueError, "run_id: run 'done' already finished"),
+    }
+
+
+BAD_CASES = list(_bad_inputs())
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store):
+    df = spark.createDataFrame(
+        [([1.0, 2.0, 3.0], 1.0, 0, "a")], "x array<float>, y float, id long, name string"
+    )
+    store.write_bytes(store.result_path("done"), b"an earlier run")
+    store.write_bytes(store.join("datasets", "earlier", "_meta.json"), b"{}")
+    before = sorted(store.fs.find(store.root))
+    overrides, error, message = _bad_inputs()[case]
+    est = estimator(linear_net(), store, num_proc=1).setParams(**overrides)
+    group = f"bad-input-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, case)
+    try:
+        with pytest.raises(error, match=message):
+            est.fit(df)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
+    assert sorted(store.fs.find(store.root)) == before

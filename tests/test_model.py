@@ -1,0 +1,175 @@
+"""TorchModel.transform and save/load on a real local[4] Spark session."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from pyspark.ml.linalg import Vectors
+from pyspark.sql import functions as F
+
+from spark_estimator import Store, TorchEstimator, TorchModel
+from tests.conftest import linear_net
+
+
+def fixed_net():
+    net = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[1.0, 0.0, 0.0], [0.0, 2.0, 1.0]]))
+        net.bias.copy_(torch.tensor([0.5, -1.0]))
+    return net
+
+
+def test_transform_adds_outputs_keeps_inputs_and_matches_torch(spark):
+    df = spark.createDataFrame(
+        [(Vectors.dense([1.0, 2.0, 3.0]), "a"), (Vectors.sparse(3, [2], [4.0]), "b")],
+        ["features", "tag"],
+    ).repartition(2)
+    model = TorchModel(model=fixed_net(), feature_cols=["features"], output_shapes=[[2]])
+    out = model.transform(df)
+    assert out.columns == ["features", "tag", "prediction"]
+    assert dict(out.dtypes)["features"] == "vector"
+    rows = {r.tag: (r.features, r.prediction) for r in out.collect()}
+    assert rows["a"][1] == pytest.approx([1.5, 6.0]) and rows["b"][1] == pytest.approx([0.5, 3.0])
+    assert rows["b"][0] == Vectors.sparse(3, [2], [4.0])
+
+
+def test_output_cols_rename_and_scalar_outputs_are_doubles(spark):
+    df = spark.createDataFrame([([1.0, 1.0, 1.0],), ([0.0, 0.0, 2.0],)], "x array<double>")
+    net = linear_net(3, 1)
+    model = TorchModel(model=net, feature_cols=["x"], output_cols=["score"], output_shapes=[[1]])
+    out = model.transform(df)
+    assert dict(out.dtypes)["score"] == "double"
+    expected = net(torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 2.0]])).squeeze(1).tolist()
+    assert [r.score for r in out.collect()] == pytest.approx(expected)
+
+
+def test_input_shapes_apply_in_transform(spark):
+    class Sum2d(torch.nn.Module):
+        def forward(self, x):
+            assert x.dim() == 4
+            return x.sum(dim=(1, 2, 3))
+
+    df = spark.createDataFrame([([1.0] * 64,)], "img array<float>")
+    model = TorchModel(
+        model=Sum2d(), feature_cols=["img"], input_shapes=[[-1, 1, 8, 8]], output_shapes=[[]]
+    )
+    assert model.transform(df).first().prediction == 64.0
+
+
+def test_transform_errors_name_the_column(spark):
+    df = spark.createDataFrame([([1.0, 2.0, 3.0], 1.0)], "x array<double>, prediction double")
+    model = TorchModel(model=linear_net(), feature_cols=["x"])
+    with pytest.raises(ValueError, match=r"output_cols: \['prediction'\] already exist"):
+        model.transform(df)
+    with pytest.raises(ValueError, match="feature_cols: column 'z'"):
+        model.setFeatureCols(["z"]).transform(df)
+
+
+def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
+    history = [{"epoch": 1, "train": {"loss": 0.5}}]
+    model = TorchModel(
+        model=fixed_net(),
+        feature_cols=["x"],
+        output_cols=["out"],
+        history=history,
+        output_shapes=[[2]],
+        run_id="r1",
+    )
+    path = str(tmp_path / "model")
+    model.save(path)
+    script = textwrap.dedent(
+        f"""
+        import os, sys, json
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        from pyspark.sql import SparkSession
+        from spark_estimator import TorchModel
+        spark = SparkSession.builder.master("local[1]").getOrCreate()
+        m = TorchModel.load({path!r})
+        df = spark.createDataFrame([([1.0, 2.0, 3.0],)], "x array<double>")
+        print(json.dumps({{"uid": m.uid, "history": m.getHistory(), "run": m.getRunId(),
+                          "out": m.transform(df).first().out, "cols": m.getOutputCols()}}))
+        spark.stop()
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    import json
+
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loaded["uid"] == model.uid and loaded["history"] == history
+    assert loaded["run"] == "r1" and loaded["cols"] == ["out"]
+    assert loaded["out"] == pytest.approx([1.5, 6.0])
+
+
+def test_save_refuses_an_existing_path_unless_overwrite(spark, tmp_path):
+    path = str(tmp_path / "model")
+    TorchModel(model=fixed_net(), feature_cols=["x"]).save(path)
+    with pytest.raises(FileExistsError, match="path: .* already exists"):
+        TorchModel(model=linear_net(), feature_cols=["x"]).save(path)
+    assert torch.equal(TorchModel.load(path).getModel().weight, fixed_net().weight)
+    TorchModel(model=linear_net(3, 2, seed=5), feature_cols=["y"]).write().overwrite().save(path)
+    assert TorchModel.load(path).getFeatureCols() == ["y"]
+
+
+def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp_path):
+    net = linear_net()
+    store = Store.create(str(tmp_path / "store"))
+    est = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.Adam([{"params": [net.weight]}, {"params": [net.bias], "lr": 0.5}]),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        input_shapes=[[-1, 3]],
+        batch_size=7,
+        epochs=4,
+        validation=0.3,
+        store=store,
+    )
+    path = str(tmp_path / "est")
+    est.save(path)
+    back = TorchEstimator.load(path)
+    assert back.uid == est.uid
+    for name in (
+        "feature_cols",
+        "label_cols",
+        "input_shapes",
+        "batch_size",
+        "epochs",
+        "validation",
+        "num_proc",
+        "random_seed",
+        "use_gpu",
+    ):
+        assert back.getOrDefault(name) == est.getOrDefault(name), name
+    assert back.getStore().url == store.url
+    opt, model = back.getOptimizer(), back.getModel()
+    assert [g.get("lr") for g in opt.param_groups] == [1e-3, 0.5]
+    bound = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert bound == {id(p) for p in model.parameters()}
+    assert torch.equal(model.weight, net.weight)
+    with pytest.raises(TypeError, match="holds a spark_estimator.estimator.TorchEstimator"):
+        TorchModel.load(path)
+
+
+def test_loaded_estimator_trains(spark, tmp_path, regression_df):
+    net = linear_net()
+    est = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        epochs=2,
+        num_proc=2,
+        use_gpu=False,
+        store=Store.create(str(tmp_path / "store")),
+    )
+    est.save(str(tmp_path / "est"))
+    model = TorchEstimator.load(str(tmp_path / "est")).fit(regression_df)
+    assert len(model.getHistory()) == 2
+    assert model.transform(regression_df).where(F.col("prediction").isNull()).count() == 0

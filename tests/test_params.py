@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from spark_estimator import Store, TorchEstimator, TorchModel
+
+
+def make(**kw):
+    net = torch.nn.Linear(2, 1)
+    base = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+    )
+    base.update(kw)
+    return TorchEstimator(**base)
+
+
+def test_defaults():
+    est = make()
+    assert est.getBatchSize() == 32 and est.getEpochs() == 1
+    assert est.getNumProc() is None and est.getValidation() is None
+    assert est.getRandomSeed() == 0 and est.getUseGpu() is True
+    assert est.getRunId() is None and est.getInputShapes() is None and est.getOutputCols() is None
+
+
+def test_getters_and_setters_round_trip(tmp_path):
+    store = Store(str(tmp_path))
+    est = make()
+    assert est.setBatchSize(64) is est
+    est.setEpochs(3).setNumProc(2).setValidation(0.25).setRandomSeed(7).setUseGpu(False)
+    est.setRunId("r").setInputShapes([[-1, 2]]).setOutputCols(["p"]).setStore(store)
+    est.setFeatureCols(["a", "b"]).setLabelCols(["c"])
+    assert (est.getBatchSize(), est.getEpochs(), est.getNumProc()) == (64, 3, 2)
+    assert (est.getValidation(), est.getRandomSeed(), est.getUseGpu()) == (0.25, 7, False)
+    assert est.getRunId() == "r" and est.getInputShapes() == [[-1, 2]]
+    assert est.getOutputCols() == ["p"] and est.getStore() is store
+    assert est.getFeatureCols() == ["a", "b"] and est.getLabelCols() == ["c"]
+
+
+def test_param_converters_reject_bad_types():
+    with pytest.raises(TypeError):
+        make(batch_size="many")
+    with pytest.raises(TypeError, match="input_shapes"):
+        make(input_shapes=[-1, 2])
+    with pytest.raises(TypeError, match="validation"):
+        make(validation=True)
+    assert make(validation="is_val").getValidation() == "is_val"
+
+
+def test_copy_with_extra_changes_only_the_copy():
+    est = make(epochs=2)
+    other = est.copy({est.epochs: 5})
+    assert other.getEpochs() == 5 and est.getEpochs() == 2
+    assert other.getModel() is est.getModel() and other.uid == est.uid
+
+
+def test_explain_params_documents_every_param():
+    text = make().explainParams()
+    for name in (
+        "model",
+        "optimizer",
+        "loss",
+        "feature_cols",
+        "label_cols",
+        "input_shapes",
+        "output_cols",
+        "batch_size",
+        "epochs",
+        "num_proc",
+        "validation",
+        "random_seed",
+        "store",
+        "use_gpu",
+        "run_id",
+    ):
+        assert f"{name}:" in text
+
+
+def test_model_params_and_accessors():
+    net = torch.nn.Linear(2, 1)
+    model = TorchModel(model=net, feature_cols=["x"], history=[{"epoch": 1}], run_id="r")
+    assert model.getModel() is net and model.getFeatureCols() == ["x"]
+    assert model.getHistory() == [{"epoch": 1}] and model.getRunId() == "r"
+    assert model.setOutputCols(["p"]).getOutputCols() == ["p"]
+    assert "feature_cols:" in model.explainParams()

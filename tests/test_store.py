@@ -1,0 +1,50 @@
+import pickle
+
+import pytest
+
+from spark_estimator import Store
+
+
+def test_create_makes_root_and_resolves_local_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    store = Store.create("rel/store")
+    assert store.protocol == "file"
+    assert store.root == str(tmp_path / "rel" / "store")
+    assert (tmp_path / "rel" / "store").is_dir()
+    assert Store("file://" + str(tmp_path)).root == str(tmp_path)
+
+
+def test_layout_paths(store):
+    assert store.dataset_path("k").endswith("/datasets/k")
+    assert store.checkpoint_path("r1", 3).endswith("/runs/r1/checkpoints/epoch-0003.pt")
+    assert store.result_path("r1").endswith("/runs/r1/result.pt")
+    assert store.spark_url(store.root) == "file://" + store.root
+
+
+def test_write_bytes_is_atomic_and_leaves_no_temp_files(store):
+    path = store.join("a", "b.bin")
+    store.write_bytes(path, b"one")
+    store.write_bytes(path, b"two")
+    assert store.read_bytes(path) == b"two"
+    assert [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.join("a"))] == ["b.bin"]
+
+
+def test_json_round_trip_and_remove(store):
+    path = store.join("x", "meta.json")
+    store.write_json(path, {"rows": 3})
+    assert store.read_json(path) == {"rows": 3}
+    store.remove(store.join("x"))
+    assert not store.exists(path)
+
+
+def test_pickle_keeps_url_and_options_but_url_has_no_credentials(tmp_path):
+    store = Store(str(tmp_path), storage_options={"auto_mkdir": True})
+    clone = pickle.loads(pickle.dumps(store))
+    assert clone.url == store.url and clone.storage_options == {"auto_mkdir": True}
+    assert "auto_mkdir" not in repr(store)
+
+
+@pytest.mark.parametrize("bad", ["", None])
+def test_rejects_empty_url(bad):
+    with pytest.raises(ValueError, match="store"):
+        Store(bad)
