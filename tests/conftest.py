@@ -13,7 +13,7 @@ from pyspark import cloudpickle as pyspark_cloudpickle
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import SparkSession
 
-from spark_estimator import Store
+from spark_estimator import Store, TorchEstimator
 
 # Executors must run this interpreter (the test venv), not whatever python3 is on PATH.
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -114,3 +114,22 @@ def cnn(seed: int = 0) -> torch.nn.Module:
         torch.nn.Flatten(),
         torch.nn.Linear(8 * 64, 10),
     )
+
+
+def make_estimator(net=None, store=None, **params) -> TorchEstimator:
+    """A small regression estimator (features 'x', label 'y'); ``params`` override."""
+    net = net if net is not None else linear_net()
+    base = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=16,
+        epochs=3,
+        num_proc=2,
+        store=store,
+        use_gpu=False,
+    )
+    base.update(params)
+    return TorchEstimator(**base)

@@ -9,24 +9,7 @@ import torch
 from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
-from tests.conftest import LOCAL, cnn, digits_rows, linear_net, spark_session
-
-
-def estimator(net, store, **kw):
-    base = dict(
-        model=net,
-        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-        loss=torch.nn.MSELoss(),
-        feature_cols=["x"],
-        label_cols=["y"],
-        batch_size=16,
-        epochs=3,
-        num_proc=2,
-        store=store,
-        use_gpu=False,
-    )
-    base.update(kw)
-    return TorchEstimator(**base)
+from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
 
 
 def ranks(store, model):
@@ -127,7 +110,7 @@ def test_refit_reuses_the_materialized_data(digits_fit):
 
 def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, store):
     net = linear_net()
-    est = estimator(
+    est = make_estimator(
         net, store, loss=lambda out, y: ((out - y) ** 2).mean(), epochs=15, output_cols=["y_hat"]
     )
     model = est.fit(regression_df)
@@ -141,7 +124,9 @@ def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, st
 
 def test_same_seed_same_weights_other_seed_other_weights(regression_df, store):
     def weights(seed):
-        model = estimator(linear_net(), store, random_seed=seed, validation=0.2).fit(regression_df)
+        model = make_estimator(linear_net(), store, random_seed=seed, validation=0.2).fit(
+            regression_df
+        )
         return model.getModel().weight.detach().clone()
 
     first, again, other = weights(1), weights(1), weights(2)
@@ -155,7 +140,7 @@ def test_default_num_proc_uses_every_slot_and_uneven_shards_do_not_hang(spark, s
     df = spark.createDataFrame(
         [([float(i)], float(i)) for i in range(7)], "x array<float>, y float"
     )
-    model = estimator(linear_net(1), store, num_proc=None, batch_size=1, epochs=2).fit(df)
+    model = make_estimator(linear_net(1), store, num_proc=None, batch_size=1, epochs=2).fit(df)
     summary = ranks(store, model)
     assert [s["train_rows"] for s in summary] == [2, 2, 2, 1]
     assert {s["steps_per_epoch"] for s in summary} == {2}
@@ -163,7 +148,7 @@ def test_default_num_proc_uses_every_slot_and_uneven_shards_do_not_hang(spark, s
 
 def test_boolean_validation_column(regression_df, store):
     df = regression_df.withColumn("is_val", F.col("id") < 40)
-    model = estimator(linear_net(), store, validation="is_val").fit(df)
+    model = make_estimator(linear_net(), store, validation="is_val").fit(df)
     assert sum(s["validation_rows"] for s in ranks(store, model)) == 40
     assert "validation" in model.getHistory()[0]
 
@@ -187,7 +172,7 @@ def test_two_label_columns_with_two_model_outputs(spark, store):
 
     torch.manual_seed(0)
     net = TwoHeads()
-    model = estimator(net, store, label_cols=["y", "c"], loss=loss).fit(df)
+    model = make_estimator(net, store, label_cols=["y", "c"], loss=loss).fit(df)
     assert model.getOutputShapes() == [[1], [3]]
     out = model.transform(df)
     assert dict(out.dtypes)["prediction_0"] == "double"
@@ -196,7 +181,7 @@ def test_two_label_columns_with_two_model_outputs(spark, store):
 
 def test_shape_mismatch_is_reported_from_the_first_batch(regression_df, store):
     # float labels of shape [B] against class scores [B, 4]: CrossEntropyLoss refuses
-    est = estimator(linear_net(3, 4), store, loss=torch.nn.CrossEntropyLoss(), num_proc=1)
+    est = make_estimator(linear_net(3, 4), store, loss=torch.nn.CrossEntropyLoss(), num_proc=1)
     with pytest.raises(Exception, match=r"loss: failed on output of shape \(16, 4\)"):
         est.fit(regression_df)
 
@@ -277,7 +262,7 @@ def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store):
     store.write_bytes(store.join("datasets", "earlier", "_meta.json"), b"{}")
     before = sorted(store.fs.find(store.root))
     overrides, error, message = _bad_inputs()[case]
-    est = estimator(linear_net(), store, num_proc=1).setParams(**overrides)
+    est = make_estimator(linear_net(), store, num_proc=1).setParams(**overrides)
     group = f"bad-input-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, case)
     try:

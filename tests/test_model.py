@@ -10,7 +10,7 @@ from pyspark.ml.linalg import Vectors
 from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
-from tests.conftest import linear_net
+from tests.conftest import linear_net, make_estimator
 
 
 def fixed_net():
@@ -77,19 +77,23 @@ def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
         output_shapes=[[2]],
         run_id="r1",
     )
-    path = str(tmp_path / "model")
+    path, est_path = str(tmp_path / "model"), str(tmp_path / "est")
     model.save(path)
+    make_estimator(epochs=4).save(est_path)
     script = textwrap.dedent(
         f"""
         import os, sys, json
         os.environ["PYSPARK_PYTHON"] = sys.executable
         from pyspark.sql import SparkSession
-        from spark_estimator import TorchModel
+        from spark_estimator import TorchEstimator, TorchModel
         spark = SparkSession.builder.master("local[1]").getOrCreate()
         m = TorchModel.load({path!r})
+        est = TorchEstimator.load({est_path!r})
         df = spark.createDataFrame([([1.0, 2.0, 3.0],)], "x array<double>")
         print(json.dumps({{"uid": m.uid, "history": m.getHistory(), "run": m.getRunId(),
-                          "out": m.transform(df).first().out, "cols": m.getOutputCols()}}))
+                          "out": m.transform(df).first().out, "cols": m.getOutputCols(),
+                          "est_epochs": est.getEpochs(),
+                          "est_model": type(est.getModel()).__name__}}))
         spark.stop()
         """
     )
@@ -103,6 +107,7 @@ def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
     assert loaded["uid"] == model.uid and loaded["history"] == history
     assert loaded["run"] == "r1" and loaded["cols"] == ["out"]
     assert loaded["out"] == pytest.approx([1.5, 6.0])
+    assert loaded["est_epochs"] == 4 and loaded["est_model"] == "Linear"
 
 
 def test_save_refuses_an_existing_path_unless_overwrite(spark, tmp_path):
@@ -157,18 +162,7 @@ def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp
 
 
 def test_loaded_estimator_trains(spark, tmp_path, regression_df):
-    net = linear_net()
-    est = TorchEstimator(
-        model=net,
-        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-        loss=torch.nn.MSELoss(),
-        feature_cols=["x"],
-        label_cols=["y"],
-        epochs=2,
-        num_proc=2,
-        use_gpu=False,
-        store=Store.create(str(tmp_path / "store")),
-    )
+    est = make_estimator(epochs=2, store=Store.create(str(tmp_path / "store")))
     est.save(str(tmp_path / "est"))
     model = TorchEstimator.load(str(tmp_path / "est")).fit(regression_df)
     assert len(model.getHistory()) == 2
