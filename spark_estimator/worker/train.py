@@ -132,11 +132,7 @@ def train(spec: TrainSpec, info: RankInfo) -> dict:
             optimizer.zero_grad(set_to_none=True)
             (loss * weight).backward()
             optimizer.step()
-        val_sum = (
-            _evaluate(model, loss_fn, val_shard, val_rows, spec, device)
-            if total_val
-            else torch.zeros((), dtype=torch.float64, device=device)
-        )
+        val_sum = _evaluate(model, loss_fn, val_shard, val_rows, spec, device)
         sums = torch.stack([train_sum, val_sum])
         dist.all_reduce(sums)  # one collective per epoch for the epoch's metrics
         record = {"epoch": epoch, "train": {"loss": sums[0].item() / spec.data.rows("train")}}
