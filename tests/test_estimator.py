@@ -9,6 +9,7 @@ import torch
 from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
+from spark_estimator.serialization import state_from_bytes
 from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
 
 
@@ -63,14 +64,10 @@ def test_rank_zero_checkpoints_every_epoch_under_the_run_id(digits_fit):
     _, model, _, _, store = digits_fit
     assert model.getRunId() == "digits-run"
     for epoch in range(1, 7):
-        data = store.read_bytes(store.checkpoint_path("digits-run", epoch))
-        checkpoint = torch.load(__import__("io").BytesIO(data), weights_only=True)
+        checkpoint = state_from_bytes(store.read_bytes(store.checkpoint_path("digits-run", epoch)))
         assert checkpoint["epoch"] == epoch and len(checkpoint["history"]) == epoch
         assert set(checkpoint["optimizer"]) == {"state", "param_groups"}
-    final = torch.load(
-        __import__("io").BytesIO(store.read_bytes(store.checkpoint_path("digits-run", 6))),
-        weights_only=True,
-    )["model"]
+    final = state_from_bytes(store.read_bytes(store.checkpoint_path("digits-run", 6)))["model"]
     trained = model.getModel().state_dict()
     assert all(torch.equal(final[k], trained[k]) for k in trained)
 

@@ -1,5 +1,6 @@
 """TorchModel.transform and save/load on a real local[4] Spark session."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -101,8 +102,6 @@ def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded["uid"] == model.uid and loaded["history"] == history
     assert loaded["run"] == "r1" and loaded["cols"] == ["out"]
