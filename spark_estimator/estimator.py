@@ -10,22 +10,35 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from typing import NamedTuple
 
 from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 
 from .driver import validate
 from .driver.launch import available_slots, run_barrier_job
-from .driver.materialize import materialize
+from .driver.materialize import COMPRESSIONS, WriteOptions, materialize
+from .driver.parquet_dataset import parquet_dataset
 from .model import TorchModel
 from .params import EstimatorParams
 from .persistence import ObjectParamsReader, ObjectParamsWriter
 from .serialization import loads, state_from_bytes
-from .spec import TrainSpec
+from .spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
 from .store import Store
 from .worker.task import training_task
+
+
+class _Checked(NamedTuple):
+    """What ``_validate`` hands to the rest of a fit."""
+
+    features: list[ColumnSpec] | None  # None for fit_on_parquet: read from the Parquet
+    labels: list[ColumnSpec] | None
+    bundle: bytes
+    num_proc: int
+    store: Store
+    loader: LoaderSpec
 
 
 class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
@@ -60,6 +73,18 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         store=None,
         use_gpu=True,
         run_id=None,
+        partitions_per_process=4,
+        row_group_size_mb=32.0,
+        compression="snappy",
+        dtype="float32",
+        reader="arrow",
+        shuffle=True,
+        shuffle_buffer_size=None,
+        reader_num_workers=2,
+        inmemory_cache_all=False,
+        train_steps_per_epoch=None,
+        validation_steps_per_epoch=None,
+        transformation_fn=None,
     ):
         super().__init__()
         self._set(**self._input_kwargs)
@@ -70,14 +95,65 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
 
     # -- fit -----------------------------------------------------------------------------
     def _fit(self, dataset: DataFrame) -> TorchModel:
-        spark = dataset.sparkSession
-        features, labels, bundle, num_proc, store = self._validate(dataset)
-        data = materialize(
-            dataset, store, features, labels, self.getValidation(), self.getRandomSeed()
+        checked = self._validate(dataset.sparkSession, dataset)
+        data = self._materialize(dataset, checked)
+        return self._train(dataset.sparkSession, data, checked)
+
+    def materialize(self, dataset: DataFrame) -> str:
+        """Write ``dataset``'s selected columns to Parquet in the store (or find them there)
+        and return the dataset folder, for ``fit_on_parquet``; the same as ``fit`` does first.
+        """
+        checked = self._validate(dataset.sparkSession, dataset)
+        return self._materialize(dataset, checked).path
+
+    def fit_on_parquet(
+        self, path: str, validation_path: str | None = None, params: dict | None = None
+    ) -> TorchModel:
+        """Train on Parquet already in the store, without a DataFrame or materialization.
+
+        ``path`` is a dataset folder returned by ``materialize`` (with the validation split
+        made there), or a folder or file of Parquet rows, absolute in the store's filesystem
+        or relative to its root; ``validation_path`` then optionally names validation rows
+        (the ``validation`` param, which splits DataFrames, must be unset).
+        Columns need numbers, lists of numbers or ML vector structs. ``params`` overrides
+        this estimator's params for this call, as in ``fit``.
+        """
+        if params:
+            return self.copy(params).fit_on_parquet(path, validation_path)
+        spark = SparkSession.active()
+        checked = self._validate(spark, None)
+        data = parquet_dataset(
+            checked.store,
+            path,
+            validation_path,
+            self.getFeatureCols(),
+            self.getLabelCols(),
+            self.getDtype(),
+            self.getValidation(),
         )
+        return self._train(spark, data, checked)
+
+    def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
+        options = WriteOptions(
+            num_files=self.getPartitionsPerProcess() * checked.num_proc,
+            row_group_bytes=int(self.getRowGroupSizeMb() * 2**20),
+            compression=self.getCompression(),
+        )
+        return materialize(
+            dataset,
+            checked.store,
+            checked.features,
+            checked.labels,
+            self.getValidation(),
+            self.getRandomSeed(),
+            options,
+        )
+
+    def _train(self, spark, data: DatasetInfo, checked: _Checked) -> TorchModel:
+        store = checked.store
         run_id = self.getRunId() or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         spec = TrainSpec(
-            bundle=bundle,
+            bundle=checked.bundle,
             data=data,
             store=store,
             run_id=run_id,
@@ -86,9 +162,13 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             seed=self.getRandomSeed(),
             use_gpu=self.getUseGpu(),
             input_shapes=self.getInputShapes(),
+            loader=checked.loader,
         )
         summaries = run_barrier_job(
-            spark, num_proc, functools.partial(training_task, spec), f"spark-estimator {run_id}"
+            spark,
+            checked.num_proc,
+            functools.partial(training_task, spec),
+            f"spark-estimator {run_id}",
         )
         store.write_json(store.join("runs", run_id, "ranks.json"), summaries)
         digests = {s["weights_digest"] for s in summaries}
@@ -98,7 +178,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
                 "the model is not the same on every rank"
             )
         result = state_from_bytes(store.read_bytes(store.result_path(run_id)))
-        model, _, _ = loads(bundle)
+        model, _, _ = loads(checked.bundle)
         model.load_state_dict(result["model"])
         return TorchModel(
             model=model.cpu().eval(),
@@ -110,23 +190,44 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             run_id=run_id,
         )
 
-    def _validate(self, dataset: DataFrame):
-        """Check every input on the driver; return what fit needs. No Spark job runs here."""
+    def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
+        """Check every input on the driver; return what fit needs. No Spark job runs here.
+
+        Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet.
+        """
         for name in ("model", "optimizer", "loss", "feature_cols", "label_cols", "store"):
             if not self.isDefined(name) or self.getOrDefault(name) is None:
                 raise ValueError(f"{name}: is required")
         store = self.getStore()
         if not isinstance(store, Store):
             raise TypeError(f"store: expected a spark_estimator.Store, got {store!r}")
-        schema = dataset.schema
         feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
-        features, labels = validate.check_columns(schema, feature_cols, label_cols)
-        validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
+        validate.check_choice("dtype", self.getDtype(), FLOAT_DTYPES)
+        features = labels = None
+        if dataset is not None:
+            schema = dataset.schema
+            features, labels = validate.check_columns(
+                schema, feature_cols, label_cols, self.getDtype()
+            )
+            validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
+        else:
+            validate.check_column_names(feature_cols, label_cols)
         validate.check_input_shapes(self.getInputShapes(), feature_cols)
         validate.check_output_cols(self.getOutputCols(), [])
-        validate.check_positive("batch_size", self.getBatchSize())
-        validate.check_positive("epochs", self.getEpochs())
-        slots = available_slots(dataset.sparkSession)
+        for name in (
+            "batch_size",
+            "epochs",
+            "partitions_per_process",
+            "reader_num_workers",
+            "row_group_size_mb",
+        ):
+            validate.check_positive(name, self.getOrDefault(name))
+        for name in ("shuffle_buffer_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
+            validate.check_positive(name, self.getOrDefault(name), optional=True)
+        validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
+        validate.check_reader(self.getReader())
+        transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
+        slots = available_slots(spark)
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         validate.check_num_proc(num_proc, slots)
         bundle = validate.check_training_objects(
@@ -137,7 +238,17 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             raise ValueError(
                 f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
             )
-        return features, labels, bundle, num_proc, store
+        loader = LoaderSpec(
+            reader=self.getReader(),
+            shuffle=self.getShuffle(),
+            shuffle_buffer_size=self.getShuffleBufferSize(),
+            num_workers=self.getReaderNumWorkers(),
+            inmemory_cache_all=self.getInmemoryCacheAll(),
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
+            transformation_fn=transformation_fn,
+        )
+        return _Checked(features, labels, bundle, num_proc, store, loader)
 
     # -- persistence ---------------------------------------------------------------------
     def write(self) -> ObjectParamsWriter:
@@ -151,7 +262,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         # one pickle, so the optimizer still refers to the model's parameters when loaded
         return {
             name: self.getOrDefault(name)
-            for name in ("model", "optimizer", "loss")
+            for name in ("model", "optimizer", "loss", "transformation_fn")
             if self.isDefined(name)
         }
 

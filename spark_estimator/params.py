@@ -123,7 +123,7 @@ class EstimatorParams(HasModelIO):
     validation = _param(
         "validation",
         "fraction of rows held out for validation (a seeded random split), or the name of a "
-        "boolean column marking validation rows; default none",
+        "boolean or 0/1 column marking validation rows; default none",
         _to_validation,
     )
     random_seed = _param(
@@ -143,9 +143,85 @@ class EstimatorParams(HasModelIO):
         _to_optional_str,
     )
 
+    # -- materialization ------------------------------------------------------------------
+    partitions_per_process = _param(
+        "partitions_per_process",
+        "Parquet files written per training process and split when materializing",
+        TypeConverters.toInt,
+    )
+    row_group_size_mb = _param(
+        "row_group_size_mb",
+        "target size of a Parquet row group in MiB: the unit of reading and of shuffling "
+        "the read order",
+        TypeConverters.toFloat,
+    )
+    compression = _param(
+        "compression",
+        "Parquet compression of materialized data: uncompressed, snappy, gzip or zstd",
+        TypeConverters.toString,
+    )
+    dtype = _param(
+        "dtype",
+        "float type of features and non-integral labels: float32 or float64",
+        TypeConverters.toString,
+    )
+    # -- loading ----------------------------------------------------------------------------
+    reader = _param(
+        "reader",
+        "'arrow' (pyarrow, the default) or 'petastorm' (needs the legacy petastorm stack)",
+        TypeConverters.toString,
+    )
+    shuffle = _param(
+        "shuffle",
+        "shuffle training rows every epoch (row-group order plus a shuffle buffer)",
+        TypeConverters.toBoolean,
+    )
+    shuffle_buffer_size = _param(
+        "shuffle_buffer_size",
+        "rows in each process's shuffle buffer; default: as many as fit in 256 MiB",
+        _to_optional_int,
+    )
+    reader_num_workers = _param(
+        "reader_num_workers",
+        "background threads reading row groups ahead of training, per process",
+        TypeConverters.toInt,
+    )
+    inmemory_cache_all = _param(
+        "inmemory_cache_all",
+        "keep each process's shard in memory after the first epoch",
+        TypeConverters.toBoolean,
+    )
+    train_steps_per_epoch = _param(
+        "train_steps_per_epoch",
+        "steps per epoch; default one exact pass over the training rows",
+        _to_optional_int,
+    )
+    validation_steps_per_epoch = _param(
+        "validation_steps_per_epoch",
+        "validation batches per process and epoch; default all validation rows",
+        _to_optional_int,
+    )
+    transformation_fn = _param(
+        "transformation_fn",
+        "function applied to every training and validation batch on the executors: a dict "
+        "column -> tensor (CPU) in, a dict with the same columns and rows out",
+    )
+
     def __init__(self):
         super().__init__()
         self._setDefault(
+            partitions_per_process=4,
+            row_group_size_mb=32.0,
+            compression="snappy",
+            dtype="float32",
+            reader="arrow",
+            shuffle=True,
+            shuffle_buffer_size=None,
+            reader_num_workers=2,
+            inmemory_cache_all=False,
+            train_steps_per_epoch=None,
+            validation_steps_per_epoch=None,
+            transformation_fn=None,
             batch_size=32,
             epochs=1,
             num_proc=None,
@@ -158,7 +234,7 @@ class EstimatorParams(HasModelIO):
 
 
 # Params whose values are Python objects: persisted by pickle, not in JSON metadata.
-OBJECT_PARAMS = ("model", "optimizer", "loss", "store")
+OBJECT_PARAMS = ("model", "optimizer", "loss", "store", "transformation_fn")
 
 
 def json_params(instance: Params) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Layout under the store's root (see docs/store.md)::
 
-    datasets/<key>/split=train/*.parquet        materialized training rows
-    datasets/<key>/split=validation/*.parquet   materialized validation rows
+    datasets/<key>/train/*.parquet              materialized training rows
+    datasets/<key>/validation/*.parquet         materialized validation rows
     datasets/<key>/_meta.json                   written last: row counts, files, columns
     runs/<run_id>/checkpoints/epoch-0001.pt     rank 0's checkpoint after each epoch
     runs/<run_id>/result.pt                     final weights, history, output shapes

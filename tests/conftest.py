@@ -133,3 +133,41 @@ def make_estimator(net=None, store=None, **params) -> TorchEstimator:
     )
     base.update(params)
     return TorchEstimator(**base)
+
+
+def write_id_dataset(root, file_rows: list[int], row_group_size: int, split: str = "train"):
+    """Parquet files under ``root/split`` whose rows are ids 0.. in file order, with a
+    2-wide float array feature ``x`` = [id, -id] and an int64 label ``y`` = id; returns the
+    DatasetInfo describing them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spark_estimator.spec import ColumnSpec, DatasetInfo
+
+    folder = root / split
+    folder.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for i, rows in enumerate(file_rows):
+        ids = list(range(start, start + rows))
+        start += rows
+        table = pa.table(
+            {
+                "x": pa.array([[float(v), -float(v)] for v in ids], pa.list_(pa.float32())),
+                "y": pa.array(ids, pa.int64()),
+            }
+        )
+        path = folder / f"part-{i:05d}.parquet"
+        pq.write_table(table, path, row_group_size=row_group_size)
+        meta = pq.ParquetFile(path).metadata
+        files.append(
+            (
+                f"{split}/{path.name}",
+                [meta.row_group(g).num_rows for g in range(meta.num_row_groups)],
+            )
+        )
+    return DatasetInfo(
+        path=str(root),
+        features=[ColumnSpec("x", "array", "float32")],
+        labels=[ColumnSpec("y", "scalar", "int64")],
+        files={split: files},
+    )

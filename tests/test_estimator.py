@@ -10,6 +10,7 @@ from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.serialization import state_from_bytes
+from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
 
 
@@ -213,10 +214,10 @@ def _bad_inputs():
         "num_proc < 1": (dict(num_proc=0), ValueError, "num_proc: must be >= 1"),
         "num_proc > slots": (dict(num_proc=5), ValueError, "num_proc: 5 training processes"),
         "validation out of range": (dict(validation=1.5), ValueError, "validation: a fraction"),
-        "validation not boolean": (
-            dict(validation="id"),
+        "validation not boolean or 0/1": (
+            dict(validation="name"),
             TypeError,
-            "validation: column 'id' has type bigint",
+            "validation: column 'name' has type string",
         ),
         "validation missing": (dict(validation="nope"), ValueError, "validation: column 'nope'"),
         "batch_size <= 0": (dict(batch_size=0), ValueError, "batch_size: must be >= 1"),
@@ -244,7 +245,56 @@ def _bad_inputs():
             "store: expected a spark_estimator.Store",
         ),
         "finished run_id": (dict(run_id="done"), ValueError, "run_id: run 'done' already finished"),
+        "unknown compression": (dict(compression="lzo"), ValueError, "compression: must be one"),
+        "unknown dtype": (dict(dtype="float16"), ValueError, "dtype: must be one of"),
+        "unknown reader": (dict(reader="parquet"), ValueError, "reader: must be one of"),
+        "shuffle_buffer_size 0": (
+            dict(shuffle_buffer_size=0),
+            ValueError,
+            "shuffle_buffer_size: must be >= 1",
+        ),
+        "reader_num_workers 0": (
+            dict(reader_num_workers=0),
+            ValueError,
+            "reader_num_workers: must be >= 1",
+        ),
+        "partitions_per_process 0": (
+            dict(partitions_per_process=0),
+            ValueError,
+            "partitions_per_process: must be >= 1",
+        ),
+        "row_group_size_mb 0": (
+            dict(row_group_size_mb=0),
+            ValueError,
+            "row_group_size_mb: must be > 0",
+        ),
+        "train_steps_per_epoch 0": (
+            dict(train_steps_per_epoch=0),
+            ValueError,
+            "train_steps_per_epoch: must be >= 1",
+        ),
+        "transformation_fn not callable": (
+            dict(transformation_fn="scale"),
+            TypeError,
+            "transformation_fn: expected a function",
+        ),
+        **_petastorm_case(),
     }
+
+
+def _petastorm_case() -> dict:
+    """Choosing petastorm where it cannot import (pyarrow >= 15) is bad input too."""
+    try:
+        require_petastorm()
+        return {}
+    except ImportError:
+        return {
+            "petastorm on a new pyarrow": (
+                dict(reader="petastorm"),
+                ImportError,
+                "reader: 'petastorm' cannot be used here",
+            )
+        }
 
 
 BAD_CASES = list(_bad_inputs())

@@ -119,6 +119,10 @@ def test_save_refuses_an_existing_path_unless_overwrite(spark, tmp_path):
     assert TorchModel.load(path).getFeatureCols() == ["y"]
 
 
+def double_labels(batch):
+    return {**batch, "y": batch["y"] * 2}
+
+
 def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp_path):
     net = linear_net()
     store = Store.create(str(tmp_path / "store"))
@@ -133,6 +137,10 @@ def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp
         epochs=4,
         validation=0.3,
         store=store,
+        compression="zstd",
+        shuffle_buffer_size=64,
+        train_steps_per_epoch=5,
+        transformation_fn=double_labels,
     )
     path = str(tmp_path / "est")
     est.save(path)
@@ -148,8 +156,13 @@ def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp
         "num_proc",
         "random_seed",
         "use_gpu",
+        "compression",
+        "shuffle_buffer_size",
+        "train_steps_per_epoch",
     ):
         assert back.getOrDefault(name) == est.getOrDefault(name), name
+    doubled = back.getTransformationFn()({"y": torch.ones(2)})["y"]
+    assert doubled.tolist() == [2.0, 2.0]
     assert back.getStore().url == store.url
     opt, model = back.getOptimizer(), back.getModel()
     assert [g.get("lr") for g in opt.param_groups] == [1e-3, 0.5]

@@ -23,6 +23,43 @@ def test_defaults():
     assert est.getNumProc() is None and est.getValidation() is None
     assert est.getRandomSeed() == 0 and est.getUseGpu() is True
     assert est.getRunId() is None and est.getInputShapes() is None and est.getOutputCols() is None
+    assert (est.getPartitionsPerProcess(), est.getRowGroupSizeMb()) == (4, 32.0)
+    assert (est.getCompression(), est.getDtype(), est.getReader()) == ("snappy", "float32", "arrow")
+    assert est.getShuffle() is True and est.getShuffleBufferSize() is None
+    assert est.getReaderNumWorkers() == 2 and est.getInmemoryCacheAll() is False
+    assert est.getTrainStepsPerEpoch() is None and est.getValidationStepsPerEpoch() is None
+    assert est.getTransformationFn() is None
+
+
+def test_data_path_params_round_trip():
+    def scale(batch):
+        return batch
+
+    est = make(
+        partitions_per_process=2,
+        row_group_size_mb=8,
+        compression="zstd",
+        dtype="float64",
+        reader="petastorm",
+        shuffle=False,
+        shuffle_buffer_size=1000,
+        reader_num_workers=4,
+        inmemory_cache_all=True,
+        train_steps_per_epoch=10,
+        validation_steps_per_epoch=3,
+        transformation_fn=scale,
+    )
+    assert est.getRowGroupSizeMb() == 8.0 and est.getPartitionsPerProcess() == 2
+    assert (est.getCompression(), est.getDtype(), est.getReader()) == (
+        "zstd",
+        "float64",
+        "petastorm",
+    )
+    assert not est.getShuffle() and est.getShuffleBufferSize() == 1000
+    assert est.getReaderNumWorkers() == 4 and est.getInmemoryCacheAll()
+    assert (est.getTrainStepsPerEpoch(), est.getValidationStepsPerEpoch()) == (10, 3)
+    assert est.getTransformationFn() is scale
+    assert est.setShuffleBufferSize(None).getShuffleBufferSize() is None
 
 
 def test_getters_and_setters_round_trip(tmp_path):
@@ -74,6 +111,18 @@ def test_explain_params_documents_every_param():
         "store",
         "use_gpu",
         "run_id",
+        "partitions_per_process",
+        "row_group_size_mb",
+        "compression",
+        "dtype",
+        "reader",
+        "shuffle",
+        "shuffle_buffer_size",
+        "reader_num_workers",
+        "inmemory_cache_all",
+        "train_steps_per_epoch",
+        "validation_steps_per_epoch",
+        "transformation_fn",
     ):
         assert f"{name}:" in text
 

@@ -1,55 +1,48 @@
 """Driver: write the selected columns of a DataFrame to Parquet datasets in the store.
 
-One Spark write, partitioned by a split column, produces the train and validation rows
-together, so the two are complementary even when the source is not deterministic. Vectors
-become float32 arrays, features float32, integral labels int64 (class indices), other
-labels float32. The result is moved into ``datasets/<key>`` only when complete, with
-``_meta.json`` (row counts and row-group sizes per file) written last; a dataset whose
-``_meta.json`` exists is complete and is reused by later fits with the same key.
+One Spark write produces the train and validation rows together (partitioned by a split
+column), so the two are complementary even when the source is not deterministic. Columns
+are converted column-wise by Spark: vectors (dense or sparse) to arrays, features and float
+labels to ``dtype``, integral labels to int64 (class indices). The rows are repartitioned
+into ``num_files`` files per split with row groups of about ``row_group_bytes``.
+
+The result is moved into ``datasets/<key>`` only when complete, with ``_meta.json`` (row
+counts and row-group sizes per file, and what the key was computed from) written last; a
+dataset whose ``_meta.json`` exists is complete and is reused by any later fit, in any
+session, with the same key (see ``cache_key.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import posixpath
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import pyarrow.parquet as pq
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from ..spec import DATASET_FORMAT_VERSION, SPLITS, ColumnSpec, DatasetInfo
+from ..spec import SPLITS, ColumnSpec, DatasetInfo
 from ..store import Store
+from .cache_key import cache_key, source_fingerprint
 
 SPLIT_COL = "__spark_estimator_split"
+COMPRESSIONS = ("uncompressed", "snappy", "gzip", "zstd")
 
 
-def _plan_fingerprint(df: DataFrame) -> str:
-    """A string equal for DataFrames with the same logical plan over the same data."""
-    parts = [str(df.semanticHash()), df.schema.json()]
-    jdf = getattr(df, "_jdf", None)  # absent on Spark Connect
-    if jdf is not None:
-        parts.append(jdf.queryExecution().analyzed().canonicalized().toString())
-    return "\n".join(parts)
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the Parquet is laid out; part of the cache key."""
 
-
-def cache_key(df: DataFrame, features, labels, validation, seed: int) -> str:
-    spec = {
-        "version": DATASET_FORMAT_VERSION,
-        "plan": _plan_fingerprint(df),
-        "columns": [asdict(c) for c in features + labels],
-        "validation": validation,
-        "seed": seed if isinstance(validation, float) else None,
-    }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]
+    num_files: int  # files per split (one Spark partition each)
+    row_group_bytes: int  # Parquet's parquet.block.size
+    compression: str
 
 
 def _select_expr(spec: ColumnSpec) -> Column:
+    element = "bigint" if spec.integral else ("double" if spec.dtype == "float64" else "float")
     if spec.kind == "vector":
-        return vector_to_array(F.col(spec.name), "float32").alias(spec.name)
-    element = "bigint" if spec.integral else "float"
+        return vector_to_array(F.col(spec.name), spec.dtype).alias(spec.name)
     target = f"array<{element}>" if spec.kind == "array" else element
     return F.col(spec.name).cast(target).alias(spec.name)
 
@@ -57,16 +50,20 @@ def _select_expr(spec: ColumnSpec) -> Column:
 def _split_expr(validation, seed: int) -> Column:
     if validation is None:
         return F.lit("train")
-    is_val = F.col(validation) if isinstance(validation, str) else F.rand(seed) < validation
+    if isinstance(validation, str):  # a boolean or 0/1 column; null counts as training
+        is_val = F.coalesce(F.col(validation).cast("boolean"), F.lit(False))
+    else:
+        is_val = F.rand(seed) < validation
     return F.when(is_val, F.lit("validation")).otherwise(F.lit("train"))
 
 
-def _list_row_groups(store: Store, root: str, split: str) -> list[tuple[str, list[int]]]:
-    folder = posixpath.join(root, split)
+def list_row_groups(store: Store, folder: str, root: str) -> list[tuple[str, list[int]]]:
+    """(path relative to ``root``, rows per row group) of every non-empty Parquet file."""
     if not store.exists(folder):
         return []
     files = []
-    for path in sorted(store.fs.glob(posixpath.join(folder, "*.parquet"))):
+    paths = [p for p in store.fs.find(folder) if p.endswith(".parquet")]
+    for path in sorted(paths):
         with store.fs.open(path, "rb") as f:
             meta = pq.ParquetFile(f).metadata
         groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
@@ -82,9 +79,11 @@ def materialize(
     labels: list[ColumnSpec],
     validation,
     seed: int,
+    options: WriteOptions,
 ) -> DatasetInfo:
     """Write (or reuse) the Parquet datasets for this DataFrame and these columns."""
-    key = cache_key(df, features, labels, validation, seed)
+    source = source_fingerprint(df)
+    key = cache_key(source, features + labels, validation, seed, asdict(options))
     final = store.dataset_path(key)
     meta_path = posixpath.join(final, "_meta.json")
     if store.exists(meta_path):
@@ -95,8 +94,13 @@ def materialize(
         selected = df.select(
             *[_select_expr(c) for c in features + labels],
             _split_expr(validation, seed).alias(SPLIT_COL),
+        ).repartition(options.num_files)
+        (
+            selected.write.partitionBy(SPLIT_COL)
+            .option("compression", options.compression)
+            .option("parquet.block.size", options.row_group_bytes)
+            .parquet(store.spark_url(tmp))
         )
-        selected.write.partitionBy(SPLIT_COL).parquet(store.spark_url(tmp))
         for split in SPLITS:
             written = posixpath.join(tmp, f"{SPLIT_COL}={split}")
             if store.exists(written):
@@ -105,9 +109,10 @@ def materialize(
             path=final,
             features=features,
             labels=labels,
-            files={s: _list_row_groups(store, tmp, s) for s in SPLITS},
+            files={s: list_row_groups(store, posixpath.join(tmp, s), tmp) for s in SPLITS},
+            source={**source, "files": len(source.get("files", [])), "key": key},
         )
-        _check_not_empty(data, validation)
+        check_not_empty(data, validation)
         store.write_json(posixpath.join(tmp, "_meta.json"), data.to_json())
         if store.exists(meta_path):  # another fit finished the same dataset first
             store.remove(tmp)
@@ -120,7 +125,7 @@ def materialize(
     return data
 
 
-def _check_not_empty(data: DatasetInfo, validation) -> None:
+def check_not_empty(data: DatasetInfo, validation) -> None:
     if data.rows("train") == 0:
         raise ValueError(
             "DataFrame: no training rows"

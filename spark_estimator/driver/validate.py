@@ -19,14 +19,15 @@ from pyspark.sql.types import (
 )
 
 from ..serialization import dumps
-from ..spec import ColumnSpec
+from ..spec import READERS, ColumnSpec
+from ..worker.petastorm_reader import require_petastorm
 
 
 def _numeric(dt: DataType) -> bool:
     return isinstance(dt, NumericType)
 
 
-def column_spec(schema: StructType, name: str, role: str) -> ColumnSpec:
+def column_spec(schema: StructType, name: str, role: str, dtype: str = "float32") -> ColumnSpec:
     """Check that column ``name`` exists with a type supported for ``role`` (feature/label)."""
     if name not in schema.names:
         raise ValueError(
@@ -35,12 +36,12 @@ def column_spec(schema: StructType, name: str, role: str) -> ColumnSpec:
     dt = schema[name].dataType
     if _numeric(dt):
         integral = role == "label" and isinstance(dt, IntegralType)
-        return ColumnSpec(name, "scalar", integral)
+        return ColumnSpec(name, "scalar", "int64" if integral else dtype)
     if isinstance(dt, ArrayType) and _numeric(dt.elementType):
         integral = role == "label" and isinstance(dt.elementType, IntegralType)
-        return ColumnSpec(name, "array", integral)
+        return ColumnSpec(name, "array", "int64" if integral else dtype)
     if role == "feature" and isinstance(dt, VectorUDT):
-        return ColumnSpec(name, "vector", False)
+        return ColumnSpec(name, "vector", dtype)
     allowed = "a numeric scalar or array<numeric>" + (
         " or an ML Vector" if role == "feature" else ""
     )
@@ -50,9 +51,7 @@ def column_spec(schema: StructType, name: str, role: str) -> ColumnSpec:
     )
 
 
-def check_columns(
-    schema: StructType, feature_cols: list[str], label_cols: list[str]
-) -> tuple[list[ColumnSpec], list[ColumnSpec]]:
+def check_column_names(feature_cols: list[str], label_cols: list[str]) -> None:
     if not feature_cols:
         raise ValueError("feature_cols: at least one feature column is required")
     if not label_cols:
@@ -63,8 +62,14 @@ def check_columns(
     for param, cols in (("feature_cols", feature_cols), ("label_cols", label_cols)):
         if len(set(cols)) != len(cols):
             raise ValueError(f"{param}: duplicate column names in {cols}")
-    features = [column_spec(schema, c, "feature") for c in feature_cols]
-    labels = [column_spec(schema, c, "label") for c in label_cols]
+
+
+def check_columns(
+    schema: StructType, feature_cols: list[str], label_cols: list[str], dtype: str = "float32"
+) -> tuple[list[ColumnSpec], list[ColumnSpec]]:
+    check_column_names(feature_cols, label_cols)
+    features = [column_spec(schema, c, "feature", dtype) for c in feature_cols]
+    labels = [column_spec(schema, c, "label", dtype) for c in label_cols]
     return features, labels
 
 
@@ -80,10 +85,10 @@ def check_validation(schema: StructType, validation, used_cols: list[str]) -> No
         if validation in used_cols:
             raise ValueError(f"validation: column '{validation}' is also a feature or label")
         dt = schema[validation].dataType
-        if not isinstance(dt, BooleanType):
+        if not isinstance(dt, (BooleanType, IntegralType)):
             raise TypeError(
                 f"validation: column '{validation}' has type {dt.simpleString()}; "
-                "a validation column must be boolean"
+                "a validation column must be boolean or 0/1 integers"
             )
         return
     if not 0.0 < validation < 1.0:
@@ -106,9 +111,33 @@ def check_input_shapes(input_shapes, feature_cols: list[str]) -> None:
             )
 
 
-def check_positive(name: str, value) -> None:
-    if value is None or value < 1:
-        raise ValueError(f"{name}: must be >= 1, got {value}")
+def check_positive(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if value is None or value <= 0:
+        bound = "> 0" if isinstance(value, float) else ">= 1"
+        raise ValueError(f"{name}: must be {bound}, got {value}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
+
+
+def check_reader(reader: str) -> None:
+    """The reader exists and, for petastorm, imports here (the executors share the stack)."""
+    check_choice("reader", reader, READERS)
+    if reader == "petastorm":
+        require_petastorm()
+
+
+def check_transformation_fn(fn) -> bytes | None:
+    """None, or the cloudpickled function."""
+    if fn is None:
+        return None
+    if not callable(fn):
+        raise TypeError(f"transformation_fn: expected a function, got {type(fn).__name__}")
+    return dumps(fn, "transformation_fn")
 
 
 def check_num_proc(num_proc: int, slots: int) -> None:

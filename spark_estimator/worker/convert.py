@@ -78,7 +78,7 @@ def column_to_numpy(name: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray
 
 def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
     array = column_to_numpy(name, column)
-    np_dtype = np.int64 if dtype == torch.int64 else np.float32
+    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
     # Arrow's buffers are read-only; torch needs writable memory, so copy only if required
     return torch.from_numpy(np.require(array, dtype=np_dtype, requirements=["C", "W"]))
 

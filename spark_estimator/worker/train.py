@@ -1,17 +1,20 @@
 """Executor: the training loop run by every barrier task (one rank each).
 
 Each rank rebuilds model, optimizer and loss from the pickled bundle, wraps the model in
-DistributedDataParallel, reads its shard, and trains ``epochs`` epochs on seeded shuffled
-batches. Epoch losses are summed locally and averaged across ranks with one allreduce per
-epoch. Rank 0 writes a checkpoint after every epoch and the final result to the store.
+DistributedDataParallel, streams its shard through the loader, and trains ``epochs``
+epochs. An epoch is one exact pass over the training rows, or ``train_steps_per_epoch``
+steps of an endless sequence of passes. Loss sums and row counts are combined across ranks
+with one allreduce per epoch. Rank 0 writes a checkpoint after every epoch and the final
+result to the store.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ..serialization import loads, state_dict_digest, state_to_bytes
 from ..spec import ColumnSpec, TrainSpec
 from .convert import reshape_input
-from .loader import TrainBatches, eval_batches, read_shard
+from .loader import ShardLoader, chunk_rows, open_loader
 from .rendezvous import RankInfo
+from .shards import StepPlan, eval_sizes
 
 
 def as_outputs(output) -> list[torch.Tensor]:
@@ -63,33 +67,65 @@ def compute_loss(loss_fn, outputs: Sequence[torch.Tensor], labels, label_specs) 
 
 
 class Batch:
-    """The tensors of one batch, moved to the device and shaped for forward()."""
+    """The tensors of one batch, transformed, moved to the device and shaped for forward()."""
 
-    def __init__(self, shard, index, spec: TrainSpec, device: torch.device):
+    def __init__(self, chunk: dict, spec: TrainSpec, device: torch.device, transform=None):
+        self.size = chunk_rows(chunk)
+        if transform is not None:
+            chunk = apply_transformation(transform, chunk, spec.data.columns, self.size)
         shapes = spec.input_shapes or [None] * len(spec.data.features)
-        self.size = len(index)
+        non_blocking = device.type == "cuda"  # the loader's buffer is pinned on GPUs
+
+        def to_device(name):
+            return chunk[name].to(device, non_blocking=non_blocking)
+
         self.inputs = [
-            reshape_input(c.name, shard[c.name][index].to(device), shape)
+            reshape_input(c.name, to_device(c.name), shape)
             for c, shape in zip(spec.data.features, shapes)
         ]
-        self.labels = [shard[c.name][index].to(device) for c in spec.data.labels]
+        self.labels = [to_device(c.name) for c in spec.data.labels]
 
 
-def _evaluate(model, loss_fn, shard, rows, spec, device) -> torch.Tensor:
-    """Sum of the loss over this rank's validation rows (no collectives)."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
+def apply_transformation(fn, chunk: dict, columns: list[ColumnSpec], rows: int) -> dict:
+    """``transformation_fn`` on one batch, checked: same columns present, same row count."""
+    out = fn(chunk)
+    if not isinstance(out, dict):
+        raise TypeError(
+            f"transformation_fn: must return a dict of tensors, got {type(out).__name__}"
+        )
+    for c in columns:
+        value = out.get(c.name)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"transformation_fn: the returned dict has no tensor for column '{c.name}'"
+            )
+        if len(value) != rows:
+            raise ValueError(
+                f"transformation_fn: column '{c.name}' has {len(value)} rows after the "
+                f"transformation, the batch had {rows}; it must keep every row"
+            )
+    return out
+
+
+def _evaluate(model, loss_fn, loader, sizes, epoch, spec, device, transform) -> torch.Tensor:
+    """[loss sum, rows] over this rank's validation batches (no collectives)."""
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     with torch.no_grad():
-        for index in eval_batches(rows, spec.batch_size):
-            batch = Batch(shard, index, spec, device)
+        for chunk in loader.batches(sizes, epoch):
+            batch = Batch(chunk, spec, device, transform)
             outputs = as_outputs(model(*batch.inputs))
             loss = compute_loss(loss_fn, outputs, batch.labels, spec.data.labels)
-            total += loss.detach().double() * batch.size
+            total[0] += loss.detach().double() * batch.size
+            total[1] += batch.size
     return total
 
 
-def _rows(shard: dict, columns: list[ColumnSpec]) -> int:
-    return len(shard[columns[0].name])
+def _training_steps(loader: ShardLoader, plan: StepPlan) -> Iterator[tuple[dict, float]]:
+    """(batch, loss weight) for every step, pass after pass, without end."""
+    weights = plan.weights()
+    for pass_index in itertools.count(1):
+        yield from zip(loader.batches(plan.batch_sizes, pass_index), weights)
 
 
 def train(spec: TrainSpec, info: RankInfo) -> dict:
@@ -97,6 +133,7 @@ def train(spec: TrainSpec, info: RankInfo) -> dict:
     torch.manual_seed(spec.seed)
     rank, world, device = info.rank, info.world_size, info.device
     model, optimizer, loss_fn = loads(spec.bundle)
+    transform = loads(spec.loader.transformation_fn) if spec.loader.transformation_fn else None
     model.to(device)
     optimizer.load_state_dict(optimizer.state_dict())  # moves any optimizer state to device
     if isinstance(loss_fn, torch.nn.Module):
@@ -105,42 +142,49 @@ def train(spec: TrainSpec, info: RankInfo) -> dict:
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
 
-    features = spec.data.features
-    train_shard = read_shard(spec.store, spec.data, "train", world, rank)
-    val_shard = read_shard(spec.store, spec.data, "validation", world, rank)
-    train_rows, val_rows = _rows(train_shard, features), _rows(val_shard, features)
-    total_val = spec.data.rows("validation")
-    batches = TrainBatches(spec.data.rows("train"), world, rank, spec.batch_size, spec.seed)
+    pin = device.type == "cuda"
+    train_loader = open_loader(spec, "train", world, rank, pin)
+    plan = StepPlan(spec.data.rows("train"), world, rank, spec.batch_size)
+    steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
+    steps = _training_steps(train_loader, plan)
+    val_loader = open_loader(spec, "validation", world, rank, pin)
+    val_sizes = eval_sizes(val_loader.rows, spec.batch_size, spec.loader.validation_steps_per_epoch)
+    has_validation = spec.data.rows("validation") > 0
 
     history: list[dict] = []
     output_shapes: list[list[int]] | None = None
     started = time.time()
-    for epoch in range(1, spec.epochs + 1):
-        ddp.train()
-        train_sum = torch.zeros((), dtype=torch.float64, device=device)
-        for index, weight in batches.epoch(epoch):
-            batch = Batch(train_shard, index, spec, device)
-            outputs = as_outputs(ddp(*batch.inputs))
-            if output_shapes is None:
-                output_shapes = [list(o.shape[1:]) for o in outputs]
-            if batch.size:
-                loss = compute_loss(loss_fn, outputs, batch.labels, spec.data.labels)
-                train_sum += loss.detach().double() * batch.size
-            else:  # an empty batch still joins DDP's allreduce, contributing zero gradient
-                loss = sum(o.sum() for o in outputs) * 0.0
-                weight = 1.0
-            optimizer.zero_grad(set_to_none=True)
-            (loss * weight).backward()
-            optimizer.step()
-        val_sum = _evaluate(model, loss_fn, val_shard, val_rows, spec, device)
-        sums = torch.stack([train_sum, val_sum])
-        dist.all_reduce(sums)  # one collective per epoch for the epoch's metrics
-        record = {"epoch": epoch, "train": {"loss": sums[0].item() / spec.data.rows("train")}}
-        if total_val:
-            record["validation"] = {"loss": sums[1].item() / total_val}
-        history.append(record)
-        if rank == 0:
-            _write_checkpoint(spec, epoch, model, optimizer, history)
+    try:
+        for epoch in range(1, spec.epochs + 1):
+            ddp.train()
+            sums = torch.zeros(4, dtype=torch.float64, device=device)
+            for chunk, weight in itertools.islice(steps, steps_per_epoch):
+                batch = Batch(chunk, spec, device, transform)
+                outputs = as_outputs(ddp(*batch.inputs))
+                if output_shapes is None:
+                    output_shapes = [list(o.shape[1:]) for o in outputs]
+                if batch.size:
+                    loss = compute_loss(loss_fn, outputs, batch.labels, spec.data.labels)
+                    sums[0] += loss.detach().double() * batch.size
+                    sums[1] += batch.size
+                else:  # an empty batch still joins DDP's allreduce, contributing zero gradient
+                    loss = sum(o.sum() for o in outputs) * 0.0
+                optimizer.zero_grad(set_to_none=True)
+                (loss * weight).backward()
+                optimizer.step()
+            if has_validation:
+                sums[2:] = _evaluate(
+                    model, loss_fn, val_loader, val_sizes, epoch, spec, device, transform
+                )
+            dist.all_reduce(sums)  # one collective per epoch for the epoch's metrics
+            record = {"epoch": epoch, "train": {"loss": (sums[0] / sums[1]).item()}}
+            if has_validation:
+                record["validation"] = {"loss": (sums[2] / sums[3]).item()}
+            history.append(record)
+            if rank == 0:
+                _write_checkpoint(spec, epoch, model, optimizer, history)
+    finally:
+        steps.close()
 
     state = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     if rank == 0:
@@ -152,9 +196,10 @@ def train(spec: TrainSpec, info: RankInfo) -> dict:
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "device": str(device),
-        "train_rows": train_rows,
-        "validation_rows": val_rows,
-        "steps_per_epoch": batches.steps,
+        "train_rows": train_loader.rows,
+        "validation_rows": val_loader.rows,
+        "validation_batches_per_epoch": len(val_sizes) if has_validation else 0,
+        "steps_per_epoch": steps_per_epoch,
         "weights_digest": state_dict_digest(state),
         "seconds": round(time.time() - started, 3),
     }

@@ -1,17 +1,38 @@
+import json
 import posixpath
+import subprocess
+import sys
+import textwrap
+from dataclasses import asdict, replace
 
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import functions as F
 
-from spark_estimator.driver.materialize import cache_key, materialize
+from spark_estimator.driver.cache_key import cache_key, source_fingerprint
+from spark_estimator.driver.materialize import WriteOptions
+from spark_estimator.driver.materialize import materialize as _materialize
 from spark_estimator.driver.validate import check_columns
 
+pytestmark = pytest.mark.legacy  # materialization also runs on pyspark 3.5
 
-def specs(df, features, labels):
-    return check_columns(df.schema, features, labels)
+OPTIONS = WriteOptions(num_files=2, row_group_bytes=32 * 2**20, compression="snappy")
+
+
+def specs(df, features, labels, dtype="float32"):
+    return check_columns(df.schema, features, labels, dtype)
+
+
+def materialize(df, store, features, labels, validation, seed, options=OPTIONS):
+    return _materialize(df, store, features, labels, validation, seed, options)
+
+
+def key(df, features, labels, validation=None, seed=0, options=OPTIONS):
+    cols = sum(specs(df, features, labels), [])
+    return cache_key(source_fingerprint(df), cols, validation, seed, asdict(options))
 
 
 def read_split(data, split):
@@ -69,16 +90,96 @@ def test_same_plan_and_columns_reuse_the_parquet(spark, store, tmp_path):
     assert len(store.fs.ls(store.join("datasets"))) == 1
 
 
-def test_changed_plan_or_columns_do_not_reuse(spark, store):
+def test_changed_plan_columns_split_or_options_do_not_reuse(spark):
     df = spark.range(100).selectExpr("cast(id as double) as x", "id % 2 as y", "id as z")
-    base = cache_key(df, *specs(df, ["x"], ["y"]), None, 0)
-    assert cache_key(df, *specs(df, ["x"], ["y"]), None, 0) == base
-    assert cache_key(df.where("x > 3"), *specs(df, ["x"], ["y"]), None, 0) != base
-    assert cache_key(df, *specs(df, ["z"], ["y"]), None, 0) != base
-    assert cache_key(df, *specs(df, ["x"], ["y"]), 0.2, 0) != base
-    assert cache_key(df, *specs(df, ["x"], ["y"]), 0.2, 0) != cache_key(
-        df, *specs(df, ["x"], ["y"]), 0.2, 1
+    base = key(df, ["x"], ["y"])
+    assert key(df, ["x"], ["y"]) == base
+    assert key(df.where("x > 3"), ["x"], ["y"]) != base
+    assert key(df, ["z"], ["y"]) != base
+    assert key(df, ["x"], ["y"], 0.2) != base
+    assert key(df, ["x"], ["y"], 0.2, seed=0) != key(df, ["x"], ["y"], 0.2, seed=1)
+    cols = sum(specs(df, ["x"], ["y"], "float64"), [])
+    assert cache_key(source_fingerprint(df), cols, None, 0, asdict(OPTIONS)) != base
+    for change in (dict(num_files=3), dict(row_group_bytes=1024), dict(compression="zstd")):
+        assert key(df, ["x"], ["y"], options=replace(OPTIONS, **change)) != base
+
+
+def test_rewritten_source_files_do_not_reuse(spark, tmp_path):
+    path = str(tmp_path / "input")
+    spark.range(10).selectExpr("cast(id as double) as x", "id as y").write.parquet(path)
+    before = key(spark.read.parquet(path), ["x"], ["y"])
+    spark.range(10).selectExpr("cast(id + 1 as double) as x", "id as y").write.mode(
+        "append"
+    ).parquet(path)
+    assert key(spark.read.parquet(path), ["x"], ["y"]) != before
+
+
+def test_local_rows_are_keyed_by_content_and_rdds_by_identity(spark):
+    frame = pd.DataFrame({"x": [1.0, 2.0], "y": [0, 1]})
+    local = spark.createDataFrame(frame)
+    changed = spark.createDataFrame(frame.assign(x=[1.0, 3.0]))
+    assert key(changed, ["x"], ["y"]) != key(local, ["x"], ["y"])
+    if source_fingerprint(local)["leaves"][0][0] == "LocalRelation":  # pyspark 4: rows in the plan
+        assert key(local, ["x"], ["y"]) == key(spark.createDataFrame(frame.copy()), ["x"], ["y"])
+    rows = [(1.0, 0), (2.0, 1)]  # an RDD: the same DataFrame reuses, an equal one may not
+    from_rdd = spark.createDataFrame(rows, "x double, y long")
+    assert key(from_rdd, ["x"], ["y"]) == key(from_rdd, ["x"], ["y"])
+    assert spark.sparkContext.applicationId in json.dumps(source_fingerprint(from_rdd))
+    ranged = spark.range(5).selectExpr("cast(id as double) as x", "id as y")
+    assert source_fingerprint(ranged)["leaves"][0][0] == "Range"
+    assert key(ranged, ["x"], ["y"]) == key(
+        spark.range(5).selectExpr("cast(id as double) as x", "id as y"), ["x"], ["y"]
     )
+
+
+REFIT_SCRIPT = """
+    import json, sys
+    from pyspark.sql import SparkSession
+    from spark_estimator import Store
+    from spark_estimator.driver.materialize import WriteOptions, materialize
+    from spark_estimator.driver.validate import check_columns
+    spark = SparkSession.builder.master("local[1]").getOrCreate()
+    df = spark.read.parquet(sys.argv[1]).where("x > 2")
+    features, labels = check_columns(df.schema, ["x"], ["y"])
+    options = WriteOptions(num_files=2, row_group_bytes=32 * 2**20, compression="snappy")
+    data = materialize(df, Store(sys.argv[2]), features, labels, 0.25, 0, options)
+    print(json.dumps({"reused": data.reused, "path": data.path}))
+"""
+
+
+def test_a_new_spark_session_reuses_the_parquet_of_the_same_source(spark, store, tmp_path):
+    path = str(tmp_path / "input")
+    spark.range(40).selectExpr("cast(id as double) as x", "id % 2 as y").write.parquet(path)
+    df = spark.read.parquet(path).where("x > 2")
+    first = materialize(df, store, *specs(df, ["x"], ["y"]), 0.25, 0)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(REFIT_SCRIPT), path, store.url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    other_session = json.loads(result.stdout.strip().splitlines()[-1])
+    assert other_session == {"reused": True, "path": first.path}
+    meta = store.read_json(posixpath.join(first.path, "_meta.json"))
+    assert meta["source"]["key"] == posixpath.basename(first.path)
+    assert "Filter" in meta["source"]["plan"]
+    assert meta["source"]["files"] == len(df.inputFiles())
+
+
+def test_write_options_shape_the_parquet(spark, store):
+    df = spark.range(4000).selectExpr(
+        "cast(id as double) as x", "id as y", "cast(id % 4 = 0 as int) as v"
+    )
+    options = WriteOptions(num_files=3, row_group_bytes=4096, compression="zstd")
+    data = materialize(df, store, *specs(df, ["x"], ["y"], "float64"), "v", 0, options)
+    assert len(data.files["train"]) == 3 and len(data.files["validation"]) == 3
+    assert data.rows("validation") == 1000 and data.rows("train") == 3000  # 0/1 column
+    first = pq.ParquetFile(posixpath.join(data.path, data.files["train"][0][0]))
+    assert first.metadata.num_row_groups > 1
+    assert first.metadata.row_group(0).column(0).compression == "ZSTD"
+    assert first.schema_arrow.field("x").type == pa.float64()
+    assert first.schema_arrow.field("y").type == pa.int64()
 
 
 def test_empty_inputs_raise_and_leave_the_store_as_it_was(spark, store, regression_df):

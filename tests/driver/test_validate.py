@@ -45,6 +45,8 @@ def test_supported_feature_and_label_types():
     assert [c.torch_dtype for c in labels] == [torch.int64, torch.int64]
     _, float_label = validate.check_columns(SCHEMA, ["vec"], ["num"])
     assert float_label[0].torch_dtype == torch.float32
+    doubles, double_label = validate.check_columns(SCHEMA, ["vec", "arr"], ["num"], "float64")
+    assert [c.dtype for c in doubles + double_label] == ["float64"] * 3
 
 
 def test_missing_column_is_named():
@@ -80,6 +82,7 @@ def test_validation_values():
     validate.check_validation(SCHEMA, None, [])
     validate.check_validation(SCHEMA, 0.2, [])
     validate.check_validation(SCHEMA, "is_val", ["vec"])
+    validate.check_validation(SCHEMA, "cls", ["vec"])  # 0/1 integers
     for bad in (0.0, 1.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="validation: a fraction must be in"):
             validate.check_validation(SCHEMA, bad, [])
@@ -106,6 +109,11 @@ def test_positive_numbers_and_slots():
     for bad in (0, -3, None):
         with pytest.raises(ValueError, match="batch_size: must be >= 1"):
             validate.check_positive("batch_size", bad)
+    validate.check_positive("shuffle_buffer_size", None, optional=True)
+    with pytest.raises(ValueError, match="train_steps_per_epoch: must be >= 1, got 0"):
+        validate.check_positive("train_steps_per_epoch", 0, optional=True)
+    with pytest.raises(ValueError, match=r"row_group_size_mb: must be > 0, got -0.5"):
+        validate.check_positive("row_group_size_mb", -0.5)
     validate.check_num_proc(4, 4)
     with pytest.raises(ValueError, match="num_proc: must be >= 1"):
         validate.check_num_proc(0, 4)
@@ -160,3 +168,22 @@ def test_output_cols():
         validate.check_output_cols(["a"], ["a"])
     with pytest.raises(ValueError, match="output_cols: must be distinct"):
         validate.check_output_cols(["p", "p"], [])
+
+
+def test_choices_and_the_reader():
+    validate.check_choice("dtype", "float64", ("float32", "float64"))
+    with pytest.raises(ValueError, match=r"compression: must be one of \['snappy'\], got 'lzo'"):
+        validate.check_choice("compression", "lzo", ("snappy",))
+    validate.check_reader("arrow")
+    with pytest.raises(ValueError, match="reader: must be one of"):
+        validate.check_reader("parquet")
+
+
+def test_transformation_fn_must_be_a_picklable_function():
+    assert validate.check_transformation_fn(None) is None
+    assert isinstance(validate.check_transformation_fn(lambda batch: batch), bytes)
+    with pytest.raises(TypeError, match="transformation_fn: expected a function"):
+        validate.check_transformation_fn("scale")
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="transformation_fn"):
+        validate.check_transformation_fn(lambda batch: (lock, batch)[1])

@@ -4,7 +4,7 @@ import torch
 from spark_estimator.spec import ColumnSpec
 from spark_estimator.worker.train import as_outputs, compute_loss
 
-Y = [ColumnSpec("y", "scalar", False)]
+Y = [ColumnSpec("y", "scalar", "float32")]
 
 
 def test_as_outputs():
@@ -24,14 +24,14 @@ def test_class_index_labels_are_left_alone():
     out = torch.randn(4, 3)
     label = torch.tensor([0, 2, 1, 0])
     expected = torch.nn.functional.cross_entropy(out, label)
-    spec = [ColumnSpec("y", "scalar", True)]
+    spec = [ColumnSpec("y", "scalar", "int64")]
     assert torch.equal(compute_loss(torch.nn.CrossEntropyLoss(), [out], [label], spec), expected)
 
 
 def test_one_term_per_label_column():
     outs = [torch.ones(2, 1), torch.zeros(2, 1)]
     labels = [torch.zeros(2), torch.zeros(2)]
-    specs = [ColumnSpec("a", "scalar", False), ColumnSpec("b", "scalar", False)]
+    specs = [ColumnSpec("a", "scalar", "float32"), ColumnSpec("b", "scalar", "float32")]
     assert compute_loss(torch.nn.MSELoss(), outs, labels, specs).item() == 1.0
 
 

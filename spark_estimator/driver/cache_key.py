@@ -1,0 +1,103 @@
+"""Driver: the key under which a DataFrame's materialized Parquet is kept in the store.
+
+The key must be equal for the same data read the same way, also from a new Spark session,
+and must change whenever the rows could differ. Spark's own ``semanticHash`` is not enough:
+for file sources it changes from one session to the next, and Spark's canonical plan text
+leaves out the files. So the key is built from
+
+- the canonical analyzed plan (expression ids normalized) and the schema,
+- for file sources (Parquet, CSV, ... tables): every input file with its size and
+  modification time, so rewritten or added files give a new key,
+- for in-memory leaves whose content is part of the plan (local data, ``range``): their
+  semantic hash, which is computed from the rows and is stable across sessions,
+- for any other leaf (an RDD, a JDBC relation, ...): an identity that holds only inside
+  this Spark application, so such data is reused within a session and never across,
+- the selected columns, their dtypes, the validation split and the write options.
+
+On Spark Connect, where the plan is not reachable from Python, the key falls back to the
+server's semantic hash and the session id: reuse within the session only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict
+
+from pyspark.sql import DataFrame
+
+from ..spec import DATASET_FORMAT_VERSION, ColumnSpec
+
+_CONTENT_LEAVES = {"LocalRelation", "Range", "OneRowRelation"}
+_FILE_LEAVES = {"HiveTableRelation"}
+
+
+def _leaves(plan) -> list:
+    iterator = plan.collectLeaves().iterator()
+    leaves = []
+    while iterator.hasNext():
+        leaves.append(iterator.next())
+    return leaves
+
+
+def _is_file_leaf(leaf) -> bool:
+    name = leaf.getClass().getSimpleName()
+    if name == "LogicalRelation":
+        return leaf.relation().getClass().getSimpleName() == "HadoopFsRelation"
+    return name in _FILE_LEAVES
+
+
+def _file_metadata(df: DataFrame) -> list[list]:
+    """[path, size, modification time] of every input file, through Hadoop's filesystems."""
+    jvm, jsc = df.sparkSession._jvm, df.sparkSession._jsc
+    conf = jsc.hadoopConfiguration()
+    out = []
+    for name in sorted(df.inputFiles()):
+        path = jvm.org.apache.hadoop.fs.Path(name)
+        status = path.getFileSystem(conf).getFileStatus(path)
+        out.append([name, status.getLen(), status.getModificationTime()])
+    return out
+
+
+def source_fingerprint(df: DataFrame) -> dict:
+    """What identifies the rows of ``df``; persisted with the dataset it keys."""
+    jdf = getattr(df, "_jdf", None)
+    if jdf is None:  # Spark Connect
+        return {
+            "semantic_hash": df.semanticHash(),
+            "schema": df.schema.json(),
+            "session": df.sparkSession.session_id,
+        }
+    analyzed = jdf.queryExecution().analyzed()
+    leaves, has_files = [], False
+    for leaf in _leaves(analyzed):
+        name = leaf.getClass().getSimpleName()
+        if _is_file_leaf(leaf):
+            has_files = True
+            options = leaf.relation().options().toString() if name == "LogicalRelation" else ""
+            leaves.append([name, leaf.canonicalized().toString(), options])
+        elif name in _CONTENT_LEAVES:
+            leaves.append([name, leaf.semanticHash()])
+        else:  # no stable identity: valid within this application only
+            app = df.sparkSession.sparkContext.applicationId
+            leaves.append([name, leaf.semanticHash(), app])
+    return {
+        "plan": analyzed.canonicalized().toString(),
+        "schema": df.schema.json(),
+        "leaves": leaves,
+        "files": _file_metadata(df) if has_files else [],
+    }
+
+
+def cache_key(
+    source: dict, columns: list[ColumnSpec], validation, seed: int, write_options: dict
+) -> str:
+    spec = {
+        "version": DATASET_FORMAT_VERSION,
+        "source": source,
+        "columns": [asdict(c) for c in columns],
+        "validation": validation,
+        "seed": seed if isinstance(validation, float) else None,
+        "write": write_options,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]

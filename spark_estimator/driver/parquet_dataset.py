@@ -1,0 +1,106 @@
+"""Driver: describe Parquet already in the store, for ``TorchEstimator.fit_on_parquet``.
+
+Either a dataset folder written by ``materialize`` (``train/``, ``validation/`` and
+``_meta.json``), or any folder (or file) of Parquet for training plus an optional one for
+validation. Column kinds come from the Parquet schema: numbers are scalars, lists of
+numbers arrays, Spark ML vector structs vectors; floats load as ``dtype``, integer labels
+as int64 class indices. Row-group sizes come from ``_meta.json`` or the files' footers.
+"""
+
+from __future__ import annotations
+
+import posixpath
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..spec import ColumnSpec, DatasetInfo
+from ..store import Store
+from .materialize import check_not_empty, list_row_groups
+
+_VECTOR_FIELDS = {"type", "size", "indices", "values"}
+
+
+def _numeric(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str) -> ColumnSpec:
+    if name not in schema.names:
+        raise ValueError(
+            f"{role}_cols: column '{name}' is not in the Parquet at {where} "
+            f"(columns: {schema.names})"
+        )
+    t = schema.field(name).type
+    element = t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
+    integral = role == "label" and pa.types.is_integer(element)
+    if _numeric(element):
+        kind = "scalar" if element is t else "array"
+        return ColumnSpec(name, kind, "int64" if integral else dtype)
+    if role == "feature" and pa.types.is_struct(t) and {f.name for f in t} == _VECTOR_FIELDS:
+        return ColumnSpec(name, "vector", dtype)
+    raise TypeError(
+        f"{role}_cols: column '{name}' in the Parquet at {where} has type {t}; expected "
+        "numbers or lists of numbers" + (" or an ML vector" if role == "feature" else "")
+    )
+
+
+def _resolve(store: Store, path: str, param: str) -> str:
+    full = path if path.startswith("/") else store.join(path)
+    if not store.exists(full):
+        raise ValueError(f"{param}: '{path}' does not exist in {store}")
+    return full.rstrip("/")
+
+
+def parquet_dataset(
+    store: Store,
+    path: str,
+    validation_path: str | None,
+    feature_cols: list[str],
+    label_cols: list[str],
+    dtype: str,
+    validation=None,
+) -> DatasetInfo:
+    """A DatasetInfo for Parquet already in ``store``; every check runs here, on the driver."""
+    root = _resolve(store, path, "path")
+    meta_path = posixpath.join(root, "_meta.json")
+    if store.exists(meta_path):
+        if validation_path is not None:
+            raise ValueError(
+                "validation_path: not allowed with a materialized dataset, which has its "
+                "own validation split"
+            )
+        files = DatasetInfo.from_json(root, store.read_json(meta_path), reused=True).files
+    else:
+        if validation is not None:
+            raise ValueError(
+                f"validation: {validation!r} splits a DataFrame in fit(); Parquet outside a "
+                "materialized dataset takes its validation rows from validation_path"
+            )
+        folders = {"train": root}
+        if validation_path is not None:
+            folders["validation"] = _resolve(store, validation_path, "validation_path")
+        if store.fs.isfile(root):
+            root = posixpath.dirname(root)
+        base = posixpath.commonpath([root] + list(folders.values()))
+        if store.fs.isfile(base):
+            base = posixpath.dirname(base)
+        files = {split: list_row_groups(store, folder, base) for split, folder in folders.items()}
+        root = base
+    if not files.get("train"):
+        raise ValueError(f"path: no Parquet files with rows under '{path}'")
+    specs = {}
+    for split, split_files in files.items():
+        if not split_files:
+            continue
+        with store.fs.open(posixpath.join(root, split_files[0][0]), "rb") as f:
+            schema = pq.read_schema(f)
+        where = f"{root}/{split_files[0][0]}"
+        specs[split] = (
+            [column_spec(schema, c, "feature", dtype, where) for c in feature_cols],
+            [column_spec(schema, c, "label", dtype, where) for c in label_cols],
+        )
+    features, labels = specs["train"]
+    data = DatasetInfo(path=root, features=features, labels=labels, files=files, reused=True)
+    check_not_empty(data, validation_path)
+    return data
