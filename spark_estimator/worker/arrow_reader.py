@@ -1,6 +1,6 @@
 """Executor: read pieces of Parquet row groups with pyarrow, in background threads.
 
-``ArrowReader.chunks(pieces)`` yields one dict of tensors per piece, in the order given,
+``ArrowReader.chunks(pieces)`` yields one dict of NumPy arrays per piece, in the order given,
 while up to ``num_workers`` further pieces are read and converted in a thread pool, so
 reading overlaps the training step (pyarrow releases the GIL while it decodes). Footers
 are parsed once per file and shared by the threads.
@@ -15,20 +15,21 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 
+import numpy as np
 import pyarrow.parquet as pq
-import torch
 
 from ..spec import ColumnSpec
 from ..store import Store
-from .convert import column_to_tensor
+from .convert import column_to_numpy
 from .shards import Piece
 
-Chunk = dict[str, torch.Tensor]
+Chunk = dict[str, np.ndarray]
 
 
 def table_to_chunk(table, columns: list[ColumnSpec]) -> Chunk:
-    """Whole Arrow columns to tensors, one vectorized conversion per column."""
-    return {c.name: column_to_tensor(c.name, table.column(c.name), c.torch_dtype) for c in columns}
+    """Whole Arrow columns to NumPy, one vectorized conversion per column, zero-copy where
+    Arrow allows (the arrays may be read-only; the loader copies them once, into its buffer)."""
+    return {c.name: column_to_numpy(c.name, table.column(c.name)) for c in columns}
 
 
 class ArrowReader:

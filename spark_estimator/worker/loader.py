@@ -9,12 +9,15 @@ permuted, so every row is copied about twice, never once per batch. The permutat
 from a generator seeded by (seed, pass, rank): the same seed gives the same batches, and
 each pass a different order. With ``cache`` the shard's pieces stay in memory after the
 first pass. On a GPU the buffer lives in pinned memory so batches copy without blocking.
+Readers hand over NumPy arrays (often Arrow's own memory); the buffer is the only copy.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from ..spec import TrainSpec
@@ -22,7 +25,8 @@ from .arrow_reader import ArrowReader
 from .petastorm_reader import PetastormReader
 from .shards import Piece, shard_pieces
 
-Chunk = dict[str, torch.Tensor]
+Chunk = dict[str, np.ndarray]  # one piece's columns as read (maybe read-only Arrow memory)
+Batch = dict[str, torch.Tensor]
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
 
@@ -30,53 +34,77 @@ def pass_generator(seed: int, pass_index: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + pass_index * 7919 + rank)
 
 
-def chunk_rows(chunk: Chunk) -> int:
+def chunk_rows(chunk: Chunk | Batch) -> int:
     return len(next(iter(chunk.values())))
 
 
-def _gather(parts: list[Chunk], perm: torch.Tensor | None, pin: bool) -> Chunk:
-    """The rows of ``parts`` concatenated (always a fresh copy), optionally permuted."""
+def _as_tensor(array: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-copy view of a reader's array (only ever read from), in ``dtype``."""
+    if not isinstance(array, torch.Tensor):
+        with warnings.catch_warnings():  # Arrow memory is read-only; it is never written
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            array = torch.from_numpy(array)
+    return array.to(dtype)
+
+
+def _gather(parts: list, perm: torch.Tensor | None, template: Batch, pin: bool) -> Batch:
+    """The rows of ``parts`` in one new tensor per column (``pool[i] = rows[perm[i]]``).
+
+    One copy per row: straight into place (``index_copy_`` with the inverse permutation),
+    without concatenating first. The result never shares memory with the parts, so a batch
+    edited in place cannot change cached chunks.
+    """
+    sizes = [chunk_rows(p) for p in parts]
+    destinations = None
+    if perm is not None:
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(len(perm))
+        destinations = inverse.split(sizes)
     out = {}
-    for name in parts[0]:
-        tensors = [p[name] for p in parts]
-        rows = sum(len(t) for t in tensors)
-        first = tensors[0]
-        target = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=pin)
-        if perm is None:
+    for name, like in template.items():
+        tensors = [_as_tensor(p[name], like.dtype) for p in parts]
+        shape = (sum(sizes), *tensors[0].shape[1:])
+        target = torch.empty(shape, dtype=like.dtype, pin_memory=pin)
+        if destinations is None:
             torch.cat(tensors, out=target)
         else:
-            torch.index_select(torch.cat(tensors), 0, perm, out=target)
+            for tensor, where in zip(tensors, destinations):
+                target.index_copy_(0, where, tensor)
         out[name] = target
     return out
 
 
 def buffered_batches(
     chunks: Iterable[Chunk],
-    sizes: Iterable[int],
-    empty: Chunk,
+    sizes: list[int],
+    template: Batch,
     *,
     buffer_rows: int | None,
     generator: torch.Generator | None,
     pin_memory: bool = False,
-) -> Iterator[Chunk]:
+) -> Iterator[Batch]:
     """Cut a stream of chunks into batches of ``sizes`` rows.
 
     Without a generator rows keep their order. With one, rows pass through a shuffle buffer
     of ``buffer_rows`` rows (``None``: about 256 MiB worth, sized from the first chunk).
+    ``template`` gives each column's dtype (and, for empty shards, its row shape). After a
+    refill, every batch that the buffer serves before the next refill is cut in one
+    ``split`` per column.
     """
     chunks = iter(chunks)
-    pool, cursor, exhausted = empty, 0, False
+    pool, cursor, exhausted = template, 0, False
 
     def wanted(size: int, divisor: int) -> int:
         if generator is None or buffer_rows is None:
             return size
         return max(size, buffer_rows // divisor)
 
-    for size in sizes:
+    i = 0
+    while i < len(sizes):
         left = chunk_rows(pool) - cursor
-        if left < wanted(size, 2) and not exhausted:
+        if left < wanted(sizes[i], 2) and not exhausted:
             parts = [{k: v[cursor:] for k, v in pool.items()}] if left else []
-            while left < wanted(size, 1):
+            while left < wanted(sizes[i], 1):
                 chunk = next(chunks, None)
                 if chunk is None:
                     exhausted = True
@@ -87,21 +115,28 @@ def buffered_batches(
                 left += chunk_rows(chunk)
             if parts:
                 perm = None if generator is None else torch.randperm(left, generator=generator)
-                pool, cursor = _gather(parts, perm, pin_memory), 0
-        if chunk_rows(pool) - cursor < size:
+                pool, cursor = _gather(parts, perm, template, pin_memory), 0
+        j, take = i, 0  # batches i..j-1 come from this pool before a refill is due
+        while j < len(sizes) and sizes[j] <= left - take:
+            if j > i and not exhausted and left - take < wanted(sizes[j], 2):
+                break
+            take += sizes[j]
+            j += 1
+        if j == i:
             raise RuntimeError(
-                f"loader: the shard ran out of rows ({chunk_rows(pool) - cursor} left for a "
-                f"batch of {size}); did the dataset change while training?"
+                f"loader: the shard ran out of rows ({left} left for a batch of {sizes[i]}); "
+                "did the dataset change while training?"
             )
-        yield {k: v[cursor : cursor + size] for k, v in pool.items()}
-        cursor += size
+        cut = {k: v[cursor : cursor + take].split(sizes[i:j]) for k, v in pool.items()}
+        for n in range(j - i):
+            yield {k: pieces[n] for k, pieces in cut.items()}
+        cursor, i = cursor + take, j
 
 
 def default_buffer_rows(chunk: Chunk) -> int:
     """As many rows as fit in DEFAULT_BUFFER_BYTES, judged by the rows of ``chunk``."""
-    row_bytes = (
-        sum(t[0].numel() * t.element_size() for t in chunk.values()) if chunk_rows(chunk) else 1
-    )
+    rows = chunk_rows(chunk)
+    row_bytes = sum(a.nbytes for a in chunk.values()) // rows if rows else 1
     return max(1, DEFAULT_BUFFER_BYTES // max(1, row_bytes))
 
 
@@ -116,7 +151,7 @@ class ShardLoader:
         self,
         read_chunks: Callable[[list[Piece]], Iterator[Chunk]],
         pieces: list[Piece],
-        empty: Chunk,
+        template: Batch,
         *,
         shuffle: bool,
         shuffle_pieces: bool,
@@ -126,13 +161,13 @@ class ShardLoader:
         cache: bool,
         pin_memory: bool,
     ):
-        self.read_chunks, self.pieces, self.empty = read_chunks, pieces, empty
+        self.read_chunks, self.pieces, self.template = read_chunks, pieces, template
         self.shuffle, self.shuffle_pieces, self.buffer_rows = shuffle, shuffle_pieces, buffer_rows
         self.seed, self.rank, self.pin_memory = seed, rank, pin_memory
         self.cache: dict[Piece, Chunk] | None = {} if cache else None
         self.rows = sum(p.rows for p in pieces)
 
-    def batches(self, sizes: list[int], pass_index: int) -> Iterator[Chunk]:
+    def batches(self, sizes: list[int], pass_index: int) -> Iterator[Batch]:
         """One pass: batches of ``sizes`` rows (summing to the shard's rows)."""
         if sum(sizes) > self.rows:
             raise ValueError(f"loader: {sum(sizes)} rows asked of a shard of {self.rows}")
@@ -143,7 +178,7 @@ class ShardLoader:
         yield from buffered_batches(
             self._chunks(order),
             sizes,
-            self.empty,
+            self.template,
             buffer_rows=self.buffer_rows,
             generator=generator,
             pin_memory=self.pin_memory,
@@ -176,7 +211,7 @@ def open_loader(spec: TrainSpec, split: str, world_size: int, rank: int, pin: bo
     return ShardLoader(
         reader.chunks,
         pieces,
-        _empty_chunk(spec, files, needs_shapes=not pieces),
+        _template(spec, files, needs_shapes=not pieces),
         shuffle=options.shuffle and split == "train",
         shuffle_pieces=reader.keeps_order,
         buffer_rows=options.shuffle_buffer_size,
@@ -187,11 +222,13 @@ def open_loader(spec: TrainSpec, split: str, world_size: int, rank: int, pin: bo
     )
 
 
-def _empty_chunk(spec: TrainSpec, files, needs_shapes: bool) -> Chunk:
-    """Zero rows; with the real per-row shapes (one row read) for a rank with no rows."""
+def _template(spec: TrainSpec, files, needs_shapes: bool) -> Batch:
+    """Zero rows of every column in its dtype; with the real row shapes (one row read) for
+    a rank without rows, whose empty batches still go through forward()."""
+    columns = spec.data.columns
     if not files or not needs_shapes:
-        return {c.name: torch.empty(0, dtype=c.torch_dtype) for c in spec.data.columns}
+        return {c.name: torch.empty(0, dtype=c.torch_dtype) for c in columns}
     path, groups = files[0]
-    reader = ArrowReader(spec.store, spec.data.path, spec.data.columns, num_workers=1)
+    reader = ArrowReader(spec.store, spec.data.path, columns, num_workers=1)
     one_row = reader.read(Piece(path, 0, 0, 1, groups[0]))
-    return {name: t[:0] for name, t in one_row.items()}
+    return {c.name: _as_tensor(one_row[c.name][:0], c.torch_dtype) for c in columns}

@@ -24,13 +24,12 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 from ..spec import ColumnSpec
 from ..store import Store
 from .shards import Piece
 
-Chunk = dict[str, torch.Tensor]
+Chunk = dict[str, np.ndarray]
 PETASTORM_STACK = (
     "petastorm 0.13.1 with pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26, pandas 2.2.3 and "
     "setuptools<70 (pip install 'spark-estimator[petastorm]' on that stack)"
@@ -114,11 +113,10 @@ class PetastormReader:
         yield from in_background(read_all(), self.num_workers)
 
     def _to_chunk(self, batch: dict, piece: Piece) -> Chunk:
-        chunk = {}
-        for c in self.columns:
-            array = np.asarray(batch[c.name])[piece.start : piece.stop]
-            chunk[c.name] = torch.from_numpy(np.require(array, np.dtype(c.dtype), ["C", "W"]))
-        return chunk
+        return {
+            c.name: np.ascontiguousarray(np.asarray(batch[c.name])[piece.start : piece.stop])
+            for c in self.columns
+        }
 
 
 def in_background(items: Iterator, depth: int) -> Iterator:

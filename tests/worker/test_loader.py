@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from conftest import write_id_dataset
@@ -74,10 +75,12 @@ def test_validation_is_read_in_order_even_with_shuffle(tmp_path, store):
 
 
 def test_the_shuffle_buffer_is_bounded():
-    chunks = [{"y": torch.arange(i, i + 4)} for i in range(0, 40, 4)]
+    chunks = [{"y": np.arange(i, i + 4)} for i in range(0, 40, 4)]
     gen = torch.Generator().manual_seed(0)
-    empty = {"y": torch.empty(0, dtype=torch.int64)}
-    batches = list(buffered_batches(iter(chunks), [2] * 20, empty, buffer_rows=10, generator=gen))
+    template = {"y": torch.empty(0, dtype=torch.int64)}
+    batches = list(
+        buffered_batches(iter(chunks), [2] * 20, template, buffer_rows=10, generator=gen)
+    )
     # the buffer fills to >= 10 rows (three chunks) before the first batch is drawn
     assert set(batches[0]["y"].tolist()) <= set(range(12))
     assert sorted(torch.cat([b["y"] for b in batches]).tolist()) == list(range(40))
