@@ -8,6 +8,8 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
+from spark_estimator.serialization import loads
+from spark_estimator.spec import LoaderSpec
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import linear_net, make_estimator, regression_rows
 
@@ -58,12 +60,43 @@ def test_fit_and_transform_with_each_reader(regression_df, store, reader):
     assert sum(s["train_rows"] + s["validation_rows"] for s in summary) == 200
 
 
+def test_loader_params_reach_the_executors(spark, regression_df, store):
+    def keep(batch):
+        return batch
+
+    est = make_estimator(
+        linear_net(),
+        store,
+        shuffle=False,
+        shuffle_buffer_size=7,
+        reader_num_workers=3,
+        inmemory_cache_all=True,
+        train_steps_per_epoch=4,
+        validation_steps_per_epoch=2,
+        transformation_fn=keep,
+    )
+    loader = est._validate(spark, regression_df).loader
+    assert loader == LoaderSpec(
+        reader="arrow",
+        shuffle=False,
+        shuffle_buffer_size=7,
+        num_workers=3,
+        inmemory_cache_all=True,
+        train_steps_per_epoch=4,
+        validation_steps_per_epoch=2,
+        transformation_fn=loader.transformation_fn,
+    )
+    assert loads(loader.transformation_fn)({"y": 1}) == {"y": 1}
+
+
 def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store):
     streamed = make_estimator(linear_net(), store, shuffle_buffer_size=20).fit(regression_df)
     cached = make_estimator(
         linear_net(), store, shuffle_buffer_size=20, inmemory_cache_all=True
     ).fit(regression_df)
     assert digest(store, cached) == digest(store, streamed)
+    whole_shard_buffer = make_estimator(linear_net(), store).fit(regression_df)
+    assert digest(store, whole_shard_buffer) != digest(store, streamed)
     unshuffled = make_estimator(linear_net(), store, shuffle=False).fit(regression_df)
     assert digest(store, unshuffled) != digest(store, streamed)
 
@@ -119,9 +152,22 @@ def test_float64_dtype_trains_a_double_model(regression_df, store):
 
 
 def test_fit_on_parquet_trains_on_a_materialized_dataset(regression_df, store):
-    est = make_estimator(linear_net(), store, validation=0.25, epochs=10)
+    est = make_estimator(
+        linear_net(),
+        store,
+        validation=0.25,
+        epochs=10,
+        partitions_per_process=3,
+        row_group_size_mb=0.001,
+        compression="gzip",
+    )
     path = est.materialize(regression_df)
-    assert store.exists(f"{path}/_meta.json")
+    files = store.read_json(f"{path}/_meta.json")["files"]
+    assert len(files["train"]) == 3 * 2  # partitions_per_process x num_proc
+    # the row-group size reaches the writer's options, which are part of the dataset key
+    assert est.copy({est.row_group_size_mb: 64.0}).materialize(regression_df) != path
+    first = pq.ParquetFile(f"{path}/{files['train'][0][0]}").metadata
+    assert first.row_group(0).column(0).compression == "GZIP"
     model = est.fit_on_parquet(path)
     summary = ranks(store, model)
     assert sum(s["train_rows"] for s in summary) + sum(s["validation_rows"] for s in summary) == 200

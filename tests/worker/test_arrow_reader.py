@@ -1,3 +1,5 @@
+import threading
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -51,3 +53,13 @@ def test_reads_through_fsspec_for_non_local_stores():
     reader = ArrowReader(store, store.root, columns, num_workers=1)
     chunk = reader.read(Piece("train/f.parquet", 1, 0, 1, 1))
     assert chunk["x"].dtype == np.float64 and chunk["x"].tolist() == [3.5]
+
+
+def test_reads_ahead_in_num_workers_threads(tmp_path, store):
+    data = write_id_dataset(tmp_path, [64], row_group_size=2)
+    reader = ArrowReader(store, data.path, data.columns, num_workers=3)
+    stream = reader.chunks(shard_pieces(data.files["train"], 1, 0))
+    next(stream)
+    readers = [t for t in threading.enumerate() if t.name.startswith("spark-estimator-read")]
+    assert len(readers) == 3
+    assert sum(len(c["y"]) for c in stream) == 62
