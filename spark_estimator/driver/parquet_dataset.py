@@ -82,25 +82,24 @@ def parquet_dataset(
             folders["validation"] = _resolve(store, validation_path, "validation_path")
         if store.fs.isfile(root):
             root = posixpath.dirname(root)
-        base = posixpath.commonpath([root] + list(folders.values()))
-        if store.fs.isfile(base):
-            base = posixpath.dirname(base)
-        files = {split: list_row_groups(store, folder, base) for split, folder in folders.items()}
-        root = base
+        root = posixpath.commonpath([root] + list(folders.values()))  # a folder: root is one
+        files = {split: list_row_groups(store, folder, root) for split, folder in folders.items()}
     if not files.get("train"):
         raise ValueError(f"path: no Parquet files with rows under '{path}'")
-    specs = {}
-    for split, split_files in files.items():
-        if not split_files:
-            continue
-        with store.fs.open(posixpath.join(root, split_files[0][0]), "rb") as f:
+
+    def split_specs(split: str) -> tuple[list[ColumnSpec], list[ColumnSpec]]:
+        first = files[split][0][0]
+        with store.fs.open(posixpath.join(root, first), "rb") as f:
             schema = pq.read_schema(f)
-        where = f"{root}/{split_files[0][0]}"
-        specs[split] = (
+        where = f"{root}/{first}"
+        return (
             [column_spec(schema, c, "feature", dtype, where) for c in feature_cols],
             [column_spec(schema, c, "label", dtype, where) for c in label_cols],
         )
-    features, labels = specs["train"]
+
+    features, labels = split_specs("train")
+    if files.get("validation"):
+        split_specs("validation")  # the validation files must hold the same columns
     data = DatasetInfo(path=root, features=features, labels=labels, files=files, reused=True)
     check_not_empty(data, validation_path)
     return data

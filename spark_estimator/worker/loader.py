@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -38,12 +39,18 @@ def chunk_rows(chunk: Chunk | Batch) -> int:
     return len(next(iter(chunk.values())))
 
 
+@contextmanager
+def _read_only_arrays():
+    """Silence torch's warning on read-only arrays: Arrow's memory is only ever read from."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        yield
+
+
 def _as_tensor(array: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-copy view of a reader's array (only ever read from), in ``dtype``."""
+    """A zero-copy view of a reader's array, in ``dtype`` (inside ``_read_only_arrays``)."""
     if not isinstance(array, torch.Tensor):
-        with warnings.catch_warnings():  # Arrow memory is read-only; it is never written
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            array = torch.from_numpy(array)
+        array = torch.from_numpy(array)
     return array.to(dtype)
 
 
@@ -62,7 +69,8 @@ def _gather(parts: list, perm: torch.Tensor | None, template: Batch, pin: bool) 
         destinations = inverse.split(sizes)
     out = {}
     for name, like in template.items():
-        tensors = [_as_tensor(p[name], like.dtype) for p in parts]
+        with _read_only_arrays():
+            tensors = [_as_tensor(p[name], like.dtype) for p in parts]
         shape = (sum(sizes), *tensors[0].shape[1:])
         target = torch.empty(shape, dtype=like.dtype, pin_memory=pin)
         if destinations is None:
@@ -231,4 +239,5 @@ def _template(spec: TrainSpec, files, needs_shapes: bool) -> Batch:
     path, groups = files[0]
     reader = ArrowReader(spec.store, spec.data.path, columns, num_workers=1)
     one_row = reader.read(Piece(path, 0, 0, 1, groups[0]))
-    return {c.name: _as_tensor(one_row[c.name][:0], c.torch_dtype) for c in columns}
+    with _read_only_arrays():
+        return {c.name: _as_tensor(one_row[c.name][:0], c.torch_dtype) for c in columns}
