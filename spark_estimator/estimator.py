@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+import warnings
 from typing import NamedTuple
 
 from pyspark import keyword_only
@@ -17,7 +18,7 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame, SparkSession
 
-from .driver import validate
+from .driver import validate, validate_training
 from .driver.launch import available_slots, run_barrier_job
 from .driver.materialize import COMPRESSIONS, WriteOptions, materialize
 from .driver.parquet_dataset import parquet_dataset
@@ -25,7 +26,15 @@ from .model import TorchModel
 from .params import EstimatorParams
 from .persistence import ObjectParamsReader, ObjectParamsWriter
 from .serialization import loads, state_from_bytes
-from .spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
+from .spec import (
+    FLOAT_DTYPES,
+    ColumnSpec,
+    DatasetInfo,
+    LoaderSpec,
+    LoopSpec,
+    TrainSpec,
+    metric_keys,
+)
 from .store import Store
 from .worker.task import training_task
 
@@ -35,10 +44,25 @@ class _Checked(NamedTuple):
 
     features: list[ColumnSpec] | None  # None for fit_on_parquet: read from the Parquet
     labels: list[ColumnSpec] | None
+    sample_weight: ColumnSpec | None
     bundle: bytes
     num_proc: int
     store: Store
     loader: LoaderSpec
+    loop: LoopSpec
+
+
+# the params whose objects the executors rebuild from one pickle (worker/objects.py)
+_BUNDLED = (
+    "model",
+    "optimizer",
+    "loss",
+    "loss_constructors",
+    "metrics",
+    "lr_scheduler",
+    "callbacks",
+    "train_minibatch_fn",
+)
 
 
 class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
@@ -85,6 +109,20 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         train_steps_per_epoch=None,
         validation_steps_per_epoch=None,
         transformation_fn=None,
+        lr_scaling="none",
+        backward_passes_per_step=1,
+        gradient_compression="none",
+        mixed_precision="none",
+        metrics=None,
+        loss_weights=None,
+        sample_weight_col=None,
+        lr_scheduler=None,
+        lr_scheduler_interval="epoch",
+        callbacks=None,
+        terminate_on_nan=True,
+        train_minibatch_fn=None,
+        loss_constructors=None,
+        keep_checkpoints=None,
     ):
         super().__init__()
         self._set(**self._input_kwargs)
@@ -130,7 +168,9 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             self.getLabelCols(),
             self.getDtype(),
             self.getValidation(),
+            self.getSampleWeightCol(),
         )
+        self._check_callbacks(has_validation=data.rows("validation") > 0)
         return self._train(spark, data, checked)
 
     def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
@@ -147,6 +187,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             self.getValidation(),
             self.getRandomSeed(),
             options,
+            checked.sample_weight,
         )
 
     def _train(self, spark, data: DatasetInfo, checked: _Checked) -> TorchModel:
@@ -163,6 +204,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             use_gpu=self.getUseGpu(),
             input_shapes=self.getInputShapes(),
             loader=checked.loader,
+            loop=checked.loop,
         )
         summaries = run_barrier_job(
             spark,
@@ -177,8 +219,11 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
                 f"run {run_id}: ranks finished with different weights ({summaries}); "
                 "the model is not the same on every rank"
             )
+        notes = sorted({s["device_note"] for s in summaries if s.get("device_note")})
+        for note in notes:
+            warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=3)
         result = state_from_bytes(store.read_bytes(store.result_path(run_id)))
-        model, _, _ = loads(checked.bundle)
+        model = loads(checked.bundle)["model"]
         model.load_state_dict(result["model"])
         return TorchModel(
             model=model.cpu().eval(),
@@ -188,6 +233,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             history=result["history"],
             output_shapes=result["output_shapes"],
             run_id=run_id,
+            training_summary=result["summary"],
         )
 
     def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
@@ -195,7 +241,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
 
         Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet.
         """
-        for name in ("model", "optimizer", "loss", "feature_cols", "label_cols", "store"):
+        for name in ("model", "optimizer", "feature_cols", "label_cols", "store"):
             if not self.isDefined(name) or self.getOrDefault(name) is None:
                 raise ValueError(f"{name}: is required")
         store = self.getStore()
@@ -203,7 +249,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             raise TypeError(f"store: expected a spark_estimator.Store, got {store!r}")
         feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
         validate.check_choice("dtype", self.getDtype(), FLOAT_DTYPES)
-        features = labels = None
+        features = labels = schema = None
         if dataset is not None:
             schema = dataset.schema
             features, labels = validate.check_columns(
@@ -212,6 +258,9 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
         else:
             validate.check_column_names(feature_cols, label_cols)
+        sample_weight = validate.check_sample_weight_col(
+            schema, self.getSampleWeightCol(), feature_cols + label_cols, self.getDtype()
+        )
         validate.check_input_shapes(self.getInputShapes(), feature_cols)
         validate.check_output_cols(self.getOutputCols(), [])
         for name in (
@@ -222,17 +271,25 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             "row_group_size_mb",
         ):
             validate.check_positive(name, self.getOrDefault(name))
-        for name in ("shuffle_buffer_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
+        for name in (
+            "shuffle_buffer_size",
+            "train_steps_per_epoch",
+            "validation_steps_per_epoch",
+            "keep_checkpoints",
+        ):
             validate.check_positive(name, self.getOrDefault(name), optional=True)
+        loop = self._loop_spec()
         validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
         validate.check_reader(self.getReader())
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         slots = available_slots(spark)
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         validate.check_num_proc(num_proc, slots)
-        bundle = validate.check_training_objects(
-            self.getModel(), self.getOptimizer(), self.getLoss()
+        bundle = validate_training.training_bundle(
+            {name: self.getOrDefault(name) for name in _BUNDLED}, label_cols
         )
+        if dataset is not None:
+            self._check_callbacks(has_validation=self.getValidation() is not None)
         run_id = self.getRunId()
         if run_id is not None and store.exists(store.result_path(run_id)):
             raise ValueError(
@@ -248,7 +305,36 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
         )
-        return _Checked(features, labels, bundle, num_proc, store, loader)
+        return _Checked(features, labels, sample_weight, bundle, num_proc, store, loader, loop)
+
+    def _loop_spec(self) -> LoopSpec:
+        validate_training.check_loop_options(
+            lr_scaling=self.getLrScaling(),
+            backward_passes_per_step=self.getBackwardPassesPerStep(),
+            gradient_compression=self.getGradientCompression(),
+            mixed_precision=self.getMixedPrecision(),
+            lr_scheduler_interval=self.getLrSchedulerInterval(),
+            train_minibatch_fn=self.getTrainMinibatchFn(),
+        )
+        validate_training.check_loss_weights(self.getLossWeights(), self.getLabelCols())
+        weights = self.getLossWeights()
+        return LoopSpec(
+            lr_scaling=self.getLrScaling(),
+            backward_passes_per_step=self.getBackwardPassesPerStep(),
+            gradient_compression=self.getGradientCompression(),
+            mixed_precision=self.getMixedPrecision(),
+            loss_weights=tuple(weights) if weights else None,
+            lr_scheduler_interval=self.getLrSchedulerInterval(),
+            terminate_on_nan=self.getTerminateOnNan(),
+            keep_checkpoints=self.getKeepCheckpoints(),
+        )
+
+    def _check_callbacks(self, has_validation: bool) -> None:
+        metrics = validate_training.check_metrics(self.getMetrics()) or {}
+        names = ["loss", *metric_keys(list(metrics), self.getLabelCols())]
+        splits = ("train", "validation") if has_validation else ("train",)
+        monitorable = {f"{split}.{name}" for split in splits for name in names}
+        validate_training.check_callbacks(self.getCallbacks(), monitorable)
 
     # -- persistence ---------------------------------------------------------------------
     def write(self) -> ObjectParamsWriter:
@@ -262,7 +348,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         # one pickle, so the optimizer still refers to the model's parameters when loaded
         return {
             name: self.getOrDefault(name)
-            for name in ("model", "optimizer", "loss", "transformation_fn")
+            for name in (*_BUNDLED, "transformation_fn")
             if self.isDefined(name)
         }
 

@@ -42,6 +42,7 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         history=None,
         output_shapes=None,
         run_id=None,
+        training_summary=None,
     ):
         super().__init__()
         self._set(
@@ -59,6 +60,14 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         self._history = list(history or [])
         self._output_shapes = output_shapes
         self._run_id = run_id
+        self._training_summary = dict(training_summary or {})
+
+    def getTrainingSummary(self) -> dict:
+        """How the model was trained: processes, learning rates used (after ``lr_scaling``),
+        accumulation, compression, precision, epochs run, whether training stopped early,
+        which epoch's weights this model holds (``selected_epoch``; with a BestModel
+        callback, ``selection`` says by which metric) and which checkpoints were kept."""
+        return dict(self._training_summary)
 
     def getHistory(self) -> list[dict]:
         """Per-epoch training and validation metrics, averaged across ranks."""
@@ -129,6 +138,7 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
             "history": self._history,
             "output_shapes": self._output_shapes,
             "run_id": self._run_id,
+            "training_summary": self._training_summary,
         }
 
     def _restore(self, objects: dict, metadata: dict) -> None:
@@ -136,3 +146,4 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         self._history = metadata.get("history") or []
         self._output_shapes = metadata.get("output_shapes")
         self._run_id = metadata.get("run_id")
+        self._training_summary = metadata.get("training_summary") or {}

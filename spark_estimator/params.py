@@ -28,6 +28,10 @@ def _to_optional_list_str(value: Any) -> list[str] | None:
     return None if value is None else TypeConverters.toListString(value)
 
 
+def _to_optional_list_float(value: Any) -> list[float] | None:
+    return None if value is None else TypeConverters.toListFloat(value)
+
+
 def _to_input_shapes(value: Any) -> list[list[int]] | None:
     if value is None:
         return None
@@ -107,7 +111,11 @@ class EstimatorParams(HasModelIO):
 
     model = _param("model", "the torch.nn.Module to train")
     optimizer = _param("optimizer", "a torch.optim.Optimizer built on the model's parameters")
-    loss = _param("loss", "a loss module or a function (output, label) -> scalar tensor")
+    loss = _param(
+        "loss",
+        "a loss module or a function (output, label) -> scalar tensor, or a list of them, one "
+        "per label column; not needed with loss_constructors",
+    )
     label_cols = _param(
         "label_cols",
         "label columns; with several, the model returns one output per label",
@@ -207,9 +215,104 @@ class EstimatorParams(HasModelIO):
         "column -> tensor (CPU) in, a dict with the same columns and rows out",
     )
 
+    # -- the training loop ------------------------------------------------------------------
+    lr_scaling = _param(
+        "lr_scaling",
+        "'none' (default: learning rates as given) or 'linear' (multiplied by the number of "
+        "processes, Horovod's recipe for a global batch num_proc x batch_size); the rates "
+        "used are in the model's training summary",
+        TypeConverters.toString,
+    )
+    backward_passes_per_step = _param(
+        "backward_passes_per_step",
+        "batches whose gradients are accumulated per optimizer step; only the last one "
+        "communicates (DDP no_sync)",
+        TypeConverters.toInt,
+    )
+    gradient_compression = _param(
+        "gradient_compression",
+        "'none', 'fp16' or 'bf16': the dtype gradients are averaged across processes in",
+        TypeConverters.toString,
+    )
+    mixed_precision = _param(
+        "mixed_precision",
+        "'none', 'fp16' or 'bf16': torch.autocast for forward and loss (fp16 adds a "
+        "GradScaler); meant for GPUs, on CPU it runs torch's CPU autocast",
+        TypeConverters.toString,
+    )
+    metrics = _param(
+        "metrics",
+        "dict name -> function (output, label) -> tensor (a batch mean), or a list of "
+        "functions named by __name__; averaged over all rows per epoch for train and "
+        "validation and stored in the history",
+    )
+    loss_weights = _param(
+        "loss_weights",
+        "one weight per label column: the loss is sum(weight_i * loss_i)",
+        _to_optional_list_float,
+    )
+    sample_weight_col = _param(
+        "sample_weight_col",
+        "numeric column of per-row loss weights: the batch loss is mean(weight * row loss)",
+        _to_optional_str,
+    )
+    lr_scheduler = _param(
+        "lr_scheduler",
+        "function optimizer -> torch LR scheduler, called on each process after lr_scaling",
+    )
+    lr_scheduler_interval = _param(
+        "lr_scheduler_interval",
+        "'epoch' (default) or 'step': when the LR scheduler steps; ReduceLROnPlateau steps "
+        "per epoch on the validation (else training) loss",
+        TypeConverters.toString,
+    )
+    callbacks = _param(
+        "callbacks",
+        "list of spark_estimator.callbacks.Callback (EarlyStopping, BestModel or your own), "
+        "run on every process",
+    )
+    terminate_on_nan = _param(
+        "terminate_on_nan",
+        "fail with an error naming the epoch and step when a training loss is NaN or "
+        "infinite (checked at the end of each epoch); the last good checkpoint is kept",
+        TypeConverters.toBoolean,
+    )
+    train_minibatch_fn = _param(
+        "train_minibatch_fn",
+        "your own training step fn(model, optimizer, loss_fn, inputs, labels) -> (outputs, "
+        "loss) that does zero_grad, forward, backward and optimizer.step; loss_fn(outputs, "
+        "labels) is the estimator's loss for the batch",
+    )
+    loss_constructors = _param(
+        "loss_constructors",
+        "list of functions () -> loss, called on each process (for losses that cannot be "
+        "pickled): one for every label column, or one per label column",
+    )
+    keep_checkpoints = _param(
+        "keep_checkpoints",
+        "how many of the latest epochs' checkpoints to keep in the store (the best epoch's, "
+        "with a BestModel callback, is kept too); default all",
+        _to_optional_int,
+    )
+
     def __init__(self):
         super().__init__()
         self._setDefault(
+            lr_scaling="none",
+            backward_passes_per_step=1,
+            gradient_compression="none",
+            mixed_precision="none",
+            metrics=None,
+            loss_weights=None,
+            sample_weight_col=None,
+            lr_scheduler=None,
+            lr_scheduler_interval="epoch",
+            callbacks=None,
+            terminate_on_nan=True,
+            train_minibatch_fn=None,
+            loss_constructors=None,
+            keep_checkpoints=None,
+            loss=None,
             partitions_per_process=4,
             row_group_size_mb=32.0,
             compression="snappy",
@@ -234,7 +337,18 @@ class EstimatorParams(HasModelIO):
 
 
 # Params whose values are Python objects: persisted by pickle, not in JSON metadata.
-OBJECT_PARAMS = ("model", "optimizer", "loss", "store", "transformation_fn")
+OBJECT_PARAMS = (
+    "model",
+    "optimizer",
+    "loss",
+    "store",
+    "transformation_fn",
+    "metrics",
+    "lr_scheduler",
+    "callbacks",
+    "train_minibatch_fn",
+    "loss_constructors",
+)
 
 
 def json_params(instance: Params) -> dict[str, Any]:

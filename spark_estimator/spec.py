@@ -15,6 +15,10 @@ DATASET_FORMAT_VERSION = 2
 SPLITS = ("train", "validation")
 FLOAT_DTYPES = ("float32", "float64")
 READERS = ("arrow", "petastorm")
+LR_SCALINGS = ("none", "linear")
+PRECISIONS = ("none", "fp16", "bf16")  # for mixed_precision and gradient_compression
+SCHEDULER_INTERVALS = ("epoch", "step")
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
 
@@ -46,10 +50,11 @@ class DatasetInfo:
     files: dict[str, list[tuple[str, list[int]]]]
     reused: bool = False  # found complete in the store rather than written by this fit
     source: dict = field(default_factory=dict)  # what the cache key was computed from
+    sample_weight: ColumnSpec | None = None  # per-row loss weights (sample_weight_col)
 
     @property
     def columns(self) -> list[ColumnSpec]:
-        return self.features + self.labels
+        return self.features + self.labels + ([self.sample_weight] if self.sample_weight else [])
 
     def rows(self, split: str) -> int:
         return sum(sum(groups) for _, groups in self.files.get(split, []))
@@ -59,6 +64,7 @@ class DatasetInfo:
             "format_version": DATASET_FORMAT_VERSION,
             "features": [asdict(c) for c in self.features],
             "labels": [asdict(c) for c in self.labels],
+            "sample_weight": asdict(self.sample_weight) if self.sample_weight else None,
             "files": self.files,
             "rows": {s: self.rows(s) for s in SPLITS},
             "source": self.source,
@@ -73,6 +79,7 @@ class DatasetInfo:
             files={s: [(f, list(g)) for f, g in files] for s, files in meta["files"].items()},
             reused=reused,
             source=meta.get("source", {}),
+            sample_weight=ColumnSpec(**weight) if (weight := meta.get("sample_weight")) else None,
         )
 
 
@@ -90,11 +97,35 @@ class LoaderSpec:
     transformation_fn: bytes | None = None  # cloudpickled fn(dict of tensors) -> dict
 
 
+@dataclass(frozen=True)
+class LoopSpec:
+    """How the training loop steps (the loop parameters of TorchEstimator)."""
+
+    lr_scaling: str = "none"  # "none" | "linear" (learning rates x world size)
+    backward_passes_per_step: int = 1
+    gradient_compression: str = "none"  # "none" | "fp16" | "bf16"
+    mixed_precision: str = "none"  # "none" | "fp16" | "bf16"
+    loss_weights: tuple[float, ...] | None = None  # one per label column
+    lr_scheduler_interval: str = "epoch"  # "epoch" | "step"
+    terminate_on_nan: bool = True
+    keep_checkpoints: int | None = None  # the last k epochs' checkpoints; None keeps all
+
+
+def metric_keys(metric_names: list[str], label_cols: list[str]) -> list[str]:
+    """History keys of the metrics: the metric's name, suffixed by the label column when
+    there are several label columns (``accuracy_y1``)."""
+    if len(label_cols) == 1:
+        return list(metric_names)
+    return [f"{name}_{label}" for name in metric_names for label in label_cols]
+
+
 @dataclass
 class TrainSpec:
     """Everything a training task needs besides its BarrierTaskContext."""
 
-    bundle: bytes  # cloudpickle of (model, optimizer, loss)
+    # cloudpickle of a dict of the user's objects: model, optimizer, loss, loss_constructors,
+    # metrics, lr_scheduler, callbacks, train_minibatch_fn (see worker/objects.py)
+    bundle: bytes
     data: DatasetInfo
     store: Store
     run_id: str
@@ -104,3 +135,4 @@ class TrainSpec:
     use_gpu: bool
     input_shapes: list[list[int]] | None
     loader: LoaderSpec = field(default_factory=LoaderSpec)
+    loop: LoopSpec = field(default_factory=LoopSpec)

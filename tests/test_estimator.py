@@ -9,6 +9,7 @@ import torch
 from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
+from spark_estimator.callbacks import BestModel
 from spark_estimator.serialization import state_from_bytes
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
@@ -56,7 +57,7 @@ def test_history_has_one_record_per_epoch_with_train_and_validation_loss(digits_
     _, model, _, _, _ = digits_fit
     history = model.getHistory()
     assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
-    assert all(set(h) == {"epoch", "train", "validation"} for h in history)
+    assert all(set(h) == {"epoch", "lr", "train", "validation"} for h in history)
     assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2
     assert history[-1]["validation"]["loss"] < history[0]["validation"]["loss"] / 2
 
@@ -237,7 +238,7 @@ def _bad_inputs():
             TypeError,
             "model: cannot be serialized",
         ),
-        "no loss": (dict(loss=None), ValueError, "loss: is required"),
+        "no loss": (dict(loss=None), ValueError, "loss: set exactly one of loss and"),
         "no store": (dict(store=None), ValueError, "store: is required"),
         "store not a Store": (
             dict(store="/tmp/x"),
@@ -277,6 +278,38 @@ def _bad_inputs():
             dict(transformation_fn="scale"),
             TypeError,
             "transformation_fn: expected a function",
+        ),
+        "missing sample_weight_col": (
+            dict(sample_weight_col="nope"),
+            ValueError,
+            "sample_weight_col: column 'nope'",
+        ),
+        "string sample_weight_col": (
+            dict(sample_weight_col="name"),
+            TypeError,
+            "sample_weight_col: column 'name' has type string",
+        ),
+        "loss_weights count": (dict(loss_weights=[1.0, 1.0]), ValueError, "loss_weights: 2"),
+        "unknown lr_scaling": (dict(lr_scaling="sqrt"), ValueError, "lr_scaling: must be one"),
+        "unknown mixed_precision": (
+            dict(mixed_precision="fp8"),
+            ValueError,
+            "mixed_precision: must be one of",
+        ),
+        "backward_passes_per_step 0": (
+            dict(backward_passes_per_step=0),
+            ValueError,
+            "backward_passes_per_step: must be >= 1",
+        ),
+        "monitor without validation": (
+            dict(callbacks=[BestModel("validation.loss")]),
+            ValueError,
+            "callbacks: BestModel monitors 'validation.loss'",
+        ),
+        "keep_checkpoints 0": (
+            dict(keep_checkpoints=0),
+            ValueError,
+            "keep_checkpoints: must be >= 1",
         ),
         **_petastorm_case(),
     }

@@ -90,7 +90,12 @@ def source_fingerprint(df: DataFrame) -> dict:
 
 
 def cache_key(
-    source: dict, columns: list[ColumnSpec], validation, seed: int, write_options: dict
+    source: dict,
+    columns: list[ColumnSpec],
+    validation,
+    seed: int,
+    write_options: dict,
+    sample_weight: ColumnSpec | None = None,
 ) -> str:
     spec = {
         "version": DATASET_FORMAT_VERSION,
@@ -100,4 +105,6 @@ def cache_key(
         "seed": seed if isinstance(validation, float) else None,
         "write": write_options,
     }
+    if sample_weight is not None:  # absent otherwise, so datasets without one keep their key
+        spec["sample_weight"] = asdict(sample_weight)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]

@@ -80,10 +80,11 @@ def materialize(
     validation,
     seed: int,
     options: WriteOptions,
+    sample_weight: ColumnSpec | None = None,
 ) -> DatasetInfo:
     """Write (or reuse) the Parquet datasets for this DataFrame and these columns."""
     source = source_fingerprint(df)
-    key = cache_key(source, features + labels, validation, seed, asdict(options))
+    key = cache_key(source, features + labels, validation, seed, asdict(options), sample_weight)
     final = store.dataset_path(key)
     meta_path = posixpath.join(final, "_meta.json")
     if store.exists(meta_path):
@@ -92,7 +93,7 @@ def materialize(
     tmp = store.new_temp_dir(store.join("datasets"))
     try:
         selected = df.select(
-            *[_select_expr(c) for c in features + labels],
+            *[_select_expr(c) for c in features + labels + [sample_weight] if c is not None],
             _split_expr(validation, seed).alias(SPLIT_COL),
         ).repartition(options.num_files)
         (
@@ -111,6 +112,7 @@ def materialize(
             labels=labels,
             files={s: list_row_groups(store, posixpath.join(tmp, s), tmp) for s in SPLITS},
             source={**source, "files": len(source.get("files", [])), "key": key},
+            sample_weight=sample_weight,
         )
         check_not_empty(data, validation)
         store.write_json(posixpath.join(tmp, "_meta.json"), data.to_json())

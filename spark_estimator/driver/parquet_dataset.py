@@ -26,22 +26,27 @@ def _numeric(t: pa.DataType) -> bool:
 
 
 def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str) -> ColumnSpec:
+    """``role`` is feature, label or sample_weight (a float scalar)."""
+    param = "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
     if name not in schema.names:
         raise ValueError(
-            f"{role}_cols: column '{name}' is not in the Parquet at {where} "
-            f"(columns: {schema.names})"
+            f"{param}: column '{name}' is not in the Parquet at {where} (columns: {schema.names})"
         )
     t = schema.field(name).type
     element = t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
     integral = role == "label" and pa.types.is_integer(element)
-    if _numeric(element):
+    if _numeric(element) and not (role == "sample_weight" and element is not t):
         kind = "scalar" if element is t else "array"
         return ColumnSpec(name, kind, "int64" if integral else dtype)
     if role == "feature" and pa.types.is_struct(t) and {f.name for f in t} == _VECTOR_FIELDS:
         return ColumnSpec(name, "vector", dtype)
+    expected = {
+        "feature": "numbers, lists of numbers or an ML vector",
+        "label": "numbers or lists of numbers",
+        "sample_weight": "numbers",
+    }[role]
     raise TypeError(
-        f"{role}_cols: column '{name}' in the Parquet at {where} has type {t}; expected "
-        "numbers or lists of numbers" + (" or an ML vector" if role == "feature" else "")
+        f"{param}: column '{name}' in the Parquet at {where} has type {t}; expected {expected}"
     )
 
 
@@ -60,6 +65,7 @@ def parquet_dataset(
     label_cols: list[str],
     dtype: str,
     validation=None,
+    sample_weight_col: str | None = None,
 ) -> DatasetInfo:
     """A DatasetInfo for Parquet already in ``store``; every check runs here, on the driver."""
     root = _resolve(store, path, "path")
@@ -87,19 +93,30 @@ def parquet_dataset(
     if not files.get("train"):
         raise ValueError(f"path: no Parquet files with rows under '{path}'")
 
-    def split_specs(split: str) -> tuple[list[ColumnSpec], list[ColumnSpec]]:
+    def split_specs(split: str) -> tuple[list[ColumnSpec], list[ColumnSpec], ColumnSpec | None]:
         first = files[split][0][0]
         with store.fs.open(posixpath.join(root, first), "rb") as f:
             schema = pq.read_schema(f)
         where = f"{root}/{first}"
+        weight = sample_weight_col and column_spec(
+            schema, sample_weight_col, "sample_weight", dtype, where
+        )
         return (
             [column_spec(schema, c, "feature", dtype, where) for c in feature_cols],
             [column_spec(schema, c, "label", dtype, where) for c in label_cols],
+            weight or None,
         )
 
-    features, labels = split_specs("train")
+    features, labels, weight = split_specs("train")
     if files.get("validation"):
         split_specs("validation")  # the validation files must hold the same columns
-    data = DatasetInfo(path=root, features=features, labels=labels, files=files, reused=True)
+    data = DatasetInfo(
+        path=root,
+        features=features,
+        labels=labels,
+        files=files,
+        reused=True,
+        sample_weight=weight,
+    )
     check_not_empty(data, validation_path)
     return data

@@ -7,7 +7,6 @@ schema comes from the DataFrame's analyzed plan.
 
 from __future__ import annotations
 
-import torch
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import (
     ArrayType,
@@ -28,27 +27,39 @@ def _numeric(dt: DataType) -> bool:
 
 
 def column_spec(schema: StructType, name: str, role: str, dtype: str = "float32") -> ColumnSpec:
-    """Check that column ``name`` exists with a type supported for ``role`` (feature/label)."""
+    """Check that column ``name`` exists with a type supported for ``role``: feature, label
+    or sample_weight (a numeric scalar)."""
+    param = "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
     if name not in schema.names:
         raise ValueError(
-            f"{role}_cols: column '{name}' is not in the DataFrame (columns: {schema.names})"
+            f"{param}: column '{name}' is not in the DataFrame (columns: {schema.names})"
         )
     dt = schema[name].dataType
     if _numeric(dt):
         integral = role == "label" and isinstance(dt, IntegralType)
         return ColumnSpec(name, "scalar", "int64" if integral else dtype)
-    if isinstance(dt, ArrayType) and _numeric(dt.elementType):
+    if role != "sample_weight" and isinstance(dt, ArrayType) and _numeric(dt.elementType):
         integral = role == "label" and isinstance(dt.elementType, IntegralType)
         return ColumnSpec(name, "array", "int64" if integral else dtype)
     if role == "feature" and isinstance(dt, VectorUDT):
         return ColumnSpec(name, "vector", dtype)
-    allowed = "a numeric scalar or array<numeric>" + (
-        " or an ML Vector" if role == "feature" else ""
-    )
-    raise TypeError(
-        f"{role}_cols: column '{name}' has type {dt.simpleString()}; {role} columns must be "
-        f"{allowed}"
-    )
+    allowed = {
+        "feature": "a numeric scalar or array<numeric> or an ML Vector",
+        "label": "a numeric scalar or array<numeric>",
+        "sample_weight": "a numeric scalar",
+    }[role]
+    raise TypeError(f"{param}: column '{name}' has type {dt.simpleString()}; it must be {allowed}")
+
+
+def check_sample_weight_col(
+    schema: StructType | None, name: str | None, used_cols: list[str], dtype: str
+) -> ColumnSpec | None:
+    """The weight column's spec (None without a schema, for fit_on_parquet)."""
+    if name is None:
+        return None
+    if name in used_cols:
+        raise ValueError(f"sample_weight_col: column '{name}' is also a feature or label")
+    return column_spec(schema, name, "sample_weight", dtype) if schema is not None else None
 
 
 def check_column_names(feature_cols: list[str], label_cols: list[str]) -> None:
@@ -148,28 +159,6 @@ def check_num_proc(num_proc: int, slots: int) -> None:
             f"{slots} tasks at once; a barrier job needs all of them at the same time. Lower "
             "num_proc or add executor cores."
         )
-
-
-def check_training_objects(model, optimizer, loss) -> bytes:
-    """Check model/optimizer/loss and return their cloudpickled bundle."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    if loss is None or not callable(loss):
-        raise TypeError(f"loss: expected a loss module or a function (output, label), got {loss!r}")
-    model_params = {id(p) for p in model.parameters()}
-    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not opt_params or any(id(p) not in model_params for p in opt_params):
-        raise ValueError(
-            "optimizer: its parameters are not the model's parameters; build it with "
-            "optimizer_class(model.parameters(), ...) on the same model instance"
-        )
-    dumps(model, "model")
-    dumps(loss, "loss")
-    return dumps((model, optimizer, loss), "optimizer")
 
 
 def check_output_cols(output_cols, existing: list[str]) -> None:

@@ -26,13 +26,55 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class RankInfo:
+    """Where this task sits in the job: its ranks, the device it pinned, and, when it fell
+    back to CPU although ``use_gpu`` asked for a GPU, why (``device_note``)."""
+
     rank: int
     world_size: int
+    local_rank: int  # rank among the job's tasks on this host
+    local_size: int
     device: torch.device
+    device_note: str | None = None
+
+
+_current: RankInfo | None = None
+
+
+def current_rank_info() -> RankInfo:
+    """The RankInfo of the process group this task is in; RuntimeError outside of one."""
+    if _current is None:
+        raise RuntimeError(
+            "not inside a spark-estimator task: call this from a function run by "
+            "spark_estimator.run or from the training loop's hooks"
+        )
+    return _current
+
+
+def local_ranks(hosts: Sequence[str], rank: int) -> tuple[int, int]:
+    """(local rank, local size) of ``rank`` given the host of every rank."""
+    same = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return same.index(rank), len(same)
+
+
+def cuda_ordinal(address: str, visible_devices: str | None) -> int:
+    """The torch device index of the GPU Spark calls ``address``.
+
+    Spark's addresses are the ids its discovery script printed (physical ids). Where
+    ``CUDA_VISIBLE_DEVICES`` restricts the process, torch numbers only the visible GPUs,
+    so a listed id maps to its position in that list.
+    """
+    if visible_devices:
+        visible = [v.strip() for v in visible_devices.split(",")]
+        if address in visible:
+            return visible.index(address)
+    return int(address)
 
 
 def select_device(
-    use_gpu: bool, gpu_addresses: Sequence[str], cuda_available: bool
+    use_gpu: bool,
+    gpu_addresses: Sequence[str],
+    cuda_available: bool,
+    visible_devices: str | None = None,
 ) -> tuple[torch.device, str | None]:
     """The device for this task and, when falling back to CPU, the reason why.
 
@@ -51,7 +93,7 @@ def select_device(
             f"use_gpu=True and Spark assigned GPU {gpu_addresses[0]}, but torch has no CUDA "
             "support here; training on CPU"
         )
-    return torch.device("cuda", int(gpu_addresses[0])), None
+    return torch.device("cuda", cuda_ordinal(gpu_addresses[0], visible_devices)), None
 
 
 def task_gpu_addresses(resources: Mapping) -> list[str]:
@@ -59,27 +101,32 @@ def task_gpu_addresses(resources: Mapping) -> list[str]:
     return list(gpu.addresses) if gpu is not None else []
 
 
-def task_device(ctx, use_gpu: bool, warn: bool = True) -> torch.device:
-    """Pin and return the device for the running Spark task ``ctx``; size torch's threads."""
+def task_device(ctx, use_gpu: bool, warn: bool = True) -> tuple[torch.device, str | None]:
+    """Pin the device for the running Spark task ``ctx`` and size torch's threads; return
+    the device and, on a CPU fallback, the reason (the driver turns it into a warning)."""
     device, reason = select_device(
-        use_gpu, task_gpu_addresses(ctx.resources()), torch.cuda.is_available()
+        use_gpu,
+        task_gpu_addresses(ctx.resources()),
+        torch.cuda.is_available(),
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
     if reason and warn:
-        # a warning where a GPU exists but was not assigned (a misconfiguration), else info
-        level = logging.WARNING if torch.cuda.is_available() else logging.INFO
-        log.log(level, "spark-estimator task %d: %s", ctx.partitionId(), reason)
+        log.warning("spark-estimator task %d: %s", ctx.partitionId(), reason)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
-    return device
+    return device, reason
 
 
 @contextmanager
 def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
     """Join the barrier job's process group for the duration of the ``with`` block."""
-    rank, world_size = ctx.partitionId(), len(ctx.getTaskInfos())
-    device = task_device(ctx, use_gpu)
-    host = ctx.getTaskInfos()[0].address.rsplit(":", 1)[0]
+    global _current
+    infos = ctx.getTaskInfos()
+    rank, world_size = ctx.partitionId(), len(infos)
+    device, note = task_device(ctx, use_gpu)
+    hosts = [info.address.rsplit(":", 1)[0] for info in infos]
+    host = hosts[0]
     tcp_store = None
     if rank == 0:
         tcp_store = dist.TCPStore(
@@ -109,9 +156,11 @@ def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
         world_size=world_size,
         timeout=RENDEZVOUS_TIMEOUT,
     )
+    _current = RankInfo(rank, world_size, *local_ranks(hosts, rank), device, note)
     try:
-        yield RankInfo(rank, world_size, device)
+        yield _current
     finally:
+        _current = None
         dist.destroy_process_group()
         if device.type == "cuda":
             torch.cuda.empty_cache()

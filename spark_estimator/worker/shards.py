@@ -9,7 +9,9 @@ Training steps are agreed without communication: every rank knows every shard's 
 all ranks take ``steps = ceil(max_shard / batch_size)`` steps per pass, each cutting its
 shard into ``steps`` near-equal batches. The rows in one step across all ranks are known
 too, which lets the loop weight each rank's loss so DDP's gradient average is the exact mean
-over the step's rows, even when batches differ in size (or are empty).
+over the step's rows, even when batches differ in size (or are empty). With gradient
+accumulation, groups of consecutive steps share one optimizer step, and the weights make the
+group's gradient the exact mean over the group's rows.
 """
 
 from __future__ import annotations
@@ -76,13 +78,22 @@ class StepPlan:
         # rows of each step summed over ranks: the denominator of the exact mean
         self.step_rows = [sum(sizes[s] for sizes in per_rank) for s in range(self.steps)]
 
-    def weights(self) -> list[float]:
-        """Per step, the factor that turns this rank's mean loss into its share of the
-        step's exact mean once DDP averages gradients over ranks (1.0 for empty steps)."""
+    def weights(self, group: int = 1) -> list[float]:
+        """Per step, the factor that turns this rank's mean loss into its share of the exact
+        mean over the rows of the step's group (``group`` consecutive steps share one
+        optimizer step) once DDP averages gradients over ranks (1.0 for empty steps)."""
+        group_rows = []
+        for start in range(0, self.steps, group):
+            rows = self.step_rows[start : start + group]
+            group_rows += [sum(rows)] * len(rows)
         return [
             size * self.world_size / total if size else 1.0
-            for size, total in zip(self.batch_sizes, self.step_rows)
+            for size, total in zip(self.batch_sizes, group_rows)
         ]
+
+    def group_ends(self, group: int) -> list[bool]:
+        """Per step, whether it is the last of its group (the pass's last group may be short)."""
+        return [(s + 1) % group == 0 or s == self.steps - 1 for s in range(self.steps)]
 
 
 def eval_sizes(rows: int, batch_size: int, max_steps: int | None) -> list[int]:

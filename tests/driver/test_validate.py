@@ -121,46 +121,6 @@ def test_positive_numbers_and_slots():
         validate.check_num_proc(5, 4)
 
 
-def test_training_objects():
-    net = torch.nn.Linear(2, 1)
-    opt = torch.optim.Adam(net.parameters())
-    assert isinstance(validate.check_training_objects(net, opt, torch.nn.MSELoss()), bytes)
-    validate.check_training_objects(net, opt, lambda out, y: ((out - y) ** 2).mean())
-    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
-        validate.check_training_objects(lambda x: x, opt, torch.nn.MSELoss())
-    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer"):
-        validate.check_training_objects(net, "adam", torch.nn.MSELoss())
-    with pytest.raises(TypeError, match="loss: expected"):
-        validate.check_training_objects(net, opt, 3)
-
-
-def test_optimizer_must_hold_the_models_parameters():
-    net, other = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
-    with pytest.raises(ValueError, match="optimizer: its parameters are not the model's"):
-        validate.check_training_objects(net, torch.optim.SGD(other.parameters(), lr=1), abs)
-
-
-def test_unpicklable_model_and_loss_are_named():
-    class Holder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 1)
-            self.lock = threading.Lock()
-
-    net = Holder()
-    with pytest.raises(TypeError, match="model: cannot be serialized"):
-        validate.check_training_objects(net, torch.optim.SGD(net.parameters(), lr=1), abs)
-    lock = threading.Lock()
-    good = torch.nn.Linear(2, 1)
-
-    def loss(out, y):
-        with lock:
-            return (out - y).abs().mean()
-
-    with pytest.raises(TypeError, match="loss: cannot be serialized"):
-        validate.check_training_objects(good, torch.optim.SGD(good.parameters(), lr=1), loss)
-
-
 def test_output_cols():
     validate.check_output_cols(None, ["a"])
     validate.check_output_cols(["p"], ["a"])

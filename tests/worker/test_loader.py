@@ -123,7 +123,7 @@ def test_asking_for_more_rows_than_the_shard_has_is_an_error(tmp_path, store):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_buffer_is_pinned_and_batches_copy_without_blocking(tmp_path, store):
-    from spark_estimator.worker.train import Batch
+    from spark_estimator.worker.batch import Batch
 
     data = write_id_dataset(tmp_path, [20], row_group_size=5)
     spec = train_spec(data, store, shuffle_buffer_size=8)

@@ -1,0 +1,192 @@
+"""Driver: checks of the training loop's inputs (the user's objects and loop params).
+
+Like ``validate.py``: a ValueError or TypeError whose message starts with the parameter at
+fault, before any Spark job. ``training_bundle`` returns the one cloudpickle the executors
+rebuild everything from (``worker/objects.py``); each object is also pickled on its own
+first, so a failure names the parameter that holds the unpicklable thing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+
+from ..callbacks import Callback, _Monitor
+from ..serialization import dumps
+from ..spec import LR_SCALINGS, PRECISIONS, SCHEDULER_INTERVALS
+
+
+def _check_callable(name: str, value) -> None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name}: expected a function, got {type(value).__name__}")
+
+
+def _check_model_and_optimizer(model, optimizer) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not opt_params or any(id(p) not in model_params for p in opt_params):
+        raise ValueError(
+            "optimizer: its parameters are not the model's parameters; build it with "
+            "optimizer_class(model.parameters(), ...) on the same model instance"
+        )
+
+
+def check_losses(loss, loss_constructors, label_cols: list[str]) -> None:
+    """Exactly one of ``loss`` / ``loss_constructors``; one or one per label column."""
+    if (loss is None) == (loss_constructors is None):
+        raise ValueError(
+            "loss: set exactly one of loss and loss_constructors"
+            + (" (both are set)" if loss is not None else " (neither is set)")
+        )
+    name, value = ("loss", loss) if loss is not None else ("loss_constructors", loss_constructors)
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if name == "loss_constructors" and not isinstance(value, (list, tuple)):
+        raise TypeError("loss_constructors: expected a list of functions () -> loss")
+    if len(items) not in (1, len(label_cols)):
+        raise ValueError(
+            f"{name}: {len(items)} given for {len(label_cols)} label columns {label_cols}; "
+            "give one for all label columns or one per label column"
+        )
+    for item in items:
+        if not callable(item):
+            what = (
+                "a function () -> loss"
+                if name == "loss_constructors"
+                else ("a loss module or a function (output, label)")
+            )
+            raise TypeError(f"{name}: expected {what}, got {item!r}")
+
+
+def check_metrics(metrics) -> dict[str, Callable] | None:
+    """``metrics`` as a dict name -> function (a list is named by ``__name__``)."""
+    if metrics is None:
+        return None
+    if isinstance(metrics, (list, tuple)):
+        named = {getattr(fn, "__name__", None): fn for fn in metrics}
+        if None in named or "<lambda>" in named or len(named) != len(metrics):
+            raise ValueError(
+                "metrics: functions in a list are named by __name__, which must be distinct "
+                "and not '<lambda>'; pass a dict name -> function instead"
+            )
+        metrics = named
+    if not isinstance(metrics, dict) or not metrics:
+        raise TypeError(f"metrics: expected a dict name -> function or a list, got {metrics!r}")
+    for name, fn in metrics.items():
+        if not isinstance(name, str) or not name or name == "loss" or "." in name:
+            raise ValueError(
+                f"metrics: {name!r} is not a usable name (non-empty, not 'loss', no '.')"
+            )
+        if not callable(fn):
+            raise TypeError(f"metrics: '{name}' is not a function")
+    return dict(metrics)
+
+
+def check_loss_weights(loss_weights, label_cols: list[str]) -> None:
+    if loss_weights is None:
+        return
+    if len(loss_weights) != len(label_cols):
+        raise ValueError(
+            f"loss_weights: {len(loss_weights)} weights for {len(label_cols)} label columns "
+            f"{label_cols}"
+        )
+    if any(w < 0 for w in loss_weights) or not any(w > 0 for w in loss_weights):
+        raise ValueError(f"loss_weights: must be >= 0 with at least one > 0, got {loss_weights}")
+
+
+def check_callbacks(callbacks, monitorable: set[str]) -> None:
+    """Callbacks are Callback instances; monitored metrics exist (``split.name``)."""
+    if callbacks is None:
+        return
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"callbacks: expected a list of Callback, got {type(callbacks).__name__}")
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"callbacks: {cb!r} is not a spark_estimator.callbacks.Callback; subclass it"
+            )
+        if isinstance(cb, _Monitor) and cb.monitor not in monitorable:
+            raise ValueError(
+                f"callbacks: {type(cb).__name__} monitors '{cb.monitor}', which this fit does "
+                f"not produce; choose one of {sorted(monitorable)}"
+            )
+
+
+def check_loop_options(
+    *,
+    lr_scaling: str,
+    backward_passes_per_step: int,
+    gradient_compression: str,
+    mixed_precision: str,
+    lr_scheduler_interval: str,
+    train_minibatch_fn,
+) -> None:
+    for name, value, choices in (
+        ("lr_scaling", lr_scaling, LR_SCALINGS),
+        ("gradient_compression", gradient_compression, PRECISIONS),
+        ("mixed_precision", mixed_precision, PRECISIONS),
+        ("lr_scheduler_interval", lr_scheduler_interval, SCHEDULER_INTERVALS),
+    ):
+        if value not in choices:
+            raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step: must be >= 1, got {backward_passes_per_step}")
+    if train_minibatch_fn is not None and (
+        backward_passes_per_step > 1 or mixed_precision != "none"
+    ):
+        raise ValueError(
+            "train_minibatch_fn: your step owns backward and optimizer.step, so it cannot be "
+            "combined with backward_passes_per_step > 1 or mixed_precision; do those in it"
+        )
+
+
+def training_bundle(objects: dict, label_cols: list[str]) -> bytes:
+    """Check the user's objects and return their one cloudpickle for the executors.
+
+    ``objects`` has the estimator's values of model, optimizer, loss, loss_constructors,
+    metrics, lr_scheduler, callbacks and train_minibatch_fn.
+    """
+    _check_model_and_optimizer(objects["model"], objects["optimizer"])
+    check_losses(objects["loss"], objects["loss_constructors"], label_cols)
+    for name in ("lr_scheduler", "train_minibatch_fn"):
+        _check_callable(name, objects[name])
+    objects = {**objects, "metrics": check_metrics(objects["metrics"])}
+    for name in (
+        "model",
+        "loss",
+        "loss_constructors",
+        "metrics",
+        "lr_scheduler",
+        "callbacks",
+        "train_minibatch_fn",
+    ):
+        dumps(objects[name], name)
+    _check_scheduler(objects["lr_scheduler"], objects["optimizer"])
+    return dumps(objects, "optimizer")
+
+
+def _check_scheduler(make_scheduler, optimizer) -> None:
+    """Build the scheduler once on a shallow copy of the optimizer with its own param group
+    dicts (schedulers write ``initial_lr`` there), so a wrong function fails here rather
+    than on every executor, and the user's optimizer is left as it was."""
+    if make_scheduler is None:
+        return
+    probe = copy.copy(optimizer)
+    probe.param_groups = [dict(group) for group in optimizer.param_groups]
+    try:
+        scheduler = make_scheduler(probe)
+    except Exception as e:
+        raise ValueError(
+            f"lr_scheduler: calling it with the optimizer failed ({type(e).__name__}: {e})"
+        ) from e
+    if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
+        raise TypeError(
+            f"lr_scheduler: must return a torch LR scheduler, got {type(scheduler).__name__}"
+        )

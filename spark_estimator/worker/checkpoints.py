@@ -1,0 +1,46 @@
+"""Executor (rank 0): one checkpoint per finished epoch in the store, and their retention.
+
+A checkpoint holds everything needed to continue after its epoch: model, optimizer, LR
+scheduler and gradient scaler state, and the history so far. Each is written atomically
+(``Store.write_bytes``). With ``keep`` set, only the last ``keep`` epochs' checkpoints stay,
+plus any epoch named in ``protected`` (the best epoch, when a BestModel callback tracks one).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+
+from ..serialization import state_to_bytes
+from ..store import Store
+
+_NAME = re.compile(r"epoch-(\d+)\.pt")
+
+
+class Checkpoints:
+    def __init__(self, store: Store, run_id: str, keep: int | None):
+        self.store, self.run_id, self.keep = store, run_id, keep
+
+    def path(self, epoch: int) -> str:
+        return self.store.checkpoint_path(self.run_id, epoch)
+
+    def epochs(self) -> list[int]:
+        """Epochs with a checkpoint in the store, ascending."""
+        folder = posixpath.dirname(self.path(1))
+        if not self.store.exists(folder):
+            return []
+        names = (posixpath.basename(p) for p in self.store.fs.ls(folder, detail=False))
+        return sorted(int(m.group(1)) for n in names if (m := _NAME.fullmatch(n)))
+
+    def write(self, epoch: int, state: dict, protected: set[int] = frozenset()) -> None:
+        self.store.write_bytes(self.path(epoch), state_to_bytes({"epoch": epoch, **state}))
+        if self.keep is None:
+            return
+        for old in self.epochs()[: -self.keep]:
+            if old not in protected:
+                self.store.remove(self.path(old))
+
+    def last(self) -> str | None:
+        """The newest checkpoint's path, or None when there is none yet."""
+        epochs = self.epochs()
+        return self.path(epochs[-1]) if epochs else None

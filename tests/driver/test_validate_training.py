@@ -1,0 +1,146 @@
+import threading
+
+import pytest
+import torch
+
+from spark_estimator.callbacks import BestModel, Callback, EarlyStopping
+from spark_estimator.driver import validate_training as vt
+from spark_estimator.serialization import loads
+
+Y = ["y"]
+
+
+def bundle(net=None, label_cols=Y, **objects):
+    net = net or torch.nn.Linear(2, 1)
+    values = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        loss_constructors=None,
+        metrics=None,
+        lr_scheduler=None,
+        callbacks=None,
+        train_minibatch_fn=None,
+    )
+    values.update(objects)
+    return vt.training_bundle(values, label_cols)
+
+
+def test_the_bundle_keeps_the_optimizer_on_the_models_parameters():
+    objects = loads(bundle(metrics=[torch.nn.functional.l1_loss]))
+    params = {id(p) for p in objects["model"].parameters()}
+    assert {id(p) for g in objects["optimizer"].param_groups for p in g["params"]} == params
+    assert list(objects["metrics"]) == ["l1_loss"]
+
+
+def test_model_optimizer_and_loss_types():
+    net = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        bundle(model=lambda x: x)
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer"):
+        bundle(net, optimizer="adam")
+    with pytest.raises(TypeError, match="loss: expected"):
+        bundle(loss=3)
+    bundle(loss=lambda out, y: ((out - y) ** 2).mean())
+
+
+def test_optimizer_must_hold_the_models_parameters():
+    other = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="optimizer: its parameters are not the model's"):
+        bundle(optimizer=torch.optim.SGD(other.parameters(), lr=1))
+
+
+def test_unpicklable_objects_are_named():
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+            self.lock = threading.Lock()
+
+    net = Holder()
+    with pytest.raises(TypeError, match="model: cannot be serialized"):
+        bundle(net, optimizer=torch.optim.SGD(net.parameters(), lr=1))
+    lock = threading.Lock()
+
+    def locked(out, y):
+        with lock:
+            return (out - y).abs().mean()
+
+    with pytest.raises(TypeError, match="loss: cannot be serialized"):
+        bundle(loss=locked)
+    with pytest.raises(TypeError, match="metrics: cannot be serialized"):
+        bundle(metrics={"m": locked})
+
+
+def test_exactly_one_of_loss_and_loss_constructors_one_or_one_per_label():
+    with pytest.raises(ValueError, match=r"loss: set exactly one .* \(neither"):
+        bundle(loss=None)
+    with pytest.raises(ValueError, match=r"loss: set exactly one .* \(both"):
+        bundle(loss_constructors=[torch.nn.MSELoss])
+    with pytest.raises(TypeError, match="loss_constructors: expected a list"):
+        bundle(loss=None, loss_constructors=torch.nn.MSELoss)
+    with pytest.raises(ValueError, match="loss: 2 given for 3 label columns"):
+        bundle(loss=[torch.nn.MSELoss()] * 2, label_cols=["a", "b", "c"])
+    bundle(loss=None, loss_constructors=[torch.nn.MSELoss, torch.nn.L1Loss], label_cols=["a", "b"])
+
+
+def test_metrics_need_distinct_usable_names():
+    assert vt.check_metrics(None) is None
+    with pytest.raises(ValueError, match="metrics: functions in a list"):
+        vt.check_metrics([lambda o, y: o])
+    with pytest.raises(ValueError, match="metrics: 'loss' is not a usable name"):
+        vt.check_metrics({"loss": abs})
+    with pytest.raises(TypeError, match="metrics: 'm' is not a function"):
+        vt.check_metrics({"m": 3})
+
+
+def test_loss_weights_one_per_label_non_negative():
+    vt.check_loss_weights(None, Y)
+    vt.check_loss_weights([0.0, 2.0], ["a", "b"])
+    with pytest.raises(ValueError, match="loss_weights: 1 weights for 2 label columns"):
+        vt.check_loss_weights([1.0], ["a", "b"])
+    with pytest.raises(ValueError, match="loss_weights: must be >= 0"):
+        vt.check_loss_weights([-1.0, 1.0], ["a", "b"])
+
+
+def test_callbacks_are_callbacks_monitoring_metrics_the_fit_produces():
+    vt.check_callbacks([Callback(), EarlyStopping("train.loss")], {"train.loss"})
+    with pytest.raises(TypeError, match="callbacks: .* is not a spark_estimator"):
+        vt.check_callbacks([object()], {"train.loss"})
+    with pytest.raises(ValueError, match="callbacks: BestModel monitors 'validation.loss'"):
+        vt.check_callbacks([BestModel()], {"train.loss"})
+
+
+def test_loop_options():
+    good = dict(
+        lr_scaling="none",
+        backward_passes_per_step=1,
+        gradient_compression="none",
+        mixed_precision="none",
+        lr_scheduler_interval="epoch",
+        train_minibatch_fn=None,
+    )
+    vt.check_loop_options(**good)
+    for name, bad in (
+        ("lr_scaling", "sqrt"),
+        ("gradient_compression", "int8"),
+        ("mixed_precision", "fp8"),
+        ("lr_scheduler_interval", "batch"),
+    ):
+        with pytest.raises(ValueError, match=f"{name}: must be one of"):
+            vt.check_loop_options(**{**good, name: bad})
+    with pytest.raises(ValueError, match="backward_passes_per_step: must be >= 1"):
+        vt.check_loop_options(**{**good, "backward_passes_per_step": 0})
+    with pytest.raises(ValueError, match="train_minibatch_fn: your step owns backward"):
+        vt.check_loop_options(**{**good, "train_minibatch_fn": abs, "mixed_precision": "bf16"})
+
+
+def test_lr_scheduler_is_tried_without_touching_the_optimizer():
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bundle(net, optimizer=opt, lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+    assert "initial_lr" not in opt.param_groups[0]
+    with pytest.raises(ValueError, match="lr_scheduler: calling it with the optimizer failed"):
+        bundle(lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o))
+    with pytest.raises(TypeError, match="lr_scheduler: must return a torch LR scheduler"):
+        bundle(lr_scheduler=lambda o: 0.1)

@@ -1,0 +1,311 @@
+"""The training-loop parameters of TorchEstimator, end to end on local[4] with 2 processes.
+
+Every test compares against a run or a value that would differ if the parameter were
+ignored. The fits share one store, so the Parquet of each DataFrame is written once.
+"""
+
+import math
+
+import pytest
+import torch
+from pyspark.sql import functions as F
+
+from spark_estimator import Store
+from spark_estimator.callbacks import BestModel, Callback, EarlyStopping
+from spark_estimator.serialization import state_from_bytes
+from tests.conftest import LOCAL, linear_net, make_estimator, regression_rows, spark_session
+
+ROWS = 128  # 64 per process: batches of 8 and 16 cut each shard at the same rows
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return Store.create(str(tmp_path_factory.mktemp("training") / "store"))
+
+
+@pytest.fixture(scope="module")
+def df():
+    rows = [(x, y, i, 2.0, i % 4 == 0) for x, y, i in regression_rows(ROWS)]
+    schema = "x array<double>, y double, id long, w double, v boolean"
+    return spark_session(LOCAL).createDataFrame(rows, schema)
+
+
+def weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.getModel().parameters()])
+
+
+def ranks(store, model):
+    return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+
+
+def checkpoint(store, model, epoch):
+    path = store.checkpoint_path(model.getRunId(), epoch)
+    return state_from_bytes(store.read_bytes(path), weights_only=False)
+
+
+def fit(df, store, lr=0.1, net=None, **params):
+    net = net if net is not None else linear_net()
+    params.setdefault("optimizer", torch.optim.SGD(net.parameters(), lr=lr))
+    return make_estimator(net, store, shuffle=False, **params).fit(df)
+
+
+def test_linear_lr_scaling_multiplies_learning_rates_by_the_process_count(df, store):
+    scaled = fit(df, store, lr=0.05, lr_scaling="linear")
+    plain = fit(df, store, lr=0.1)
+    assert torch.allclose(weights(scaled), weights(plain), atol=1e-6)
+    summary = scaled.getTrainingSummary()
+    assert summary["base_learning_rates"] == [0.05] and summary["learning_rates"] == [0.1]
+    assert [h["lr"] for h in scaled.getHistory()] == [[0.1]] * 3
+    assert plain.getTrainingSummary()["lr_scaling"] == "none"
+
+
+def test_accumulating_k_batches_equals_one_batch_k_times_bigger(df, store):
+    accumulated = fit(df, store, batch_size=8, backward_passes_per_step=2)
+    big = fit(df, store, batch_size=16)
+    small = fit(df, store, batch_size=8)
+    assert torch.allclose(weights(accumulated), weights(big), atol=1e-6)
+    assert not torch.allclose(weights(small), weights(big), atol=1e-3)
+    assert {r["optimizer_steps_per_epoch"] for r in ranks(store, accumulated)} == {4}
+    assert accumulated.getTrainingSummary()["backward_passes_per_step"] == 2
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gradient_compression_communicates_in_the_chosen_dtype(df, store, dtype):
+    compressed = fit(
+        df, store, gradient_compression=dtype, backward_passes_per_step=2, batch_size=8
+    )
+    summaries = ranks(store, compressed)
+    assert {tuple(r["communicated_dtypes"]) for r in summaries} == {
+        ("float16" if dtype == "fp16" else "bfloat16",)
+    }
+    # no_sync: one communication per optimizer step, not per batch (one bucket here)
+    assert {r["gradient_allreduces"] for r in summaries} == {4 * 3}
+    exact = fit(df, store, backward_passes_per_step=2, batch_size=8)
+    assert ranks(store, exact)[0]["communicated_dtypes"] is None
+    assert not torch.equal(weights(compressed), weights(exact))
+    assert torch.allclose(weights(compressed), weights(exact), atol=0.05)
+
+
+class DtypeProbe(torch.nn.Module):
+    """A linear model that records the dtype its layer computed in during training."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 1)
+        self.register_buffer("seen", torch.zeros(3))
+
+    def forward(self, x):
+        out = self.lin(x)
+        if self.training:
+            kinds = [torch.float32, torch.float16, torch.bfloat16]
+            self.seen[kinds.index(out.dtype)] = 1.0
+        return out
+
+
+@pytest.mark.parametrize("precision,index", [("none", 0), ("fp16", 1), ("bf16", 2)])
+def test_mixed_precision_runs_forward_under_autocast(df, store, precision, index):
+    net = DtypeProbe()
+    model = fit(df, store, net=net, mixed_precision=precision, epochs=1)
+    assert model.getModel().seen.tolist() == [float(i == index) for i in range(3)]
+    assert math.isfinite(model.getHistory()[0]["train"]["loss"])
+    assert ("scaler" in checkpoint(store, model, 1)) == (precision == "fp16")
+
+
+def test_metrics_are_averaged_over_all_rows_per_split(df, store):
+    def label_mean(output, label):
+        return label.mean()
+
+    model = fit(df, store, validation="v", epochs=2, metrics=[label_mean])
+    ys = df.select("y", "v").collect()
+    train_mean = sum(r.y for r in ys if not r.v) / sum(1 for r in ys if not r.v)
+    val_mean = sum(r.y for r in ys if r.v) / sum(1 for r in ys if r.v)
+    for record in model.getHistory():
+        assert record["train"]["label_mean"] == pytest.approx(train_mean, rel=1e-5)
+        assert record["validation"]["label_mean"] == pytest.approx(val_mean, rel=1e-5)
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def test_loss_weights_and_one_loss_per_label_column(df, store):
+    two = df.withColumn("y2", F.col("y") * 2)
+    net = TwoHeads()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    model = fit(
+        two,
+        store,
+        net=net,
+        label_cols=["y", "y2"],
+        loss=[torch.nn.MSELoss(), torch.nn.L1Loss()],
+        loss_weights=[1.0, 0.0],
+        metrics={"mae": lambda o, y: (o - y).abs().mean()},
+    )
+    after = model.getModel().state_dict()
+    assert torch.equal(after["b.weight"], before["b.weight"])  # weight 0: head b never moves
+    assert not torch.equal(after["a.weight"], before["a.weight"])
+    assert set(model.getHistory()[0]["train"]) == {"loss", "mae_y", "mae_y2"}
+
+
+def test_sample_weights_scale_each_rows_loss(df, store):
+    # full batches (64 rows per process), so the row order of the two datasets cannot matter
+    doubled = fit(df, store, lr=0.05, sample_weight_col="w", batch_size=64)
+    plain = fit(df, store, lr=0.1, batch_size=64)
+    assert torch.allclose(weights(doubled), weights(plain), atol=1e-5)
+    unweighted_half = fit(df, store, lr=0.05, batch_size=64)
+    assert not torch.allclose(weights(unweighted_half), weights(plain), atol=1e-3)
+
+
+def test_param_groups_and_constructor_arguments_survive(df, store):
+    net = torch.nn.Linear(3, 1)
+    bias = net.bias.detach().clone()
+    optimizer = torch.optim.SGD(
+        [{"params": [net.weight], "lr": 0.05}, {"params": [net.bias], "lr": 0.0}],
+        lr=0.1,
+        momentum=0.9,
+        nesterov=True,
+    )
+    model = fit(df, store, net=net, optimizer=optimizer)
+    assert torch.equal(model.getModel().bias.detach(), bias)
+    groups = checkpoint(store, model, 3)["optimizer"]["param_groups"]
+    assert [(g["lr"], g["momentum"], g["nesterov"]) for g in groups] == [
+        (0.05, 0.9, True),
+        (0.0, 0.9, True),
+    ]
+
+
+def test_lr_scheduler_steps_per_epoch(df, store):
+    model = fit(df, store, lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5))
+    assert [h["lr"] for h in model.getHistory()] == [[0.1], [0.05], [0.025]]
+    assert checkpoint(store, model, 3)["lr_scheduler"]["last_epoch"] == 3
+
+
+def test_lr_scheduler_steps_per_optimizer_step(df, store):
+    model = fit(
+        df,
+        store,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, 0.9),
+        lr_scheduler_interval="step",
+        backward_passes_per_step=2,
+        epochs=2,
+    )
+    # 64 rows per process in batches of 16 = 4 batches, 2 optimizer steps per epoch
+    assert [h["lr"] for h in model.getHistory()] == [[0.1], [pytest.approx(0.1 * 0.9**2)]]
+
+
+def test_early_stopping_best_model_and_checkpoint_retention(df, store):
+    # the training loss falls every epoch, so "max" mode never improves after epoch 1
+    model = fit(
+        df,
+        store,
+        epochs=10,
+        keep_checkpoints=1,
+        callbacks=[
+            EarlyStopping(monitor="train.loss", mode="max", patience=2),
+            BestModel(monitor="train.loss", mode="max"),
+        ],
+    )
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3]
+    summary = model.getTrainingSummary()
+    assert summary["stopped_early"] and summary["early_stopping_epoch"] == 3
+    assert summary["selected_epoch"] == 1
+    assert summary["selection"]["value"] == pytest.approx(history[0]["train"]["loss"])
+    assert summary["checkpoints"] == [1, 3]  # the last one and the best one
+    best = checkpoint(store, model, 1)["model"]
+    assert all(torch.equal(best[k], v) for k, v in model.getModel().state_dict().items())
+
+
+class Recorder(Callback):
+    """Records its hooks in the history; asks to stop on rank 1 at epoch 1 (ignored) and
+    on rank 0 at epoch 2 (followed by every rank)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def on_train_begin(self, state):
+        self.calls.append("train_begin")
+
+    def on_epoch_begin(self, epoch, state):
+        self.calls.append(f"begin{epoch}")
+
+    def on_epoch_end(self, epoch, logs, state):
+        self.calls.append(f"end{epoch}")
+        logs["calls"] = list(self.calls)
+        if (state.rank, epoch) in ((1, 1), (0, 2)):
+            state.stop_training = True
+
+
+def test_user_callbacks_hooks_and_rank_zero_decides_to_stop(df, store):
+    model = fit(df, store, epochs=5, callbacks=[Recorder()])
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert history[1]["calls"] == ["train_begin", "begin1", "end1", "begin2", "end2"]
+
+
+class NanOnRank1:
+    """MSE, except NaN for rank 1's third batch of epoch 2 (4 batches per epoch)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, output, label):
+        import torch.distributed as dist
+
+        self.calls += 1
+        loss = torch.nn.functional.mse_loss(output, label)
+        return loss * float("nan") if dist.get_rank() == 1 and self.calls == 4 + 3 else loss
+
+
+def test_terminate_on_nan_names_epoch_step_and_keeps_the_last_good_checkpoint(df, store):
+    with pytest.raises(Exception, match=r"terminate_on_nan: .* epoch 2, step 3 \(rank 1") as e:
+        fit(df, store, loss=NanOnRank1(), run_id="nan-run")
+    assert "checkpoints/epoch-0001.pt" in str(e.value)
+    assert store.exists(store.checkpoint_path("nan-run", 1))
+    assert not store.exists(store.checkpoint_path("nan-run", 2))
+    model = fit(df, store, loss=NanOnRank1(), terminate_on_nan=False)
+    assert math.isnan(model.getHistory()[1]["train"]["loss"])
+
+
+def test_train_minibatch_fn_replaces_the_step(df, store):
+    def frozen_step(model, optimizer, loss_fn, inputs, labels):
+        optimizer.zero_grad()
+        outputs = model(*inputs)
+        loss = loss_fn(outputs, labels)
+        loss.backward()
+        for p in model.parameters():
+            p.grad.zero_()  # a step that never moves the weights
+        optimizer.step()
+        return outputs, loss
+
+    net = torch.nn.Linear(3, 1)
+    before = torch.cat([p.detach().flatten().clone() for p in net.parameters()])
+    model = fit(df, store, net=net, train_minibatch_fn=frozen_step, epochs=2)
+    assert torch.equal(weights(model), before)
+    history = model.getHistory()
+    assert history[0]["train"]["loss"] == pytest.approx(history[1]["train"]["loss"])
+
+
+class Unpicklable(torch.nn.MSELoss):
+    def __reduce__(self):
+        raise TypeError("this loss holds a handle that cannot be pickled")
+
+
+def test_loss_constructors_build_unpicklable_losses_on_the_executors(df, store):
+    with pytest.raises(TypeError, match="loss: cannot be serialized"):
+        fit(df, store, loss=Unpicklable())
+    built = fit(df, store, loss=None, loss_constructors=[Unpicklable])
+    plain = fit(df, store)
+    assert torch.allclose(weights(built), weights(plain))
+
+
+def test_cpu_fallback_is_a_warning_on_the_driver(df, store):
+    with pytest.warns(RuntimeWarning, match="use_gpu=True but Spark assigned no GPU"):
+        fit(df, store, use_gpu=True, epochs=1)
