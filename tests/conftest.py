@@ -171,3 +171,16 @@ def write_id_dataset(root, file_rows: list[int], row_group_size: int, split: str
         labels=[ColumnSpec("y", "scalar", "int64")],
         files={split: files},
     )
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    """A real one-process gloo group in this process, for unit tests of collectives."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "pg-store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -31,7 +31,7 @@ from .ddp import wrap_model
 from .loader import ShardLoader, open_loader
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums
-from .objects import TrainingObjects, build_objects
+from .objects import build_objects
 from .rendezvous import RankInfo
 from .shards import StepPlan, eval_sizes
 from .step import Stepper
@@ -48,190 +48,215 @@ def training_steps(
         yield from zip(loader.batches(plan.batch_sizes, pass_index), weights, ends)
 
 
-def _evaluate(
-    objects: TrainingObjects,
-    stepper: Stepper,
-    loader,
-    sizes,
-    epoch,
-    spec,
-    device,
-    transform,
-    sums: EpochSums,
-) -> None:
-    """Add this rank's validation batches to ``sums`` (no collectives)."""
-    model = objects.model
-    model.eval()
-    with torch.no_grad(), stepper.autocast():
-        for chunk in loader.batches(sizes, epoch):
-            batch = Batch(chunk, spec, device, transform)
-            outputs = as_outputs(model(*batch.inputs))
-            loss = objects.loss(outputs, batch.labels, batch.sample_weight)
-            metrics = batch_metrics(objects.metrics, outputs, batch.labels)
-            sums.add("validation", loss, batch.size, metrics)
-
-
-def _nan_error(sums: EpochSums, epoch: int, world: int, checkpoints: Checkpoints) -> Exception:
-    """The error every rank raises when a training loss was not finite in this epoch."""
-    # the first bad step over all ranks, ties to the lowest rank: step * world + rank
-    first = sums.first_bad_step
-    code = first * world + dist.get_rank() if first >= 0 else torch.iinfo(torch.int64).max
-    code = torch.tensor([int(code)], dtype=torch.int64, device=first.device)
-    dist.all_reduce(code, op=dist.ReduceOp.MIN)
-    step, rank = divmod(int(code.item()), world)
-    last = checkpoints.last()
-    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-    return FloatingPointError(
-        f"terminate_on_nan: the training loss was NaN or infinite at epoch {epoch}, step "
-        f"{step} (rank {rank}; {sums.non_finite_steps} such steps this epoch); training "
-        f"stopped and {kept}"
-    )
-
-
-def _agree_to_stop(requested: bool, device: torch.device) -> bool:
-    """Rank 0's stop request, the same on every rank."""
-    flag = torch.tensor([1.0 if requested else 0.0], device=device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
-
-
 def train(spec: TrainSpec, info: RankInfo) -> dict:
     """Train on this rank; return a summary of what it did (one JSON-able dict)."""
     torch.manual_seed(spec.seed)
-    rank, world, device = info.rank, info.world_size, info.device
-    loop = spec.loop
-    objects = build_objects(spec, world, device)
-    transform = loads(spec.loader.transformation_fn) if spec.loader.transformation_fn else None
-    ddp, compression = wrap_model(objects.model, device, loop.gradient_compression)
-    stepper = Stepper(ddp, objects, loop, device)
-    optimizer, scheduler, callbacks = objects.optimizer, objects.scheduler, objects.callbacks
-
-    pin = device.type == "cuda"
-    train_loader = open_loader(spec, "train", world, rank, pin)
-    plan = StepPlan(spec.data.rows("train"), world, rank, spec.batch_size)
-    group = loop.backward_passes_per_step
-    steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
-    optimizer_steps = math.ceil(steps_per_epoch / group)
-    steps = training_steps(train_loader, plan, group)
-    val_loader = open_loader(spec, "validation", world, rank, pin)
-    val_sizes = eval_sizes(val_loader.rows, spec.batch_size, spec.loader.validation_steps_per_epoch)
-    has_validation = spec.data.rows("validation") > 0
-    names = metric_keys(list(objects.metrics), [c.name for c in spec.data.labels])
-    checkpoints = Checkpoints(spec.store, spec.run_id, loop.keep_checkpoints)
-    best = next((cb for cb in callbacks if isinstance(cb, BestModel)), None)
-    state = TrainingState(rank, world, objects.model, optimizer)
-    history = state.history
-    output_shapes: list[list[int]] | None = None
-    start_lrs = [group["lr"] for group in optimizer.param_groups]
-    started = time.time()
+    loop = _TrainingLoop(spec, info)
     try:
+        loop.run()
+    finally:
+        loop.steps.close()
+    return loop.finish()
+
+
+class _TrainingLoop:
+    """One rank's training run: set up in ``__init__``, ``run`` the epochs, ``finish``."""
+
+    def __init__(self, spec: TrainSpec, info: RankInfo):
+        self.spec, self.info, self.device = spec, info, info.device
+        rank, world = info.rank, info.world_size
+        self.objects = build_objects(spec, world, self.device)
+        fn = spec.loader.transformation_fn
+        self.transform = loads(fn) if fn else None
+        self.ddp, self.compression = wrap_model(
+            self.objects.model, self.device, spec.loop.gradient_compression
+        )
+        self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
+
+        pin = self.device.type == "cuda"
+        self.train_loader = open_loader(spec, "train", world, rank, pin)
+        plan = StepPlan(spec.data.rows("train"), world, rank, spec.batch_size)
+        group = spec.loop.backward_passes_per_step
+        self.steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
+        self.optimizer_steps = math.ceil(self.steps_per_epoch / group)
+        self.steps = training_steps(self.train_loader, plan, group)
+        self.val_loader = open_loader(spec, "validation", world, rank, pin)
+        self.val_sizes = eval_sizes(
+            self.val_loader.rows, spec.batch_size, spec.loader.validation_steps_per_epoch
+        )
+        self.has_validation = spec.data.rows("validation") > 0
+
+        labels = [c.name for c in spec.data.labels]
+        self.metric_names = metric_keys(list(self.objects.metrics), labels)
+        self.checkpoints = Checkpoints(spec.store, spec.run_id, spec.loop.keep_checkpoints)
+        callbacks = self.objects.callbacks
+        self.best = next((cb for cb in callbacks if isinstance(cb, BestModel)), None)
+        self.state = TrainingState(rank, world, self.objects.model, self.objects.optimizer)
+        self.output_shapes: list[list[int]] | None = None
+        self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
+        self.started = time.time()
+
+    # -- the epochs -----------------------------------------------------------------------
+    def run(self) -> None:
+        callbacks, state = self.objects.callbacks, self.state
         for cb in callbacks:
             cb.on_train_begin(state)
-        for epoch in range(1, spec.epochs + 1):
+        for epoch in range(1, self.spec.epochs + 1):
             state.epoch = epoch
             for cb in callbacks:
                 cb.on_epoch_begin(epoch, state)
-            lrs = [g["lr"] for g in optimizer.param_groups]
-            sums = EpochSums(names, device)
-            ddp.train()
-            done = step = 0
-            for chunk, weight, last in steps:
-                step += 1
-                batch = Batch(chunk, spec, device, transform)
-                outputs, loss = stepper(batch, weight, last)
-                if output_shapes is None:
-                    output_shapes = [list(o.shape[1:]) for o in outputs]
-                if batch.size:
-                    metrics = batch_metrics(objects.metrics, outputs, batch.labels)
-                    sums.add("train", loss, batch.size, metrics)
-                    if loop.terminate_on_nan:
-                        sums.check_finite(loss, step)
-                done += last
-                if done == optimizer_steps:
-                    break
-            if has_validation:
-                _evaluate(
-                    objects, stepper, val_loader, val_sizes, epoch, spec, device, transform, sums
-                )
+            lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
+            sums = EpochSums(self.metric_names, self.device)
+            self._train_epoch(sums)
+            if self.has_validation:
+                self._validate(epoch, sums)
             sums.reduce()  # the epoch's one collective for loss and metrics
-            if loop.terminate_on_nan and sums.non_finite_steps:
-                raise _nan_error(sums, epoch, world, checkpoints)
+            if self.spec.loop.terminate_on_nan and sums.non_finite_steps:
+                raise self._nan_error(sums, epoch)
             record = {"epoch": epoch, "lr": lrs, "train": sums.record("train")}
-            if has_validation:
+            if self.has_validation:
                 record["validation"] = sums.record("validation")
-            history.append(record)
-            if scheduler is not None and loop.lr_scheduler_interval == "epoch":
-                if isinstance(scheduler, _PLATEAU):
-                    split = "validation" if has_validation else "train"
-                    scheduler.step(monitored_value(record, f"{split}.loss"))
-                else:
-                    scheduler.step()
+            state.history.append(record)
+            self._step_scheduler(record)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, record, state)
-            stop = _agree_to_stop(state.stop_training, device)
-            if rank == 0:
-                checkpoint = {
-                    "model": objects.model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "history": history,
-                    **stepper.state_dict(),
-                }
-                protected = {best.best_epoch} if best and best.best_epoch else set()
-                checkpoints.write(epoch, checkpoint, protected)
+            stop = self._agree_to_stop(state.stop_training)
+            if self.info.rank == 0:
+                self._write_checkpoint(epoch)
             if stop:
                 break
         for cb in callbacks:
             cb.on_train_end(state)
-    finally:
-        steps.close()
 
-    state_dict = {k: v.detach().to("cpu") for k, v in objects.model.state_dict().items()}
-    if rank == 0:
-        selection = best.selection() if best else None
-        summary = {
-            "world_size": world,
+    def _train_epoch(self, sums: EpochSums) -> None:
+        self.ddp.train()
+        objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
+        done = step = 0
+        for chunk, weight, last in self.steps:
+            step += 1
+            batch = Batch(chunk, self.spec, self.device, self.transform)
+            outputs, loss = self.stepper(batch, weight, last)
+            if self.output_shapes is None:
+                self.output_shapes = [list(o.shape[1:]) for o in outputs]
+            if batch.size:
+                metrics = batch_metrics(objects.metrics, outputs, batch.labels)
+                sums.add("train", loss, batch.size, metrics)
+                if check_nan:
+                    sums.check_finite(loss, step)
+            done += last
+            if done == self.optimizer_steps:
+                return
+
+    def _validate(self, epoch: int, sums: EpochSums) -> None:
+        """Add this rank's validation batches to ``sums`` (no collectives: ranks may have
+        different batch counts, so this runs on the module, not the DDP wrapper)."""
+        model, objects = self.objects.model, self.objects
+        model.eval()
+        with torch.no_grad(), self.stepper.autocast():
+            for chunk in self.val_loader.batches(self.val_sizes, epoch):
+                batch = Batch(chunk, self.spec, self.device, self.transform)
+                outputs = as_outputs(model(*batch.inputs))
+                loss = objects.loss(outputs, batch.labels, batch.sample_weight)
+                metrics = batch_metrics(objects.metrics, outputs, batch.labels)
+                sums.add("validation", loss, batch.size, metrics)
+
+    def _step_scheduler(self, record: dict) -> None:
+        scheduler = self.objects.scheduler
+        if scheduler is None or self.spec.loop.lr_scheduler_interval != "epoch":
+            return
+        if isinstance(scheduler, _PLATEAU):
+            split = "validation" if self.has_validation else "train"
+            scheduler.step(monitored_value(record, f"{split}.loss"))
+        else:
+            scheduler.step()
+
+    def _agree_to_stop(self, requested: bool) -> bool:
+        """Rank 0's stop request, the same on every rank."""
+        flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _write_checkpoint(self, epoch: int) -> None:
+        state = {
+            "model": self.objects.model.state_dict(),
+            "optimizer": self.objects.optimizer.state_dict(),
+            "history": self.state.history,
+            **self.stepper.state_dict(),
+        }
+        best_epoch = self.best.best_epoch if self.best else None
+        self.checkpoints.write(epoch, state, {best_epoch} if best_epoch else set())
+
+    def _nan_error(self, sums: EpochSums, epoch: int) -> Exception:
+        """The error every rank raises when a training loss was not finite this epoch."""
+        world = self.info.world_size
+        # the first bad step over all ranks, ties to the lowest rank: step * world + rank
+        first = int(sums.first_bad_step.item())
+        code = first * world + self.info.rank if first >= 0 else torch.iinfo(torch.int64).max
+        code = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MIN)
+        step, rank = divmod(int(code.item()), world)
+        last = self.checkpoints.last()
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        return FloatingPointError(
+            f"terminate_on_nan: the training loss was NaN or infinite at epoch {epoch}, step "
+            f"{step} (rank {rank}; {sums.non_finite_steps} such steps this epoch); training "
+            f"stopped and {kept}"
+        )
+
+    # -- the end --------------------------------------------------------------------------
+    def finish(self) -> dict:
+        """Rank 0 writes the result; every rank returns its summary."""
+        model = self.objects.model
+        weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+        if self.info.rank == 0:
+            selection = self.best.selection() if self.best else None
+            result = {
+                "model": self.best.best_state if selection else weights,
+                "history": self.state.history,
+                "output_shapes": self.output_shapes,
+                "summary": self._training_summary(selection),
+            }
+            store = self.spec.store
+            store.write_bytes(store.result_path(self.spec.run_id), state_to_bytes(result))
+        dist.barrier()  # no rank leaves before rank 0 has written the result
+        compression = self.compression
+        return {
+            "rank": self.info.rank,
+            "local_rank": self.info.local_rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": str(self.device),
+            "device_note": self.info.device_note,
+            "communicated_dtypes": sorted(compression.sent) if compression else None,
+            "gradient_allreduces": compression.calls if compression else None,
+            "train_rows": self.train_loader.rows,
+            "validation_rows": self.val_loader.rows,
+            "validation_batches_per_epoch": len(self.val_sizes) if self.has_validation else 0,
+            "steps_per_epoch": self.steps_per_epoch,
+            "optimizer_steps_per_epoch": self.optimizer_steps,
+            "weights_digest": state_dict_digest(weights),
+            "seconds": round(time.time() - self.started, 3),
+        }
+
+    def _training_summary(self, selection: dict | None) -> dict:
+        loop, history = self.spec.loop, self.state.history
+        stopped_by = [
+            cb.stopped_epoch
+            for cb in self.objects.callbacks
+            if isinstance(cb, EarlyStopping) and cb.stopped_epoch
+        ]
+        return {
+            "world_size": self.info.world_size,
             "lr_scaling": loop.lr_scaling,
-            "base_learning_rates": objects.base_lrs,
-            "learning_rates": start_lrs,
-            "backward_passes_per_step": group,
+            "base_learning_rates": self.objects.base_lrs,
+            "learning_rates": self.start_lrs,
+            "backward_passes_per_step": loop.backward_passes_per_step,
             "gradient_compression": loop.gradient_compression,
             "mixed_precision": loop.mixed_precision,
             "epochs_run": len(history),
-            "stopped_early": len(history) < spec.epochs,
-            "early_stopping_epoch": next(
-                (
-                    cb.stopped_epoch
-                    for cb in callbacks
-                    if isinstance(cb, EarlyStopping) and cb.stopped_epoch
-                ),
-                None,
-            ),
+            "stopped_early": len(history) < self.spec.epochs,
+            "early_stopping_epoch": stopped_by[0] if stopped_by else None,
             "selected_epoch": selection["epoch"] if selection else len(history),
             "selection": selection,
-            "checkpoints": checkpoints.epochs(),
+            "checkpoints": self.checkpoints.epochs(),
         }
-        result = {
-            "model": best.best_state if selection else state_dict,
-            "history": history,
-            "output_shapes": output_shapes,
-            "summary": summary,
-        }
-        spec.store.write_bytes(spec.store.result_path(spec.run_id), state_to_bytes(result))
-    dist.barrier()  # no rank leaves before rank 0 has written the result
-    return {
-        "rank": rank,
-        "local_rank": info.local_rank,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "device": str(device),
-        "device_note": info.device_note,
-        "communicated_dtypes": sorted(compression.sent) if compression else None,
-        "gradient_allreduces": compression.calls if compression else None,
-        "train_rows": train_loader.rows,
-        "validation_rows": val_loader.rows,
-        "validation_batches_per_epoch": len(val_sizes) if has_validation else 0,
-        "steps_per_epoch": steps_per_epoch,
-        "optimizer_steps_per_epoch": optimizer_steps,
-        "weights_digest": state_dict_digest(state_dict),
-        "seconds": round(time.time() - started, 3),
-    }

@@ -61,6 +61,21 @@ def test_loss_weights_make_the_ddp_average_an_exact_mean():
     assert empty.batch_sizes == [0] and empty.weights() == [1.0]
 
 
+def test_group_weights_make_an_accumulated_step_the_exact_mean_over_its_rows():
+    rows, world, group = 23, 2, 3
+    plans = [StepPlan(rows, world, r, 2) for r in range(world)]
+    steps = plans[0].steps  # 12 rows on rank 0: 6 steps; rank 1 has 11 rows
+    ends = plans[0].group_ends(group)
+    assert ends == [False, False, True, False, False, True]
+    for start in range(0, steps, group):
+        group_rows = sum(p.batch_sizes[s] for p in plans for s in range(start, start + group))
+        for p in plans:
+            for s in range(start, start + group):
+                # weight x mean loss / world, summed over the group, is rows / group_rows
+                assert p.weights(group)[s] * group_rows / world == pytest.approx(p.batch_sizes[s])
+    assert StepPlan(10, 1, 0, 2).group_ends(4) == [False, False, False, True, True]
+
+
 def test_eval_sizes():
     assert eval_sizes(5, 2, None) == [2, 2, 1]
     assert eval_sizes(5, 2, 2) == [2, 2]
