@@ -23,6 +23,7 @@ from pyspark.sql import functions as F
 from sklearn.datasets import load_digits
 
 from spark_estimator import Store, TorchEstimator, TorchModel
+from spark_estimator.callbacks import BestModel
 
 
 def digits_frame(spark: SparkSession):
@@ -88,13 +89,22 @@ def main(argv=None) -> int:
         validation=0.2,
         random_seed=42,
         store=Store.create(args.store),
+        use_gpu=False,  # CPU here; on a GPU cluster (conf/spark-defaults.gpu.conf) use True
+        # averaged over every row of every process, once per epoch
+        metrics={"accuracy": lambda logits, label: (logits.argmax(1) == label).float().mean()},
+        # the fitted model holds the weights of the epoch with the best validation accuracy
+        callbacks=[BestModel(monitor="validation.accuracy", mode="max")],
     )
     model = estimator.fit(train)
 
-    print(f"\n{'epoch':>5} {'train loss':>11} {'val loss':>9}")
+    print(f"\n{'epoch':>5} {'train loss':>11} {'val loss':>9} {'val accuracy':>13}")
     for record in model.getHistory():
-        val = record["validation"]["loss"]
-        print(f"{record['epoch']:>5} {record['train']['loss']:>11.4f} {val:>9.4f}")
+        val = record["validation"]
+        print(
+            f"{record['epoch']:>5} {record['train']['loss']:>11.4f} {val['loss']:>9.4f} "
+            f"{val['accuracy']:>13.3f}"
+        )
+    print(f"model weights from epoch {model.getTrainingSummary()['selected_epoch']}")
 
     held_out = accuracy(model.transform(test))
     print(f"\nheld-out accuracy: {held_out:.3f} on {test.count()} images")

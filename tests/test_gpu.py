@@ -1,11 +1,15 @@
-"""Training on a real GPU assigned by Spark; skipped where CUDA is absent."""
+"""Training on a real GPU assigned by Spark; skipped where CUDA is absent.
+
+Each test starts its own Spark in a subprocess: GPU scheduling needs worker resources in
+the Spark conf, found by the discovery script shipped in conf/.
+"""
 
 import json
 import os
-import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,14 +19,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
+DISCOVERY = Path(__file__).parent.parent / "conf" / "get_gpus_resources.sh"
 
-def test_fit_uses_the_gpu_spark_assigned(tmp_path):
-    # A separate process: GPU scheduling needs its own Spark conf (worker resources).
-    discovery = tmp_path / "gpus.sh"
-    discovery.write_text('#!/bin/sh\necho \'{"name": "gpu", "addresses": ["0"]}\'\n')
-    discovery.chmod(discovery.stat().st_mode | stat.S_IEXEC)
-    script = textwrap.dedent(
-        f"""
+
+def run_on_gpu_spark(tmp_path, body: str) -> dict:
+    """Run ``body`` with ``spark`` (one executor, one GPU per task) and ``store`` defined;
+    it must print one JSON line last, which is returned."""
+    script = (
+        textwrap.dedent(
+            f"""
         import json, os, sys
         os.environ["PYSPARK_PYTHON"] = sys.executable
         import torch
@@ -30,24 +35,17 @@ def test_fit_uses_the_gpu_spark_assigned(tmp_path):
         from spark_estimator import Store, TorchEstimator
         spark = (SparkSession.builder.master("local-cluster[1,2,4096]")
                  .config("spark.worker.resource.gpu.amount", "1")
-                 .config("spark.worker.resource.gpu.discoveryScript", {str(discovery)!r})
+                 .config("spark.worker.resource.gpu.discoveryScript", {str(DISCOVERY)!r})
                  .config("spark.executor.resource.gpu.amount", "1")
                  .config("spark.task.resource.gpu.amount", "1")
                  .getOrCreate())
+        store = Store.create({str(tmp_path / "store")!r})
         rows = [([float(i % 7), 1.0], float(i % 7)) for i in range(256)]
         df = spark.createDataFrame(rows, "x array<float>, y float")
-        net = torch.nn.Linear(2, 1)
-        store = Store.create({str(tmp_path / "store")!r})
-        est = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
-                             loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
-                             epochs=3, num_proc=1, store=store, use_gpu=True)
-        model = est.fit(df)
-        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
-        out = model.transform(df).count()
-        print(json.dumps({{"device": ranks[0]["device"], "rows": out,
-                          "param_device": next(model.getModel().parameters()).device.type}}))
-        spark.stop()
         """
+        )
+        + textwrap.dedent(body)
+        + "\nspark.stop()\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
@@ -57,5 +55,46 @@ def test_fit_uses_the_gpu_spark_assigned(tmp_path):
         env=dict(os.environ, PYSPARK_PYTHON=sys.executable),
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_fit_uses_the_gpu_spark_assigned(tmp_path):
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        net = torch.nn.Linear(2, 1)
+        est = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+                             loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
+                             epochs=3, num_proc=1, store=store, use_gpu=True)
+        model = est.fit(df)
+        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+        out = model.transform(df).count()
+        print(json.dumps({"device": ranks[0]["device"], "rows": out,
+                          "param_device": next(model.getModel().parameters()).device.type}))
+        """,
+    )
     assert result == {"device": "cuda:0", "rows": 256, "param_device": "cpu"}
+
+
+def test_mixed_precision_and_compression_on_nccl(tmp_path):
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        from spark_estimator.serialization import state_from_bytes
+        net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+        est = TorchEstimator(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
+                             loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
+                             epochs=4, num_proc=1, store=store, use_gpu=True,
+                             mixed_precision="fp16", gradient_compression="fp16",
+                             backward_passes_per_step=2)
+        model = est.fit(df)
+        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+        ckpt = state_from_bytes(store.read_bytes(store.checkpoint_path(model.getRunId(), 4)),
+                                weights_only=False)
+        history = model.getHistory()
+        print(json.dumps({"device": ranks[0]["device"], "sent": ranks[0]["communicated_dtypes"],
+                          "scaler": "scaler" in ckpt,
+                          "improved": history[-1]["train"]["loss"] < history[0]["train"]["loss"]}))
+        """,
+    )
+    assert result == {"device": "cuda:0", "sent": ["float16"], "scaler": True, "improved": True}
