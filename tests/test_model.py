@@ -11,6 +11,7 @@ from pyspark.ml.linalg import Vectors
 from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
+from spark_estimator.callbacks import EarlyStopping
 from tests.conftest import linear_net, make_estimator
 
 
@@ -77,6 +78,7 @@ def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
         history=history,
         output_shapes=[[2]],
         run_id="r1",
+        training_summary={"selected_epoch": 1},
     )
     path, est_path = str(tmp_path / "model"), str(tmp_path / "est")
     model.save(path)
@@ -92,6 +94,7 @@ def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
         est = TorchEstimator.load({est_path!r})
         df = spark.createDataFrame([([1.0, 2.0, 3.0],)], "x array<double>")
         print(json.dumps({{"uid": m.uid, "history": m.getHistory(), "run": m.getRunId(),
+                          "summary": m.getTrainingSummary(),
                           "out": m.transform(df).first().out, "cols": m.getOutputCols(),
                           "est_epochs": est.getEpochs(),
                           "est_model": type(est.getModel()).__name__}}))
@@ -105,6 +108,7 @@ def test_save_and_load_in_a_fresh_python_process(spark, tmp_path):
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded["uid"] == model.uid and loaded["history"] == history
     assert loaded["run"] == "r1" and loaded["cols"] == ["out"]
+    assert loaded["summary"] == {"selected_epoch": 1}
     assert loaded["out"] == pytest.approx([1.5, 6.0])
     assert loaded["est_epochs"] == 4 and loaded["est_model"] == "Linear"
 
@@ -141,6 +145,11 @@ def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp
         shuffle_buffer_size=64,
         train_steps_per_epoch=5,
         transformation_fn=double_labels,
+        lr_scaling="linear",
+        loss_weights=[2.0],
+        metrics={"mae": torch.nn.functional.l1_loss},
+        callbacks=[EarlyStopping(patience=5)],
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2),
     )
     path = str(tmp_path / "est")
     est.save(path)
@@ -159,8 +168,13 @@ def test_estimator_save_and_load_keeps_params_and_the_optimizer_bound(spark, tmp
         "compression",
         "shuffle_buffer_size",
         "train_steps_per_epoch",
+        "lr_scaling",
+        "loss_weights",
     ):
         assert back.getOrDefault(name) == est.getOrDefault(name), name
+    assert back.getMetrics() == {"mae": torch.nn.functional.l1_loss}
+    assert back.getCallbacks()[0].patience == 5
+    assert back.getLrScheduler()(back.getOptimizer()).step_size == 2
     doubled = back.getTransformationFn()({"y": torch.ones(2)})["y"]
     assert doubled.tolist() == [2.0, 2.0]
     assert back.getStore().url == store.url

@@ -123,6 +123,20 @@ def test_explain_params_documents_every_param():
         "train_steps_per_epoch",
         "validation_steps_per_epoch",
         "transformation_fn",
+        "lr_scaling",
+        "backward_passes_per_step",
+        "gradient_compression",
+        "mixed_precision",
+        "metrics",
+        "loss_weights",
+        "sample_weight_col",
+        "lr_scheduler",
+        "lr_scheduler_interval",
+        "callbacks",
+        "terminate_on_nan",
+        "train_minibatch_fn",
+        "loss_constructors",
+        "keep_checkpoints",
     ):
         assert f"{name}:" in text
 
