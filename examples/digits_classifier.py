@@ -28,9 +28,7 @@ from spark_estimator.callbacks import BestModel
 
 def digits_frame(spark: SparkSession):
     digits = load_digits()
-    rows = [
-        (Vectors.dense(x), int(y)) for x, y in zip(digits.data / 16.0, digits.target)
-    ]
+    rows = [(Vectors.dense(x), int(y)) for x, y in zip(digits.data / 16.0, digits.target)]
     return spark.createDataFrame(rows, ["features", "label"])
 
 

@@ -1,6 +1,7 @@
 """spark-estimator: distributed PyTorch training as a Spark ML stage.
 
-    from spark_estimator import TorchEstimator, TorchModel, Store
+    from spark_estimator import TorchEstimator, TorchModel, Store   # the Spark ML stages
+    from spark_estimator import run, distributed                   # hand-written loops
 
 Driver-side code lives in ``spark_estimator.driver`` (and the stage classes at the top
 level); code that runs inside Spark tasks lives in ``spark_estimator.worker``.
@@ -8,7 +9,9 @@ level); code that runs inside Spark tasks lives in ``spark_estimator.worker``.
 
 from .estimator import TorchEstimator
 from .model import TorchModel
+from .runner import run
 from .store import Store
+from .worker import distributed
 
-__all__ = ["TorchEstimator", "TorchModel", "Store"]
+__all__ = ["TorchEstimator", "TorchModel", "Store", "run", "distributed"]
 __version__ = "0.1.0"

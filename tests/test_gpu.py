@@ -98,3 +98,17 @@ def test_mixed_precision_and_compression_on_nccl(tmp_path):
         """,
     )
     assert result == {"device": "cuda:0", "sent": ["float16"], "scaler": True, "improved": True}
+
+
+def test_run_pins_the_assigned_gpu_and_reduces_on_nccl(tmp_path):
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        from spark_estimator import distributed as sd, run
+        def fn():
+            return {"device": str(sd.device()), "current": torch.cuda.current_device(),
+                    "sum": sd.allreduce(torch.ones(3, device=sd.device()), average=False).tolist()}
+        print(json.dumps(run(fn, num_proc=1, use_gpu=True)[0]))
+        """,
+    )
+    assert result == {"device": "cuda:0", "current": 0, "sum": [1.0, 1.0, 1.0]}

@@ -3,6 +3,8 @@
 Rank 0 starts a TCPStore on an OS-chosen port (bound before anyone is told of it, so no
 other process can take the port in between) and shares the address through the barrier
 context's ``allGather``; every rank then joins one process group (gloo on CPU, NCCL on GPU).
+When the block ends normally every rank waits for the others before leaving; when it
+raises, the first failing rank's error is the one Spark reports (see ``_first_failure``).
 The group is destroyed when the task ends, failed or not, because PySpark reuses workers.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +25,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+LATER_FAILURE_DELAY_S = 3.0
+_FAILURES_KEY = "spark-estimator/failures"
 
 
 @dataclass(frozen=True)
@@ -159,8 +164,36 @@ def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
     _current = RankInfo(rank, world_size, *local_ranks(hosts, rank), device, note)
     try:
         yield _current
+        # nobody leaves while another rank still works: a gloo peer that closes its
+        # connections early fails the others' collectives (and their setup)
+        dist.barrier()
+    except Exception as e:
+        if not _first_failure(tcp_store):
+            log.warning(
+                "rank %d failed (%s) after another rank did; raising in %.0f s",
+                rank,
+                type(e).__name__,
+                LATER_FAILURE_DELAY_S,
+            )
+            time.sleep(LATER_FAILURE_DELAY_S)
+        raise
     finally:
         _current = None
         dist.destroy_process_group()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _first_failure(tcp_store) -> bool:
+    """Whether no other rank of the job has failed before this one.
+
+    When one rank raises, the others usually fail a moment later inside a collective
+    ("connection closed by peer"), and Spark reports whichever task failure reaches it
+    first. So the first rank to fail claims that in the job's TCPStore and raises at once;
+    later ones wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job
+    with the original error and kills them.
+    """
+    try:
+        return tcp_store.add(_FAILURES_KEY, 1) == 1
+    except Exception:  # the store went away with rank 0: a failure came first
+        return False

@@ -218,7 +218,7 @@ class _TrainingLoop:
             }
             store = self.spec.store
             store.write_bytes(store.result_path(self.spec.run_id), state_to_bytes(result))
-        dist.barrier()  # no rank leaves before rank 0 has written the result
+        # process_group's closing barrier keeps every rank until rank 0 has written it
         compression = self.compression
         return {
             "rank": self.info.rank,
