@@ -271,12 +271,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             "row_group_size_mb",
         ):
             validate.check_positive(name, self.getOrDefault(name))
-        for name in (
-            "shuffle_buffer_size",
-            "train_steps_per_epoch",
-            "validation_steps_per_epoch",
-            "keep_checkpoints",
-        ):
+        for name in ("shuffle_buffer_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
             validate.check_positive(name, self.getOrDefault(name), optional=True)
         loop = self._loop_spec()
         validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
@@ -308,17 +303,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         return _Checked(features, labels, sample_weight, bundle, num_proc, store, loader, loop)
 
     def _loop_spec(self) -> LoopSpec:
-        validate_training.check_loop_options(
-            lr_scaling=self.getLrScaling(),
-            backward_passes_per_step=self.getBackwardPassesPerStep(),
-            gradient_compression=self.getGradientCompression(),
-            mixed_precision=self.getMixedPrecision(),
-            lr_scheduler_interval=self.getLrSchedulerInterval(),
-            train_minibatch_fn=self.getTrainMinibatchFn(),
-        )
-        validate_training.check_loss_weights(self.getLossWeights(), self.getLabelCols())
         weights = self.getLossWeights()
-        return LoopSpec(
+        loop = LoopSpec(
             lr_scaling=self.getLrScaling(),
             backward_passes_per_step=self.getBackwardPassesPerStep(),
             gradient_compression=self.getGradientCompression(),
@@ -328,6 +314,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             terminate_on_nan=self.getTerminateOnNan(),
             keep_checkpoints=self.getKeepCheckpoints(),
         )
+        validate_training.check_loop(loop, self.getLabelCols(), self.getTrainMinibatchFn())
+        return loop
 
     def _check_callbacks(self, has_validation: bool) -> None:
         metrics = validate_training.check_metrics(self.getMetrics()) or {}

@@ -15,7 +15,7 @@ import torch
 
 from ..callbacks import Callback, _Monitor
 from ..serialization import dumps
-from ..spec import LR_SCALINGS, PRECISIONS, SCHEDULER_INTERVALS
+from ..spec import LR_SCALINGS, PRECISIONS, SCHEDULER_INTERVALS, LoopSpec
 
 
 def _check_callable(name: str, value) -> None:
@@ -92,6 +92,7 @@ def check_metrics(metrics) -> dict[str, Callable] | None:
 def check_loss_weights(loss_weights, label_cols: list[str]) -> None:
     if loss_weights is None:
         return
+    loss_weights = list(loss_weights)
     if len(loss_weights) != len(label_cols):
         raise ValueError(
             f"loss_weights: {len(loss_weights)} weights for {len(label_cols)} label columns "
@@ -119,28 +120,24 @@ def check_callbacks(callbacks, monitorable: set[str]) -> None:
             )
 
 
-def check_loop_options(
-    *,
-    lr_scaling: str,
-    backward_passes_per_step: int,
-    gradient_compression: str,
-    mixed_precision: str,
-    lr_scheduler_interval: str,
-    train_minibatch_fn,
-) -> None:
-    for name, value, choices in (
-        ("lr_scaling", lr_scaling, LR_SCALINGS),
-        ("gradient_compression", gradient_compression, PRECISIONS),
-        ("mixed_precision", mixed_precision, PRECISIONS),
-        ("lr_scheduler_interval", lr_scheduler_interval, SCHEDULER_INTERVALS),
+def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> None:
+    """The loop params: choices, counts, and what a custom step cannot be combined with."""
+    for name, choices in (
+        ("lr_scaling", LR_SCALINGS),
+        ("gradient_compression", PRECISIONS),
+        ("mixed_precision", PRECISIONS),
+        ("lr_scheduler_interval", SCHEDULER_INTERVALS),
     ):
+        value = getattr(loop, name)
         if value not in choices:
             raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step: must be >= 1, got {backward_passes_per_step}")
-    if train_minibatch_fn is not None and (
-        backward_passes_per_step > 1 or mixed_precision != "none"
-    ):
+    k = loop.backward_passes_per_step
+    if k < 1:
+        raise ValueError(f"backward_passes_per_step: must be >= 1, got {k}")
+    if loop.keep_checkpoints is not None and loop.keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints: must be >= 1, got {loop.keep_checkpoints}")
+    check_loss_weights(loop.loss_weights, label_cols)
+    if train_minibatch_fn is not None and (k > 1 or loop.mixed_precision != "none"):
         raise ValueError(
             "train_minibatch_fn: your step owns backward and optimizer.step, so it cannot be "
             "combined with backward_passes_per_step > 1 or mixed_precision; do those in it"

@@ -166,7 +166,7 @@ def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
         yield _current
         # nobody leaves while another rank still works: a gloo peer that closes its
         # connections early fails the others' collectives (and their setup)
-        dist.barrier()
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     except Exception as e:
         if not _first_failure(tcp_store):
             log.warning(

@@ -6,6 +6,7 @@ import torch
 from spark_estimator.callbacks import BestModel, Callback, EarlyStopping
 from spark_estimator.driver import validate_training as vt
 from spark_estimator.serialization import loads
+from spark_estimator.spec import LoopSpec
 
 Y = ["y"]
 
@@ -112,15 +113,7 @@ def test_callbacks_are_callbacks_monitoring_metrics_the_fit_produces():
 
 
 def test_loop_options():
-    good = dict(
-        lr_scaling="none",
-        backward_passes_per_step=1,
-        gradient_compression="none",
-        mixed_precision="none",
-        lr_scheduler_interval="epoch",
-        train_minibatch_fn=None,
-    )
-    vt.check_loop_options(**good)
+    vt.check_loop(LoopSpec(), Y, None)
     for name, bad in (
         ("lr_scaling", "sqrt"),
         ("gradient_compression", "int8"),
@@ -128,11 +121,15 @@ def test_loop_options():
         ("lr_scheduler_interval", "batch"),
     ):
         with pytest.raises(ValueError, match=f"{name}: must be one of"):
-            vt.check_loop_options(**{**good, name: bad})
+            vt.check_loop(LoopSpec(**{name: bad}), Y, None)
     with pytest.raises(ValueError, match="backward_passes_per_step: must be >= 1"):
-        vt.check_loop_options(**{**good, "backward_passes_per_step": 0})
+        vt.check_loop(LoopSpec(backward_passes_per_step=0), Y, None)
+    with pytest.raises(ValueError, match="keep_checkpoints: must be >= 1"):
+        vt.check_loop(LoopSpec(keep_checkpoints=0), Y, None)
+    with pytest.raises(ValueError, match="loss_weights: 2 weights for 1 label columns"):
+        vt.check_loop(LoopSpec(loss_weights=(1.0, 1.0)), Y, None)
     with pytest.raises(ValueError, match="train_minibatch_fn: your step owns backward"):
-        vt.check_loop_options(**{**good, "train_minibatch_fn": abs, "mixed_precision": "bf16"})
+        vt.check_loop(LoopSpec(mixed_precision="bf16"), Y, abs)
 
 
 def test_lr_scheduler_is_tried_without_touching_the_optimizer():
