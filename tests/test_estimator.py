@@ -3,6 +3,7 @@
 import math
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,3 +353,11 @@ def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store):
         spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
     assert list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
     assert sorted(store.fs.find(store.root)) == before
+
+
+def test_docs_list_every_bad_input_case():
+    doc = (Path(__file__).parent.parent / "docs" / "bad-input.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ")}
+    rows.discard("case")
+    petastorm = {"petastorm on a new pyarrow"}  # a case only where petastorm cannot import
+    assert rows - petastorm == set(BAD_CASES) - petastorm
