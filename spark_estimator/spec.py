@@ -22,6 +22,11 @@ PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 
 
+def column_param(role: str) -> str:
+    """The estimator param naming a column of ``role`` (feature, label or sample_weight)."""
+    return "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
+
+
 @dataclass(frozen=True)
 class ColumnSpec:
     """How one input column is stored in Parquet and turned into a tensor."""

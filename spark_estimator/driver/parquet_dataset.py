@@ -14,7 +14,7 @@ import posixpath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..spec import ColumnSpec, DatasetInfo
+from ..spec import ColumnSpec, DatasetInfo, column_param
 from ..store import Store
 from .materialize import check_not_empty, list_row_groups
 
@@ -27,7 +27,7 @@ def _numeric(t: pa.DataType) -> bool:
 
 def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str) -> ColumnSpec:
     """``role`` is feature, label or sample_weight (a float scalar)."""
-    param = "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
+    param = column_param(role)
     if name not in schema.names:
         raise ValueError(
             f"{param}: column '{name}' is not in the Parquet at {where} (columns: {schema.names})"
@@ -35,7 +35,7 @@ def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str)
     t = schema.field(name).type
     element = t.value_type if pa.types.is_list(t) or pa.types.is_large_list(t) else t
     integral = role == "label" and pa.types.is_integer(element)
-    if _numeric(element) and not (role == "sample_weight" and element is not t):
+    if _numeric(element) and (element is t or role != "sample_weight"):  # weights: scalars
         kind = "scalar" if element is t else "array"
         return ColumnSpec(name, kind, "int64" if integral else dtype)
     if role == "feature" and pa.types.is_struct(t) and {f.name for f in t} == _VECTOR_FIELDS:

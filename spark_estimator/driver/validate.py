@@ -18,7 +18,7 @@ from pyspark.sql.types import (
 )
 
 from ..serialization import dumps
-from ..spec import READERS, ColumnSpec
+from ..spec import READERS, ColumnSpec, column_param
 from ..worker.petastorm_reader import require_petastorm
 
 
@@ -29,7 +29,7 @@ def _numeric(dt: DataType) -> bool:
 def column_spec(schema: StructType, name: str, role: str, dtype: str = "float32") -> ColumnSpec:
     """Check that column ``name`` exists with a type supported for ``role``: feature, label
     or sample_weight (a numeric scalar)."""
-    param = "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
+    param = column_param(role)
     if name not in schema.names:
         raise ValueError(
             f"{param}: column '{name}' is not in the DataFrame (columns: {schema.names})"
