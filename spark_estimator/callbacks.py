@@ -14,6 +14,11 @@ A callback may add JSON-able entries to it; they are kept in the history. Settin
 ``state.stop_training = True`` asks to stop after this epoch: rank 0's request decides and
 every rank follows it. Metrics are named ``"<split>.<name>"`` when monitored, e.g.
 ``"validation.loss"`` or ``"train.accuracy"``.
+
+When training resumes from a checkpoint (after a failure, or a new fit with the same
+``run_id``), each callback gets rank 0's saved ``state_dict()`` back through
+``load_state_dict`` before the next epoch, ``state.history`` holds the earlier epochs, and
+``on_train_begin`` runs again; epochs already done are not replayed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,15 @@ class Callback:
     def on_train_end(self, state: TrainingState) -> None:
         pass
 
+    def state_dict(self) -> dict:
+        """What this callback needs to carry on after a resume. Rank 0's is saved in every
+        checkpoint; made of numbers, strings, lists, dicts and tensors. Override it with
+        ``load_state_dict`` in callbacks that keep state from epoch to epoch."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what ``state_dict`` returned, when training resumes from a checkpoint."""
+
 
 def monitored_value(logs: dict, monitor: str) -> float:
     """The value of ``"<split>.<name>"`` in an epoch's record."""
@@ -89,6 +103,12 @@ class _Monitor(Callback):
             return value < self.best_value - self.min_delta
         return value > self.best_value + self.min_delta
 
+    def state_dict(self) -> dict:
+        return {"best_value": self.best_value, "best_epoch": self.best_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_value, self.best_epoch = state["best_value"], state["best_epoch"]
+
     def update(self, epoch: int, logs: dict) -> bool:
         value = monitored_value(logs, self.monitor)
         if self.improved(value):
@@ -116,6 +136,13 @@ class EarlyStopping(_Monitor):
         self.wait = 0
         self.stopped_epoch: int | None = None
 
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "wait": self.wait, "stopped_epoch": self.stopped_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.wait, self.stopped_epoch = state["wait"], state["stopped_epoch"]
+
     def on_epoch_end(self, epoch: int, logs: dict, state: TrainingState) -> None:
         if self.update(epoch, logs):
             self.wait = 0
@@ -131,7 +158,7 @@ class BestModel(_Monitor):
 
     Keeps a CPU copy of the weights whenever ``monitor`` improves; the fitted model gets
     them, and the training summary records the epoch and value. The best epoch's checkpoint
-    is never removed by ``keep_checkpoints``.
+    is never removed by ``keep_checkpoints``; a resumed run takes the weights back from it.
     """
 
     def __init__(self, monitor: str = "validation.loss", mode: str = "min"):

@@ -18,10 +18,11 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame, SparkSession
 
-from .driver import validate, validate_training
+from .driver import run_manifest, validate, validate_training
 from .driver.launch import available_slots, run_barrier_job
 from .driver.materialize import COMPRESSIONS, WriteOptions, materialize
 from .driver.parquet_dataset import parquet_dataset
+from .failures import TrainingError, failure_path, read_failure
 from .model import TorchModel
 from .params import EstimatorParams
 from .persistence import ObjectParamsReader, ObjectParamsWriter
@@ -50,6 +51,7 @@ class _Checked(NamedTuple):
     store: Store
     loader: LoaderSpec
     loop: LoopSpec
+    manifest: dict  # what a resumed run must share with this fit (driver/run_manifest.py)
 
 
 # the params whose objects the executors rebuild from one pickle (worker/objects.py)
@@ -123,6 +125,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         train_minibatch_fn=None,
         loss_constructors=None,
         keep_checkpoints=None,
+        collective_timeout=600.0,
     ):
         super().__init__()
         self._set(**self._input_kwargs)
@@ -169,6 +172,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             self.getDtype(),
             self.getValidation(),
             self.getSampleWeightCol(),
+            self.getInputShapes(),
         )
         self._check_callbacks(has_validation=data.rows("validation") > 0)
         return self._train(spark, data, checked)
@@ -188,11 +192,15 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             self.getRandomSeed(),
             options,
             checked.sample_weight,
+            self.getInputShapes(),
         )
 
     def _train(self, spark, data: DatasetInfo, checked: _Checked) -> TorchModel:
         store = checked.store
         run_id = self.getRunId() or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        manifest = {**checked.manifest, **run_manifest.data_fields(data)}
+        run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
+        run_manifest.write_manifest(store, run_id, manifest)
         spec = TrainSpec(
             bundle=checked.bundle,
             data=data,
@@ -205,13 +213,10 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             input_shapes=self.getInputShapes(),
             loader=checked.loader,
             loop=checked.loop,
+            collective_timeout=self.getCollectiveTimeout(),
+            launch_id=uuid.uuid4().hex,
         )
-        summaries = run_barrier_job(
-            spark,
-            checked.num_proc,
-            functools.partial(training_task, spec),
-            f"spark-estimator {run_id}",
-        )
+        summaries = self._launch(spark, spec, checked.num_proc)
         store.write_json(store.join("runs", run_id, "ranks.json"), summaries)
         digests = {s["weights_digest"] for s in summaries}
         if len(digests) != 1:
@@ -236,6 +241,27 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             training_summary=result["summary"],
         )
 
+    def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[dict]:
+        """Run the training job (retried by Spark after a lost task, resuming from the last
+        checkpoint); raise the training code's own error as a TrainingError."""
+        store, run_id = spec.store, spec.run_id
+        failure = failure_path(store, run_id, spec.launch_id)
+        try:
+            summaries = run_barrier_job(
+                spark,
+                num_proc,
+                functools.partial(training_task, spec),
+                f"spark-estimator {run_id}",
+                retry=True,
+            )
+        except Exception as e:
+            if (record := read_failure(failure, store)) is not None:
+                raise TrainingError(run_id, record) from e
+            raise
+        if any(s.get("aborted") for s in summaries):
+            raise TrainingError(run_id, read_failure(failure, store))
+        return summaries
+
     def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
         """Check every input on the driver; return what fit needs. No Spark job runs here.
 
@@ -246,7 +272,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
                 raise ValueError(f"{name}: is required")
         store = self.getStore()
         if not isinstance(store, Store):
-            raise TypeError(f"store: expected a spark_estimator.Store, got {store!r}")
+            # the type only: the value may be a dict of credentials
+            raise TypeError(f"store: expected a spark_estimator.Store, got {type(store).__name__}")
         feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
         validate.check_choice("dtype", self.getDtype(), FLOAT_DTYPES)
         features = labels = schema = None
@@ -269,6 +296,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             "partitions_per_process",
             "reader_num_workers",
             "row_group_size_mb",
+            "collective_timeout",
         ):
             validate.check_positive(name, self.getOrDefault(name))
         for name in ("shuffle_buffer_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
@@ -277,7 +305,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
         validate.check_reader(self.getReader())
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
-        slots = available_slots(spark)
+        validate.check_no_dynamic_allocation(spark)
+        slots = available_slots(spark, self.getNumProc())
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         validate.check_num_proc(num_proc, slots)
         bundle = validate_training.training_bundle(
@@ -285,11 +314,7 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         )
         if dataset is not None:
             self._check_callbacks(has_validation=self.getValidation() is not None)
-        run_id = self.getRunId()
-        if run_id is not None and store.exists(store.result_path(run_id)):
-            raise ValueError(
-                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
-            )
+        manifest = self._check_run_id(store, num_proc)
         loader = LoaderSpec(
             reader=self.getReader(),
             shuffle=self.getShuffle(),
@@ -300,7 +325,32 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
         )
-        return _Checked(features, labels, sample_weight, bundle, num_proc, store, loader, loop)
+        return _Checked(
+            features, labels, sample_weight, bundle, num_proc, store, loader, loop, manifest
+        )
+
+    def _check_run_id(self, store: Store, num_proc: int) -> dict:
+        """The manifest of what this fit's checkpoints depend on (but the data); refuses a
+        ``run_id`` that finished, or whose checkpoints this fit cannot resume."""
+        manifest = run_manifest.run_manifest(
+            self.getModel(),
+            self.getOptimizer(),
+            {
+                "num_proc": num_proc,
+                "batch_size": self.getBatchSize(),
+                "random_seed": self.getRandomSeed(),
+                "backward_passes_per_step": self.getBackwardPassesPerStep(),
+                "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
+            },
+        )
+        run_id = self.getRunId()
+        if run_id is not None:
+            if store.exists(store.result_path(run_id)):
+                raise ValueError(
+                    f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
+                )
+            run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
+        return manifest
 
     def _loop_spec(self) -> LoopSpec:
         weights = self.getLossWeights()

@@ -3,12 +3,17 @@
 ``transform`` adds one column per model output through ``mapInArrow`` (whole Arrow batches,
 the model shipped once per task, never one row at a time): a double column for outputs of
 shape [B] or [B, 1], an array<float> column otherwise. Input columns are kept unchanged.
+
+``save`` writes the module in two parts: ``weights.pt``, its state dict (loadable with
+``torch.load(weights_only=True)``), and ``objects.pkl``, the module without those tensors (a
+cloudpickle: ``TorchModel.load`` trusts it, see docs/security.md).
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from pyspark.ml import Model
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import MLReadable, MLWritable
@@ -132,6 +137,16 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
 
     def _objects(self) -> dict:
         return {"model": self.getModel()} if self.isDefined("model") else {}
+
+    def _weights(self) -> dict | None:
+        """The module's parameters and buffers by state-dict name: saved to ``weights.pt``
+        (weights-only loadable) and left out of the model's pickle."""
+        module = self.getModel() if self.isDefined("model") else None
+        if not isinstance(module, torch.nn.Module):
+            return None
+        own = {id(t) for t in (*module.parameters(), *module.buffers())}
+        state = module.state_dict(keep_vars=True)
+        return {k: t for k, t in state.items() if id(t) in own}  # not what hooks made
 
     def _extra_metadata(self) -> dict:
         return {

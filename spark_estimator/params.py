@@ -147,8 +147,15 @@ class EstimatorParams(HasModelIO):
     )
     run_id = _param(
         "run_id",
-        "name of this run's folder in the store; generated when not set",
+        "name of this run's folder in the store; generated when not set. A fit with the "
+        "run_id of an unfinished run resumes from its last checkpoint",
         _to_optional_str,
+    )
+    collective_timeout = _param(
+        "collective_timeout",
+        "seconds a training process waits for the others, to form the process group and "
+        "in each collective, before it gives up (a process that died or hangs)",
+        TypeConverters.toFloat,
     )
 
     # -- materialization ------------------------------------------------------------------
@@ -333,6 +340,7 @@ class EstimatorParams(HasModelIO):
             store=None,
             use_gpu=True,
             run_id=None,
+            collective_timeout=600.0,
         )
 
 

@@ -20,7 +20,7 @@ import torch
 from pyspark.sql import SparkSession
 
 from .driver.launch import available_slots, run_barrier_job
-from .driver.validate import check_num_proc
+from .driver.validate import check_num_proc, check_positive
 from .serialization import dumps
 from .worker.run_task import run_task
 
@@ -49,6 +49,7 @@ def run(
     use_gpu: bool = True,
     spark: SparkSession | None = None,
     rank0_only: bool = False,
+    collective_timeout: float = 600.0,
 ) -> list | Any:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, one rank each.
 
@@ -57,6 +58,9 @@ def run(
     fallback is reported by one warning on the driver). Returns the ranks' return values
     ordered by rank, or only rank 0's with ``rank0_only`` (the other ranks then send
     nothing back). Return values go through the driver's memory; tensors arrive on CPU.
+    ``collective_timeout`` is how many seconds a rank waits for the others, to form the
+    group and in each collective, before it raises. A failing rank fails the job at once
+    with its traceback; unlike a fit, ``run`` does not retry (``fn`` owns its state).
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
@@ -73,9 +77,12 @@ def run(
         raise TypeError(f"kwargs: expected a dict of str keys, got {kwargs!r}")
     if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)):
         raise TypeError(f"num_proc: expected an int, got {type(num_proc).__name__}")
+    if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)):
+        raise TypeError(f"collective_timeout: expected seconds, got {collective_timeout!r}")
+    check_positive("collective_timeout", float(collective_timeout))
     payload = _payload(fn, tuple(args), dict(kwargs))
     spark = spark if spark is not None else SparkSession.active()
-    slots = available_slots(spark)
+    slots = available_slots(spark, num_proc)
     num_proc = slots if num_proc is None else num_proc
     check_num_proc(num_proc, slots)
 
@@ -83,7 +90,9 @@ def run(
     summaries = run_barrier_job(
         spark,
         num_proc,
-        functools.partial(run_task, payload, bool(use_gpu), bool(rank0_only)),
+        functools.partial(
+            run_task, payload, bool(use_gpu), bool(rank0_only), float(collective_timeout)
+        ),
         f"spark-estimator run {name} on {num_proc} tasks",
     )
     notes: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ import torch
 
 from .store import Store
 
-DATASET_FORMAT_VERSION = 2
+DATASET_FORMAT_VERSION = 3  # 3: files under a write folder, row lengths, data checks
 SPLITS = ("train", "validation")
 FLOAT_DTYPES = ("float32", "float64")
 READERS = ("arrow", "petastorm")
@@ -56,6 +56,9 @@ class DatasetInfo:
     reused: bool = False  # found complete in the store rather than written by this fit
     source: dict = field(default_factory=dict)  # what the cache key was computed from
     sample_weight: ColumnSpec | None = None  # per-row loss weights (sample_weight_col)
+    # array/vector column -> its values per row, the same in every row (checked when written)
+    row_lengths: dict[str, int] = field(default_factory=dict)
+    write_id: str | None = None  # the write folder under ``path`` holding the files
 
     @property
     def columns(self) -> list[ColumnSpec]:
@@ -63,6 +66,10 @@ class DatasetInfo:
 
     def rows(self, split: str) -> int:
         return sum(sum(groups) for _, groups in self.files.get(split, []))
+
+    def row_length(self, column: ColumnSpec) -> int | None:
+        """Values per row of ``column``: 1 for scalars; None where it was not recorded."""
+        return 1 if column.kind == "scalar" else self.row_lengths.get(column.name)
 
     def to_json(self) -> dict:
         return {
@@ -72,6 +79,8 @@ class DatasetInfo:
             "sample_weight": asdict(self.sample_weight) if self.sample_weight else None,
             "files": self.files,
             "rows": {s: self.rows(s) for s in SPLITS},
+            "row_lengths": self.row_lengths,
+            "write_id": self.write_id,
             "source": self.source,
         }
 
@@ -85,6 +94,8 @@ class DatasetInfo:
             reused=reused,
             source=meta.get("source", {}),
             sample_weight=ColumnSpec(**weight) if (weight := meta.get("sample_weight")) else None,
+            row_lengths=dict(meta.get("row_lengths") or {}),
+            write_id=meta.get("write_id"),
         )
 
 
@@ -141,3 +152,5 @@ class TrainSpec:
     input_shapes: list[list[int]] | None
     loader: LoaderSpec = field(default_factory=LoaderSpec)
     loop: LoopSpec = field(default_factory=LoopSpec)
+    collective_timeout: float = 600.0  # seconds any rank waits for the others
+    launch_id: str = ""  # this fit call's id: names its failure record (failures.py)

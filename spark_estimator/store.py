@@ -2,10 +2,13 @@
 
 Layout under the store's root (see docs/store.md)::
 
-    datasets/<key>/train/*.parquet              materialized training rows
-    datasets/<key>/validation/*.parquet         materialized validation rows
-    datasets/<key>/_meta.json                   written last: row counts, files, columns
+    datasets/<key>/<write-id>/train/*.parquet   materialized training rows (one write's)
+    datasets/<key>/<write-id>/validation/*.parquet   materialized validation rows
+    datasets/<key>/_meta.json                   written last: names the complete write,
+                                                row counts, files, columns, row lengths
+    runs/<run_id>/run.json                      what the checkpoints were made with
     runs/<run_id>/checkpoints/epoch-0001.pt     rank 0's checkpoint after each epoch
+    runs/<run_id>/failures/<launch>.json        the training code's error, when it raised
     runs/<run_id>/result.pt                     final weights, history, output shapes
     runs/<run_id>/ranks.json                    one summary per rank (rows, weights digest)
 
@@ -18,10 +21,13 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import re
 import uuid
 from typing import Any
 
 import fsspec
+
+_CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")
 
 
 class Store:
@@ -84,6 +90,14 @@ class Store:
     def checkpoint_path(self, run_id: str, epoch: int) -> str:
         return self.join("runs", run_id, "checkpoints", f"epoch-{epoch:04d}.pt")
 
+    def checkpoint_epochs(self, run_id: str) -> list[int]:
+        """Epochs of ``run_id`` with a checkpoint, ascending."""
+        folder = posixpath.dirname(self.checkpoint_path(run_id, 1))
+        if not self.exists(folder):
+            return []
+        names = (posixpath.basename(p) for p in self.fs.ls(folder, detail=False))
+        return sorted(int(m.group(1)) for n in names if (m := _CHECKPOINT.fullmatch(n)))
+
     def result_path(self, run_id: str) -> str:
         return self.join("runs", run_id, "result.pt")
 
@@ -108,18 +122,19 @@ class Store:
         parent = posixpath.dirname(path)
         self.fs.makedirs(parent, exist_ok=True)
         tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
-        with self.fs.open(tmp, "wb") as f:
-            f.write(data)
-        self.fs.mv(tmp, path)
+        try:
+            with self.fs.open(tmp, "wb") as f:
+                f.write(data)
+            self.fs.mv(tmp, path)
+        except BaseException:
+            self.remove(tmp)
+            raise
 
     def read_json(self, path: str) -> Any:
         return json.loads(self.read_bytes(path))
 
     def write_json(self, path: str, value: Any) -> None:
         self.write_bytes(path, json.dumps(value, indent=1, sort_keys=True).encode())
-
-    def new_temp_dir(self, under: str) -> str:
-        return posixpath.join(under, f".tmp-{uuid.uuid4().hex}")
 
     def move(self, src: str, dst: str) -> None:
         self.fs.mv(src, dst, recursive=True)

@@ -49,8 +49,10 @@ def pytest_collection_modifyitems(items):
     Test modules are not importable in Spark's Python workers, so functions and classes
     defined in them are pickled by value, as user code in ``__main__`` or a notebook is.
     """
+    from tests import faults
+
     items.sort(key=lambda item: item.get_closest_marker("cluster") is not None)
-    for module in {item.module for item in items}:
+    for module in {item.module for item in items} | {faults}:
         cloudpickle.register_pickle_by_value(module)
         pyspark_cloudpickle.register_pickle_by_value(module)
 

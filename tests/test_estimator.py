@@ -1,6 +1,7 @@
 """TorchEstimator.fit end to end on a real local[4] Spark session."""
 
 import math
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
+import spark_estimator.estimator as estimator_module
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
 from spark_estimator.serialization import state_from_bytes
@@ -186,7 +188,139 @@ def test_shape_mismatch_is_reported_from_the_first_batch(regression_df, store):
         est.fit(regression_df)
 
 
-# -- bad input: a clear error naming the parameter or column, before any Spark job --------
+# errors only the executors can see (docs/bad-input.md, second list); the exception type the
+# driver raises for a failed training job may change, so only the message is matched
+def test_fewer_model_outputs_than_label_columns_are_reported_from_the_first_batch(
+    regression_df, store
+):
+    est = make_estimator(linear_net(), store, label_cols=["y", "id"], num_proc=1)
+    with pytest.raises(Exception, match="label_cols: the model returned 1 outputs for 2 label"):
+        est.fit(regression_df)
+
+
+def test_a_loss_not_per_row_with_sample_weights_is_reported_from_the_first_batch(
+    regression_df, store
+):
+    def mean_loss(output, label):
+        return ((output - label) ** 2).mean()
+
+    est = make_estimator(linear_net(), store, num_proc=1, loss=mean_loss, sample_weight_col="w")
+    with pytest.raises(
+        Exception, match=r"sample_weight_col: the loss for label column 'y' returned shape \(\)"
+    ):
+        est.fit(regression_df.withColumn("w", F.lit(2.0)))
+
+
+def test_a_transformation_fn_dropping_a_column_is_reported_from_the_first_batch(
+    regression_df, store
+):
+    est = make_estimator(
+        linear_net(), store, num_proc=1, transformation_fn=lambda batch: {"x": batch["x"]}
+    )
+    with pytest.raises(
+        Exception, match="transformation_fn: the returned dict has no tensor for column 'y'"
+    ):
+        est.fit(regression_df)
+
+
+@pytest.mark.parametrize(
+    "x,params,message",
+    [
+        ([[1.0, 2.0], None], {}, "column 'x': 1 null values"),
+        ([[1.0, 2.0], [1.0, None]], {}, "column 'x': arrays contain null elements"),
+        ([[1.0, 2.0], [1.0]], {}, "column 'x': arrays have varying lengths (1 to 2)"),
+        (
+            [[1.0, 2.0], [3.0, 4.0]],
+            {"input_shapes": [[-1, 3]]},
+            "input_shapes: shape [-1, 3] does not fit column 'x' with 2 values per row",
+        ),
+    ],
+)
+def test_array_columns_of_users_parquet_are_checked_on_the_executors(store, x, params, message):
+    """fit_on_parquet reads only footers on the driver: these show in the first batch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"x": pa.array(x, pa.list_(pa.float64())), "y": [0.0, 1.0]})
+    store.fs.makedirs(store.join("mine"), exist_ok=True)
+    pq.write_table(table, store.join("mine", "part-0.parquet"))
+    est = make_estimator(linear_net(2), store, num_proc=1, epochs=1, **params)
+    with pytest.raises(Exception, match=re.escape(message)):
+        est.fit_on_parquet("mine")
+
+
+# -- bad input: a clear error naming the parameter or column, before the training job ------
+BAD_SCHEMA = (
+    "x array<float>, y float, id long, name string, v boolean, m map<string,double>, "
+    "s struct<a:double>"
+)
+
+
+def _row(i: int, x=(1.0, 2.0, 3.0), y=1.0, v=False) -> tuple:
+    return (None if x is None else list(x), y, i, "a", v, {"k": 1.0}, (1.0,))
+
+
+GOOD_ROWS = [_row(0), _row(1)]
+
+
+def _data_cases() -> dict:
+    """Bad data found by the materialization's one Spark write, before the training job:
+    case -> (params, error, message, rows of BAD_SCHEMA or None for GOOD_ROWS)."""
+    nan, inf = float("nan"), float("inf")
+    return {
+        "null feature": (
+            {},
+            ValueError,
+            "feature_cols: column 'x' has 1 null values",
+            [_row(0), _row(1, x=None)],
+        ),
+        "null label": (
+            {},
+            ValueError,
+            "label_cols: column 'y' has 1 null values",
+            [_row(0), _row(1, y=None)],
+        ),
+        "null element in an array": (
+            {},
+            ValueError,
+            "feature_cols: column 'x' has 1 null values",
+            [_row(0), _row(1, x=(1.0, None, 3.0))],
+        ),
+        "NaN feature": (
+            {},
+            ValueError,
+            "feature_cols: column 'x' has 1 NaN or infinite values",
+            [_row(0), _row(1, x=(1.0, nan, 3.0))],
+        ),
+        "inf feature": (
+            {},
+            ValueError,
+            "feature_cols: column 'x' has 2 NaN or infinite values",
+            [_row(0), _row(1, x=(inf, -inf, 3.0))],
+        ),
+        "ragged arrays": (
+            {},
+            ValueError,
+            "feature_cols: column 'x' has arrays of varying length (2 to 3)",
+            [_row(0), _row(1, x=(1.0, 2.0))],
+        ),
+        "input_shapes element count": (
+            dict(input_shapes=[[-1, 2, 2]]),
+            ValueError,
+            "input_shapes: shape [-1, 2, 2] has 4 elements per row, but column 'x' has rows "
+            "of length 3",
+            None,
+        ),
+        "empty DataFrame": ({}, ValueError, "DataFrame: no training rows", []),
+        "empty validation split": (
+            dict(validation="v"),
+            ValueError,
+            "validation: the split 'v' selected no validation rows",
+            None,
+        ),
+    }
+
+
 def _bad_inputs():
     net = linear_net()
     other = linear_net()
@@ -212,6 +346,16 @@ def _bad_inputs():
             dict(feature_cols=["name"]),
             TypeError,
             "feature_cols: column 'name' has type string",
+        ),
+        "map column": (
+            dict(feature_cols=["m"]),
+            TypeError,
+            "feature_cols: column 'm' has type map<string,double>",
+        ),
+        "struct column": (
+            dict(feature_cols=["s"]),
+            TypeError,
+            "feature_cols: column 's' has type struct<a:double>",
         ),
         "num_proc < 1": (dict(num_proc=0), ValueError, "num_proc: must be >= 1"),
         "num_proc > slots": (dict(num_proc=5), ValueError, "num_proc: 5 training processes"),
@@ -312,6 +456,11 @@ def _bad_inputs():
             ValueError,
             "keep_checkpoints: must be >= 1",
         ),
+        "collective_timeout 0": (
+            dict(collective_timeout=0),
+            ValueError,
+            "collective_timeout: must be > 0",
+        ),
         **_petastorm_case(),
     }
 
@@ -331,33 +480,50 @@ def _petastorm_case() -> dict:
         }
 
 
-BAD_CASES = list(_bad_inputs())
+BAD_CASES = list(_bad_inputs()) + list(_data_cases())
+
+
+def _files(store) -> dict[str, bytes]:
+    return {path: store.read_bytes(path) for path in store.fs.find(store.root)}
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
-def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store):
-    df = spark.createDataFrame(
-        [([1.0, 2.0, 3.0], 1.0, 0, "a")], "x array<float>, y float, id long, name string"
-    )
+def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store, monkeypatch):
+    """Parameter and schema errors come before any Spark job; bad data comes from the
+    materialization's write, before the training job. Either way the store is unchanged."""
+    data_case = case in _data_cases()
+    if data_case:
+        overrides, error, message, rows = _data_cases()[case]
+    else:
+        (overrides, error, message), rows = _bad_inputs()[case], None
+    df = spark.createDataFrame(GOOD_ROWS if rows is None else rows, BAD_SCHEMA)
     store.write_bytes(store.result_path("done"), b"an earlier run")
     store.write_bytes(store.join("datasets", "earlier", "_meta.json"), b"{}")
-    before = sorted(store.fs.find(store.root))
-    overrides, error, message = _bad_inputs()[case]
+    before = _files(store)
+    launched = []
+    monkeypatch.setattr(estimator_module, "run_barrier_job", lambda *a, **k: launched.append(a))
     est = make_estimator(linear_net(), store, num_proc=1).setParams(**overrides)
     group = f"bad-input-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, case)
     try:
-        with pytest.raises(error, match=message):
+        with pytest.raises(error, match=re.escape(message)):
             est.fit(df)
     finally:
         spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
-    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
-    assert sorted(store.fs.find(store.root)) == before
+    jobs = list(spark.sparkContext.statusTracker().getJobIdsForGroup(group))
+    if not data_case:
+        assert jobs == []  # found before any Spark job
+    assert launched == []  # never the training job
+    assert store.fs.ls(store.join("runs"), detail=False) == [store.run_path("done")]
+    assert _files(store) == before  # byte for byte; nothing under runs/ or datasets/ added
 
 
 def test_docs_list_every_bad_input_case():
     doc = (Path(__file__).parent.parent / "docs" / "bad-input.md").read_text()
-    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ")}
-    rows.discard("case")
+    table = [line.split("|") for line in doc.splitlines() if line.startswith("| ")]
+    found = {cells[1].strip(): cells[5].strip() for cells in table}  # case -> when found
+    found.pop("case")
     petastorm = {"petastorm on a new pyarrow"}  # a case only where petastorm cannot import
-    assert rows - petastorm == set(BAD_CASES) - petastorm
+    assert set(found) - petastorm == set(BAD_CASES) - petastorm
+    by_the_write = {case for case, when in found.items() if when == "materialization"}
+    assert by_the_write == set(_data_cases())

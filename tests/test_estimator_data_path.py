@@ -210,3 +210,25 @@ def test_fit_on_parquet_rejects_bad_paths_and_columns(spark, store, call, error,
         params = {est.getParam(k): v for k, v in params.items()}
     with pytest.raises(error, match=message):
         est.fit_on_parquet(**call, params=params)
+
+
+def test_fit_on_parquet_checks_footer_null_counts_row_lengths_and_completeness(
+    spark, store, tmp_path
+):
+    from tests.conftest import write_id_dataset
+
+    est = make_estimator(linear_net(1), store, num_proc=1)
+    table = pa.table({"x": [1.0, 2.0, 3.0], "y": [0.0, None, 1.0]})
+    write_parquet(store, "nulls/part-0.parquet", table, row_group_size=2)
+    with pytest.raises(ValueError, match="label_cols: column 'y' has 1 null values in the Parquet"):
+        est.fit_on_parquet("nulls")
+    # a materialized dataset: input_shapes against the row lengths in its _meta.json
+    data = write_id_dataset(tmp_path / "store" / "done", [4], 2)
+    data.row_lengths = {"x": 2}
+    store.write_json(store.join("done", "_meta.json"), data.to_json())
+    with pytest.raises(ValueError, match=r"input_shapes: shape \[-1, 3\] has 3 elements per row"):
+        est.fit_on_parquet("done", params={est.input_shapes: [[-1, 3]]})
+    # a dataset folder without _meta.json is incomplete: never read
+    write_parquet(store, "datasets/k/write-1/train/part-0.parquet", table)
+    with pytest.raises(ValueError, match="path: 'datasets/k' is a dataset folder without _meta"):
+        est.fit_on_parquet("datasets/k")

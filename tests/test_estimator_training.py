@@ -40,7 +40,7 @@ def ranks(store, model):
 
 def checkpoint(store, model, epoch):
     path = store.checkpoint_path(model.getRunId(), epoch)
-    return state_from_bytes(store.read_bytes(path), weights_only=False)
+    return state_from_bytes(store.read_bytes(path))
 
 
 def fit(df, store, lr=0.1, net=None, **params):

@@ -89,8 +89,7 @@ def test_mixed_precision_and_compression_on_nccl(tmp_path):
                              backward_passes_per_step=2)
         model = est.fit(df)
         ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
-        ckpt = state_from_bytes(store.read_bytes(store.checkpoint_path(model.getRunId(), 4)),
-                                weights_only=False)
+        ckpt = state_from_bytes(store.read_bytes(store.checkpoint_path(model.getRunId(), 4)))
         history = model.getHistory()
         print(json.dumps({"device": ranks[0]["device"], "sent": ranks[0]["communicated_dtypes"],
                           "scaler": "scaler" in ckpt,

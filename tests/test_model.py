@@ -193,3 +193,16 @@ def test_loaded_estimator_trains(spark, tmp_path, regression_df):
     model = TorchEstimator.load(str(tmp_path / "est")).fit(regression_df)
     assert len(model.getHistory()) == 2
     assert model.transform(regression_df).where(F.col("prediction").isNull()).count() == 0
+
+
+def test_a_model_saved_with_its_weights_inside_the_pickle_still_loads(spark, tmp_path):
+    """Models saved before weights.pt had the tensors in objects.pkl."""
+    import cloudpickle
+
+    from spark_estimator.persistence import OBJECTS_FILE, WEIGHTS_FILE
+
+    path = tmp_path / "model"
+    TorchModel(model=fixed_net(), feature_cols=["x"]).save(str(path))
+    (path / WEIGHTS_FILE).unlink()
+    (path / OBJECTS_FILE).write_bytes(cloudpickle.dumps({"model": fixed_net()}))
+    assert torch.equal(TorchModel.load(str(path)).getModel().weight, fixed_net().weight)

@@ -29,6 +29,7 @@ def test_defaults():
     assert est.getReaderNumWorkers() == 2 and est.getInmemoryCacheAll() is False
     assert est.getTrainStepsPerEpoch() is None and est.getValidationStepsPerEpoch() is None
     assert est.getTransformationFn() is None
+    assert est.getCollectiveTimeout() == 600.0
 
 
 def test_data_path_params_round_trip():
@@ -108,6 +109,7 @@ def test_explain_params_documents_every_param():
         "num_proc",
         "validation",
         "random_seed",
+        "collective_timeout",
         "store",
         "use_gpu",
         "run_id",

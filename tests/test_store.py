@@ -29,6 +29,33 @@ def test_write_bytes_is_atomic_and_leaves_no_temp_files(store):
     assert [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.join("a"))] == ["b.bin"]
 
 
+def test_a_write_that_fails_halfway_leaves_the_old_file(store, monkeypatch):
+    path = store.join("a", "b.bin")
+    store.write_bytes(path, b"old")
+    real_open = store.fs.open
+
+    class Crashing:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:2])
+            raise OSError("disk full")
+
+    monkeypatch.setattr(store.fs, "open", lambda p, mode="rb": Crashing(real_open(p, mode)))
+    with pytest.raises(OSError, match="disk full"):
+        store.write_bytes(path, b"new content")
+    monkeypatch.undo()
+    assert store.read_bytes(path) == b"old"
+    assert [p.rsplit("/", 1)[-1] for p in store.fs.ls(store.join("a"))] == ["b.bin"]
+
+
 def test_json_round_trip_and_remove(store):
     path = store.join("x", "meta.json")
     store.write_json(path, {"rows": 3})

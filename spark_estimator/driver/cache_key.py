@@ -7,7 +7,8 @@ leaves out the files. So the key is built from
 
 - the canonical analyzed plan (expression ids normalized) and the schema,
 - for file sources (Parquet, CSV, ... tables): every input file with its size and
-  modification time, so rewritten or added files give a new key,
+  modification time, so rewritten or added files give a new key, and a digest of the read
+  options (never the options themselves: they may hold credentials),
 - for in-memory leaves whose content is part of the plan (local data, ``range``): their
   semantic hash, which is computed from the rows and is stable across sessions,
 - for any other leaf (an RDD, a JDBC relation, ...): an identity that holds only inside
@@ -75,7 +76,9 @@ def source_fingerprint(df: DataFrame) -> dict:
         if _is_file_leaf(leaf):
             has_files = True
             options = leaf.relation().options().toString() if name == "LogicalRelation" else ""
-            leaves.append([name, leaf.canonicalized().toString(), options])
+            # read options may hold credentials: only their digest is kept (and persisted)
+            digest = hashlib.sha256(options.encode()).hexdigest()
+            leaves.append([name, leaf.canonicalized().toString(), digest])
         elif name in _CONTENT_LEAVES:
             leaves.append([name, leaf.semanticHash()])
         else:  # no stable identity: valid within this application only

@@ -6,23 +6,36 @@ are converted column-wise by Spark: vectors (dense or sparse) to arrays, feature
 labels to ``dtype``, integral labels to int64 (class indices). The rows are repartitioned
 into ``num_files`` files per split with row groups of about ``row_group_bytes``.
 
-The result is moved into ``datasets/<key>`` only when complete, with ``_meta.json`` (row
-counts and row-group sizes per file, and what the key was computed from) written last; a
-dataset whose ``_meta.json`` exists is complete and is reused by any later fit, in any
-session, with the same key (see ``cache_key.py``).
+The same write checks the converted values, with Spark's ``DataFrame.observe`` (no extra
+pass over the data): nulls in every column (null rows, and null elements inside arrays),
+NaN and +-inf in features and float labels, and arrays of one length per column, whose
+lengths are also checked against ``input_shapes``. A failed check raises on the driver
+before the training job starts.
+
+Each write goes to its own folder, ``datasets/<key>/<write-id>``, which no other fit ever
+writes or removes. ``datasets/<key>/_meta.json`` (row counts and row-group sizes per file,
+row lengths, and what the key was computed from) is written last, atomically, and names the
+complete write; a dataset whose ``_meta.json`` exists is complete and is reused by any later
+fit, in any session, with the same key (see ``cache_key.py``). Two fits writing the same key
+at once both end with a complete dataset: the one that finds ``_meta.json`` already there
+drops its own write and uses the published one; if both publish, the last ``_meta.json``
+wins and the other write stays, unnamed but intact, for the fit that is reading it.
 """
 
 from __future__ import annotations
 
+import math
 import posixpath
+import uuid
+import warnings
 from dataclasses import asdict, dataclass
 
 import pyarrow.parquet as pq
 from pyspark.ml.functions import vector_to_array
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
-from ..spec import SPLITS, ColumnSpec, DatasetInfo
+from ..spec import SPLITS, ColumnSpec, DatasetInfo, column_param
 from ..store import Store
 from .cache_key import cache_key, source_fingerprint
 
@@ -41,8 +54,10 @@ class WriteOptions:
 
 def _select_expr(spec: ColumnSpec) -> Column:
     element = "bigint" if spec.integral else ("double" if spec.dtype == "float64" else "float")
-    if spec.kind == "vector":
-        return vector_to_array(F.col(spec.name), spec.dtype).alias(spec.name)
+    if spec.kind == "vector":  # vector_to_array fails on a null vector: keep it null
+        column = F.col(spec.name)
+        converted = vector_to_array(column, spec.dtype)
+        return F.when(column.isNotNull(), converted).alias(spec.name)
     target = f"array<{element}>" if spec.kind == "array" else element
     return F.col(spec.name).cast(target).alias(spec.name)
 
@@ -57,8 +72,14 @@ def _split_expr(validation, seed: int) -> Column:
     return F.when(is_val, F.lit("validation")).otherwise(F.lit("train"))
 
 
-def list_row_groups(store: Store, folder: str, root: str) -> list[tuple[str, list[int]]]:
-    """(path relative to ``root``, rows per row group) of every non-empty Parquet file."""
+def list_row_groups(
+    store: Store, folder: str, root: str, null_counts: dict[str, int | None] | None = None
+) -> list[tuple[str, list[int]]]:
+    """(path relative to ``root``, rows per row group) of every non-empty Parquet file.
+
+    With ``null_counts``, also adds up the footers' null counts per Parquet column path
+    (``x``, ``v.type``, ``a.list.element``); None where a row group has no such statistic.
+    """
     if not store.exists(folder):
         return []
     files = []
@@ -69,7 +90,135 @@ def list_row_groups(store: Store, folder: str, root: str) -> list[tuple[str, lis
         groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         if sum(groups):
             files.append((posixpath.relpath(path, root), groups))
+        if null_counts is not None:
+            _add_null_counts(meta, null_counts)
     return files
+
+
+def _add_null_counts(meta: pq.FileMetaData, counts: dict[str, int | None]) -> None:
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            stats = chunk.statistics
+            known = stats is not None and stats.has_null_count
+            total = counts.get(chunk.path_in_schema, 0)
+            counts[chunk.path_in_schema] = (
+                total + stats.null_count if known and total is not None else None
+            )
+
+
+# -- value checks, computed by the write itself (DataFrame.observe) -----------------------
+def _checked_columns(
+    features: list[ColumnSpec], labels: list[ColumnSpec], sample_weight: ColumnSpec | None
+) -> list[tuple[str, ColumnSpec]]:
+    roles = [("feature", c) for c in features] + [("label", c) for c in labels]
+    return roles + ([("sample_weight", sample_weight)] if sample_weight is not None else [])
+
+
+def _finite_checked(role: str, spec: ColumnSpec) -> bool:
+    """NaN and +-inf are rejected in features and float labels."""
+    return role == "feature" or (role == "label" and not spec.integral)
+
+
+def _count(condition: Column) -> Column:
+    return F.sum(condition.cast("long"))
+
+
+def _non_finite(value: Column) -> Column:
+    return F.isnan(value) | (F.abs(value) == F.lit(math.inf))
+
+
+def check_metrics(columns: list[tuple[str, ColumnSpec]]) -> list[Column]:
+    """The aggregates observed on the converted columns during the write: per column its
+    null rows; per array column its null elements and min/max length; per feature and float
+    label its NaN and infinite values. Named ``c<i>_...`` by the column's position."""
+    exprs = []
+    for i, (role, spec) in enumerate(columns):
+        col = F.col(spec.name)
+        exprs.append(_count(col.isNull()).alias(f"c{i}_null_rows"))
+        if spec.kind == "scalar":
+            if _finite_checked(role, spec):
+                exprs.append(_count(_non_finite(col)).alias(f"c{i}_non_finite"))
+            continue
+        # per non-null row only: size() of a null array is -1 or null, depending on ANSI
+        null_elements = F.when(col.isNotNull(), F.size(F.filter(col, lambda v: v.isNull())))
+        exprs.append(F.sum(null_elements).alias(f"c{i}_null_elements"))
+        if _finite_checked(role, spec):
+            non_finite = F.when(col.isNotNull(), F.size(F.filter(col, _non_finite)))
+            exprs.append(F.sum(non_finite).alias(f"c{i}_non_finite"))
+        length = F.when(col.isNotNull(), F.size(col))
+        exprs.append(F.min(length).alias(f"c{i}_min_length"))
+        exprs.append(F.max(length).alias(f"c{i}_max_length"))
+    return exprs
+
+
+def check_values(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, int]:
+    """Raise for nulls, non-finite values or arrays of varying length found by the write's
+    metrics (columns in order, nulls first); return each array column's row length.
+
+    Counts are of the rows written; a stage Spark re-ran may count some rows twice, which
+    can only raise a count, never make a clean column look bad.
+    """
+
+    def get(name: str) -> int:
+        return metrics.get(name) or 0  # None (or absent on pyspark 3.5) for no rows
+
+    for i, (role, spec) in enumerate(columns):
+        rows, elements = get(f"c{i}_null_rows"), get(f"c{i}_null_elements")
+        if rows + elements:
+            param, name = column_param(role), spec.name
+            detail = (
+                f" ({rows} null rows, {elements} null elements inside arrays)" if elements else ""
+            )
+            inside = (
+                f" (and where(~F.exists('{name}', lambda v: v.isNull())) for null elements)"
+                if elements
+                else ""
+            )
+            raise ValueError(
+                f"{param}: column '{name}' has {rows + elements} null values{detail}; filter "
+                f"them, e.g. df.na.drop(subset=['{name}']){inside}, or fill them before fit"
+            )
+    for i, (role, spec) in enumerate(columns):
+        bad = get(f"c{i}_non_finite")
+        if bad:
+            kind = "feature" if role == "feature" else "label"
+            raise ValueError(
+                f"{column_param(role)}: column '{spec.name}' has {bad} NaN or infinite values; "
+                f"they are rejected because a NaN or infinite {kind} makes the loss NaN "
+                "without any error. Filter or replace them before fit"
+            )
+    lengths = {}
+    for i, (role, spec) in enumerate(columns):
+        if spec.kind == "scalar":
+            continue
+        lo, hi = metrics.get(f"c{i}_min_length"), metrics.get(f"c{i}_max_length")
+        if lo is None:  # no rows
+            continue
+        if lo != hi:
+            raise ValueError(
+                f"{column_param(role)}: column '{spec.name}' has arrays of varying length "
+                f"({lo} to {hi}); every row of an array or vector column must have the same "
+                "length"
+            )
+        lengths[spec.name] = int(lo)
+    return lengths
+
+
+def check_input_shapes(data: DatasetInfo, input_shapes: list[list[int]] | None) -> None:
+    """Each shape with a -1 (the batch dimension) must hold as many values as its feature
+    column's rows (1 for scalars; array lengths as recorded in ``_meta.json``)."""
+    for spec, shape in zip(data.features, input_shapes or []):
+        length = data.row_length(spec)
+        if -1 not in shape or length is None:  # a fixed whole-batch shape: checked per batch
+            continue
+        per_row = math.prod(d for d in shape if d != -1)
+        if per_row != length:
+            raise ValueError(
+                f"input_shapes: shape {shape} has {per_row} elements per row, but column "
+                f"'{spec.name}' has rows of length {length}"
+            )
 
 
 def materialize(
@@ -81,27 +230,38 @@ def materialize(
     seed: int,
     options: WriteOptions,
     sample_weight: ColumnSpec | None = None,
+    input_shapes: list[list[int]] | None = None,
 ) -> DatasetInfo:
-    """Write (or reuse) the Parquet datasets for this DataFrame and these columns."""
+    """Write (or reuse) the Parquet datasets for this DataFrame and these columns, checking
+    the values on the way (see the module's docstring)."""
     source = source_fingerprint(df)
     key = cache_key(source, features + labels, validation, seed, asdict(options), sample_weight)
     final = store.dataset_path(key)
     meta_path = posixpath.join(final, "_meta.json")
     if store.exists(meta_path):
-        return DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
+        data = DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
+        check_input_shapes(data, input_shapes)
+        return data
 
-    tmp = store.new_temp_dir(store.join("datasets"))
+    write_id = f"write-{uuid.uuid4().hex}"
+    tmp = posixpath.join(final, write_id)  # only this call writes or removes it
+    columns = _checked_columns(features, labels, sample_weight)
     try:
         selected = df.select(
-            *[_select_expr(c) for c in features + labels + [sample_weight] if c is not None],
+            *[_select_expr(c) for _, c in columns],
             _split_expr(validation, seed).alias(SPLIT_COL),
-        ).repartition(options.num_files)
+        )
+        observation = Observation(f"spark_estimator_checks_{uuid.uuid4().hex}")
         (
-            selected.write.partitionBy(SPLIT_COL)
+            selected.observe(observation, *check_metrics(columns))
+            .repartition(options.num_files)
+            .write.partitionBy(SPLIT_COL)
             .option("compression", options.compression)
             .option("parquet.block.size", options.row_group_bytes)
             .parquet(store.spark_url(tmp))
         )
+        metrics = _observed(observation)
+        row_lengths = check_values(metrics, columns)
         for split in SPLITS:
             written = posixpath.join(tmp, f"{SPLIT_COL}={split}")
             if store.exists(written):
@@ -110,21 +270,49 @@ def materialize(
             path=final,
             features=features,
             labels=labels,
-            files={s: list_row_groups(store, posixpath.join(tmp, s), tmp) for s in SPLITS},
+            files={s: list_row_groups(store, posixpath.join(tmp, s), final) for s in SPLITS},
             source={**source, "files": len(source.get("files", [])), "key": key},
             sample_weight=sample_weight,
+            row_lengths=row_lengths,
+            write_id=write_id,
         )
+        if not metrics and data.rows("train") + data.rows("validation"):
+            warnings.warn(
+                "spark-estimator: Spark reported no observed metrics for the write, so nulls, "
+                "NaN and array lengths were not checked on the driver",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         check_not_empty(data, validation)
-        store.write_json(posixpath.join(tmp, "_meta.json"), data.to_json())
-        if store.exists(meta_path):  # another fit finished the same dataset first
-            store.remove(tmp)
-        else:
-            store.remove(final)  # an incomplete leftover without _meta.json
-            store.move(tmp, final)
+        check_input_shapes(data, input_shapes)
+        published = store.exists(meta_path)  # another fit finished the same dataset first
     except BaseException:
-        store.remove(tmp)
+        _discard(store, tmp, final)
         raise
+    if published:
+        _discard(store, tmp, final)  # never read by anyone: this call has not published it
+        return DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
+    store.write_json(meta_path, data.to_json())  # atomic; the last of two racing fits wins
     return data
+
+
+def _observed(observation: Observation) -> dict:
+    """The write's metrics; {} where Spark collected none, as for a write of no rows
+    (pyspark 3.5 then returns {}, pyspark 4 fails to convert the empty row)."""
+    try:
+        return dict(observation.get)
+    except Exception:
+        return {}
+
+
+def _discard(store: Store, write: str, dataset: str) -> None:
+    """Remove this call's own write folder, and the dataset folder if that left it empty
+    (``rmdir`` refuses a folder another fit is writing into)."""
+    store.remove(write)
+    try:
+        store.fs.rmdir(dataset)
+    except (OSError, NotImplementedError):  # not empty, or already gone
+        pass
 
 
 def check_not_empty(data: DatasetInfo, validation) -> None:

@@ -5,6 +5,14 @@ Either a dataset folder written by ``materialize`` (``train/``, ``validation/`` 
 validation. Column kinds come from the Parquet schema: numbers are scalars, lists of
 numbers arrays, Spark ML vector structs vectors; floats load as ``dtype``, integer labels
 as int64 class indices. Row-group sizes come from ``_meta.json`` or the files' footers.
+
+A materialized dataset was checked when it was written (nulls, NaN, array lengths) and its
+``_meta.json`` holds the array lengths, checked here against ``input_shapes``. Other Parquet
+is not read on the driver, only its footers: their null counts reject nulls in scalar and
+vector columns where the statistics exist. Nulls in list columns (the statistics count
+empty lists too), NaN and infinite values, array lengths and ``input_shapes`` of array
+columns are not checked here; the executors find nulls, varying lengths and shape
+mismatches in the first batch that holds them.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import pyarrow.parquet as pq
 
 from ..spec import ColumnSpec, DatasetInfo, column_param
 from ..store import Store
-from .materialize import check_not_empty, list_row_groups
+from .materialize import check_input_shapes, check_not_empty, list_row_groups
 
 _VECTOR_FIELDS = {"type", "size", "indices", "values"}
 
@@ -57,6 +65,28 @@ def _resolve(store: Store, path: str, param: str) -> str:
     return full.rstrip("/")
 
 
+def _null_counts_in_footers(
+    counts: dict[str, int | None], specs: list[tuple[str, ColumnSpec]], where: str
+) -> None:
+    """Reject nulls the footers' statistics count exactly: scalar columns, and vectors (a
+    null vector has a null ``type``). List columns are left out: empty lists count too."""
+    for role, spec in specs:
+        if spec.kind == "array":
+            continue
+        nulls = counts.get(spec.name if spec.kind == "scalar" else f"{spec.name}.type")
+        if nulls:
+            raise ValueError(
+                f"{column_param(role)}: column '{spec.name}' has {nulls} null values in the "
+                f"Parquet under {where} (from the files' statistics); filter them, e.g. "
+                f"df.na.drop(subset=['{spec.name}']), or fill them before writing the Parquet"
+            )
+
+
+def _incomplete_dataset(store: Store, root: str) -> bool:
+    """A folder of ``datasets/`` without ``_meta.json``: a write in progress or interrupted."""
+    return posixpath.dirname(root) == store.join("datasets")
+
+
 def parquet_dataset(
     store: Store,
     path: str,
@@ -66,17 +96,26 @@ def parquet_dataset(
     dtype: str,
     validation=None,
     sample_weight_col: str | None = None,
+    input_shapes: list[list[int]] | None = None,
 ) -> DatasetInfo:
     """A DatasetInfo for Parquet already in ``store``; every check runs here, on the driver."""
     root = _resolve(store, path, "path")
     meta_path = posixpath.join(root, "_meta.json")
+    null_counts: dict[str, int | None] = {}
+    meta = None
     if store.exists(meta_path):
         if validation_path is not None:
             raise ValueError(
                 "validation_path: not allowed with a materialized dataset, which has its "
                 "own validation split"
             )
-        files = DatasetInfo.from_json(root, store.read_json(meta_path), reused=True).files
+        meta = DatasetInfo.from_json(root, store.read_json(meta_path), reused=True)
+        files = meta.files
+    elif _incomplete_dataset(store, root):
+        raise ValueError(
+            f"path: '{path}' is a dataset folder without _meta.json, so it is incomplete (a "
+            "write in progress or interrupted) and is never read"
+        )
     else:
         if validation is not None:
             raise ValueError(
@@ -89,7 +128,10 @@ def parquet_dataset(
         if store.fs.isfile(root):
             root = posixpath.dirname(root)
         root = posixpath.commonpath([root] + list(folders.values()))  # a folder: root is one
-        files = {split: list_row_groups(store, folder, root) for split, folder in folders.items()}
+        files = {
+            split: list_row_groups(store, folder, root, null_counts)
+            for split, folder in folders.items()
+        }
     if not files.get("train"):
         raise ValueError(f"path: no Parquet files with rows under '{path}'")
 
@@ -117,6 +159,14 @@ def parquet_dataset(
         files=files,
         reused=True,
         sample_weight=weight,
+        row_lengths=meta.row_lengths if meta is not None else {},
+        write_id=meta.write_id if meta is not None else None,
     )
     check_not_empty(data, validation_path)
+    if meta is None:
+        specs = [("feature", c) for c in features] + [("label", c) for c in labels]
+        specs += [("sample_weight", weight)] if weight is not None else []
+        where = f"'{path}'" + (f" or '{validation_path}'" if validation_path else "")
+        _null_counts_in_footers(null_counts, specs, where)
+    check_input_shapes(data, input_shapes)
     return data

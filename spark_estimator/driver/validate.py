@@ -161,6 +161,20 @@ def check_num_proc(num_proc: int, slots: int) -> None:
         )
 
 
+def check_no_dynamic_allocation(spark) -> None:
+    """Barrier jobs need a fixed set of executors; Spark refuses them otherwise, late."""
+    try:
+        enabled = spark.conf.get("spark.dynamicAllocation.enabled", "false")
+    except Exception:  # a session that cannot tell
+        return
+    if str(enabled).lower() == "true":
+        raise ValueError(
+            "num_proc: training runs as a Spark barrier job, which cannot run with "
+            "spark.dynamicAllocation.enabled=true; disable dynamic allocation for this "
+            "application"
+        )
+
+
 def check_output_cols(output_cols, existing: list[str]) -> None:
     if output_cols is None:
         return

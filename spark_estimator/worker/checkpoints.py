@@ -1,20 +1,15 @@
 """Executor (rank 0): one checkpoint per finished epoch in the store, and their retention.
 
-A checkpoint holds everything needed to continue after its epoch: model, optimizer, LR
-scheduler and gradient scaler state, and the history so far. Each is written atomically
-(``Store.write_bytes``). With ``keep`` set, only the last ``keep`` epochs' checkpoints stay,
-plus any epoch named in ``protected`` (the best epoch, when a BestModel callback tracks one).
+A checkpoint holds everything needed to continue after its epoch (see ``resume.py``).
+Each is written atomically (``Store.write_bytes``). With ``keep`` set, only the last
+``keep`` epochs' checkpoints stay, plus any epoch named in ``protected`` (the best epoch,
+when a BestModel callback tracks one).
 """
 
 from __future__ import annotations
 
-import posixpath
-import re
-
 from ..serialization import state_to_bytes
 from ..store import Store
-
-_NAME = re.compile(r"epoch-(\d+)\.pt")
 
 
 class Checkpoints:
@@ -26,11 +21,7 @@ class Checkpoints:
 
     def epochs(self) -> list[int]:
         """Epochs with a checkpoint in the store, ascending."""
-        folder = posixpath.dirname(self.path(1))
-        if not self.store.exists(folder):
-            return []
-        names = (posixpath.basename(p) for p in self.store.fs.ls(folder, detail=False))
-        return sorted(int(m.group(1)) for n in names if (m := _NAME.fullmatch(n)))
+        return self.store.checkpoint_epochs(self.run_id)
 
     def write(self, epoch: int, state: dict, protected: set[int] = frozenset()) -> None:
         self.store.write_bytes(self.path(epoch), state_to_bytes({"epoch": epoch, **state}))

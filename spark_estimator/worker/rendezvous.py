@@ -1,11 +1,12 @@
 """Executor: pin the device Spark assigned, join the job's torch.distributed process group.
 
 Rank 0 starts a TCPStore on an OS-chosen port (bound before anyone is told of it, so no
-other process can take the port in between) and shares the address through the barrier
-context's ``allGather``; every rank then joins one process group (gloo on CPU, NCCL on GPU).
-When the block ends normally every rank waits for the others before leaving; when it
-raises, the first failing rank's error is the one Spark reports (see ``_first_failure``).
-The group is destroyed when the task ends, failed or not, because PySpark reuses workers.
+other process can take the port in between) and shares the address and a random secret
+through the barrier context's ``allGather``; every rank then joins one process group (gloo
+on CPU, NCCL on GPU). Every wait for other ranks is bounded by ``timeout_s``. When the block
+ends normally every rank waits for the others before leaving; when it raises, the first
+failing rank's error is the one Spark reports (see ``_first_failure``). The group and rank
+0's server are closed when the task ends, failed or not, because PySpark reuses workers.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,11 +24,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..failures import is_peer_failure
+
 log = logging.getLogger(__name__)
 
-RENDEZVOUS_TIMEOUT = timedelta(minutes=10)
+DEFAULT_TIMEOUT_S = 600.0
 LATER_FAILURE_DELAY_S = 3.0
-_FAILURES_KEY = "spark-estimator/failures"
+_FAILURES_KEY = "failures"
 
 
 @dataclass(frozen=True)
@@ -123,44 +127,50 @@ def task_device(ctx, use_gpu: bool, warn: bool = True) -> tuple[torch.device, st
     return device, reason
 
 
+class RendezvousError(RuntimeError):
+    """The job's process group could not be formed."""
+
+
 @contextmanager
-def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
-    """Join the barrier job's process group for the duration of the ``with`` block."""
+def process_group(
+    ctx,
+    use_gpu: bool,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_failure: Callable[[int, BaseException], None] | None = None,
+) -> Iterator[RankInfo]:
+    """Join the barrier job's process group for the duration of the ``with`` block.
+
+    ``timeout_s`` bounds every wait for the other ranks: forming the group, and each
+    collective (a rank that died or hangs makes the others raise after that long).
+    ``on_failure(rank, error)`` is called, before the error propagates, for the job's
+    first failure when it is not just a consequence of a peer's (see ``failures.py``),
+    and for a rendezvous that cannot form.
+    """
     global _current
     infos = ctx.getTaskInfos()
     rank, world_size = ctx.partitionId(), len(infos)
     device, note = task_device(ctx, use_gpu)
     hosts = [info.address.rsplit(":", 1)[0] for info in infos]
-    host = hosts[0]
-    tcp_store = None
-    if rank == 0:
-        tcp_store = dist.TCPStore(
-            host,
-            0,
-            world_size,
-            is_master=True,
-            timeout=RENDEZVOUS_TIMEOUT,
-            wait_for_workers=False,
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store, server = _rendezvous(ctx, rank, world_size, hosts[0], timeout)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
         )
-        address = json.dumps({"host": host, "port": tcp_store.port, "pid": os.getpid()})
-    else:
-        address = ""
-    master = json.loads(ctx.allGather(address)[0])
-    if rank != 0:
-        tcp_store = dist.TCPStore(
-            master["host"],
-            master["port"],
-            world_size,
-            is_master=False,
-            timeout=RENDEZVOUS_TIMEOUT,
+    except Exception as e:
+        error = RendezvousError(
+            f"rendezvous: rank {rank} of {world_size} could not form the process group "
+            f"within collective_timeout={timeout_s:g} s ({type(e).__name__}: {e}). Every "
+            f"task must reach the TCP port rank 0 opened on {hosts[0]}; check firewalls and "
+            "that all executors can run at once."
         )
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        store=tcp_store,
-        rank=rank,
-        world_size=world_size,
-        timeout=RENDEZVOUS_TIMEOUT,
-    )
+        if on_failure is not None:
+            on_failure(rank, error)
+        raise error from e
     _current = RankInfo(rank, world_size, *local_ranks(hosts, rank), device, note)
     try:
         yield _current
@@ -168,7 +178,10 @@ def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
         # connections early fails the others' collectives (and their setup)
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     except Exception as e:
-        if not _first_failure(tcp_store):
+        first = _first_failure(store)
+        if first and on_failure is not None and not is_peer_failure(e):
+            on_failure(rank, e)
+        if not first:
             log.warning(
                 "rank %d failed (%s) after another rank did; raising in %.0f s",
                 rank,
@@ -180,11 +193,35 @@ def process_group(ctx, use_gpu: bool) -> Iterator[RankInfo]:
     finally:
         _current = None
         dist.destroy_process_group()
+        del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def _first_failure(tcp_store) -> bool:
+def _rendezvous(ctx, rank: int, world_size: int, host: str, timeout: timedelta):
+    """The job's key-value store: (a store private to this job, rank 0's server or None).
+
+    Rank 0 starts a TCPStore server on an OS-chosen port and shares host, port and a random
+    secret through the barrier context's ``allGather`` (Spark's own channel). Every rank
+    then uses only keys under that secret, so a stranger who connects to the port cannot
+    join or disturb the group without it. The server lives as long as the group.
+    """
+    server = None
+    if rank == 0:
+        server = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        address = json.dumps({"host": host, "port": server.port, "secret": secrets.token_hex(16)})
+    else:
+        address = ""
+    master = json.loads(ctx.allGather(address)[0])
+    client = server or dist.TCPStore(
+        master["host"], master["port"], world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"spark-estimator/{master['secret']}/", client), server
+
+
+def _first_failure(store) -> bool:
     """Whether no other rank of the job has failed before this one.
 
     When one rank raises, the others usually fail a moment later inside a collective
@@ -194,6 +231,6 @@ def _first_failure(tcp_store) -> bool:
     with the original error and kills them.
     """
     try:
-        return tcp_store.add(_FAILURES_KEY, 1) == 1
+        return store.add(_FAILURES_KEY, 1) == 1
     except Exception:  # the store went away with rank 0: a failure came first
         return False

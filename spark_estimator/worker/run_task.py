@@ -34,14 +34,14 @@ def encode_result(value, rank: int) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def run_task(payload: bytes, use_gpu: bool, rank0_only: bool) -> dict:
+def run_task(payload: bytes, use_gpu: bool, rank0_only: bool, timeout_s: float) -> dict:
     """Run one rank of ``fn(*args, **kwargs)`` (cloudpickled in ``payload``); return its
     summary. With ``rank0_only`` the other ranks send no value back (``result`` is None)."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
     fn, args, kwargs = loads(payload)
-    with process_group(ctx, use_gpu) as info:
+    with process_group(ctx, use_gpu, timeout_s) as info:
         value = fn(*args, **kwargs)
     keep = info.rank == 0 or not rank0_only
     return {

@@ -88,6 +88,13 @@ class Stepper:
             loss = torch.tensor(float(loss), device=self.device)
         return as_outputs(outputs), loss
 
+    def load_state_dict(self, checkpoint: dict) -> None:
+        """Take scaler and scheduler state back from a checkpoint."""
+        if self.scaler is not None and "scaler" in checkpoint:
+            self.scaler.load_state_dict(checkpoint["scaler"])
+        if self.objects.scheduler is not None and "lr_scheduler" in checkpoint:
+            self.objects.scheduler.load_state_dict(checkpoint["lr_scheduler"])
+
     def state_dict(self) -> dict:
         """Scaler and scheduler state, for checkpoints."""
         state = {}

@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+from ..failures import failure_path, read_failure, record_failure
 from ..spec import TrainSpec
 from .rendezvous import process_group
 from .train import train
 
 
 def training_task(spec: TrainSpec) -> dict:
-    """Run this task's rank of the training job; return its summary."""
+    """Run this task's rank of the training job; return its summary.
+
+    When an earlier attempt of this launch already failed in the training code (Spark
+    retried the stage after it), the task ends at once with ``{"aborted": True}`` and the
+    driver raises the recorded failure (see ``failures.py``).
+    """
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
-    with process_group(ctx, spec.use_gpu) as info:
+    store = spec.store
+    path = failure_path(store, spec.run_id, spec.launch_id)
+    if read_failure(path, store) is not None:
+        return {"rank": ctx.partitionId(), "aborted": True}
+
+    def on_failure(rank: int, error: BaseException) -> None:
+        record_failure(path, store, rank, error)
+
+    with process_group(ctx, spec.use_gpu, spec.collective_timeout, on_failure) as info:
         return train(spec, info)

@@ -8,6 +8,7 @@ of passes; ``step.py`` does the work of one batch. Per epoch the ranks run exact
 collectives besides DDP's: one allreduce of the epoch's loss and metric sums
 (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks). Rank 0 then
 writes the epoch's checkpoint (``checkpoints.py``); at the end it writes the result.
+A run that finds checkpoints of its ``run_id`` continues after the newest (``resume.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums
 from .objects import build_objects
 from .rendezvous import RankInfo
+from .resume import (
+    agree_on_checkpoint,
+    callback_states,
+    load_checkpoint,
+    restore_callbacks,
+    seed_epoch,
+)
 from .shards import StepPlan, eval_sizes
 from .step import Stepper
 
@@ -40,17 +48,20 @@ _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
 
 def training_steps(
-    loader: ShardLoader, plan: StepPlan, group: int
+    loader: ShardLoader, plan: StepPlan, group: int, start: int = 0
 ) -> Iterator[tuple[dict, float, bool]]:
-    """(batch, loss weight, last of its group) for every step, pass after pass, no end."""
+    """(batch, loss weight, last of its group) for every step, pass after pass, no end,
+    beginning after the first ``start`` steps (those are read, not returned)."""
     weights, ends = plan.weights(group), plan.group_ends(group)
-    for pass_index in itertools.count(1):
-        yield from zip(loader.batches(plan.batch_sizes, pass_index), weights, ends)
+    first_pass, skip = divmod(start, plan.steps)
+    for pass_index in itertools.count(first_pass + 1):
+        steps = zip(loader.batches(plan.batch_sizes, pass_index), weights, ends)
+        yield from itertools.islice(steps, skip, None)
+        skip = 0
 
 
 def train(spec: TrainSpec, info: RankInfo) -> dict:
     """Train on this rank; return a summary of what it did (one JSON-able dict)."""
-    torch.manual_seed(spec.seed)
     loop = _TrainingLoop(spec, info)
     try:
         loop.run()
@@ -79,7 +90,6 @@ class _TrainingLoop:
         group = spec.loop.backward_passes_per_step
         self.steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
         self.optimizer_steps = math.ceil(self.steps_per_epoch / group)
-        self.steps = training_steps(self.train_loader, plan, group)
         self.val_loader = open_loader(spec, "validation", world, rank, pin)
         self.val_sizes = eval_sizes(
             self.val_loader.rows, spec.batch_size, spec.loader.validation_steps_per_epoch
@@ -95,13 +105,37 @@ class _TrainingLoop:
         self.output_shapes: list[list[int]] | None = None
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         self.started = time.time()
+        self.start_epoch, self.batches_drawn, self.stopped = 0, 0, False
+        resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
+        if resume_epoch:
+            self._restore(resume_epoch)
+        self.steps = training_steps(self.train_loader, plan, group, self.batches_drawn)
+
+    def _restore(self, epoch: int) -> None:
+        """Continue from the checkpoint of ``epoch`` (see resume.py)."""
+        saved = load_checkpoint(self.checkpoints, epoch)
+        objects = self.objects
+        objects.model.load_state_dict(saved["model"])
+        objects.optimizer.load_state_dict(saved["optimizer"])
+        self.stepper.load_state_dict(saved)
+        restore_callbacks(objects.callbacks, saved["callbacks"])
+        if self.best is not None and self.best.best_epoch is not None:
+            best = self.best.best_epoch
+            source = saved if best == epoch else load_checkpoint(self.checkpoints, best)
+            self.best.best_state = source["model"]
+        self.state.history = list(saved["history"])
+        self.output_shapes = saved["output_shapes"]
+        self.start_epoch, self.batches_drawn = epoch, saved["batches_drawn"]
+        self.stopped = saved["stop_training"]
 
     # -- the epochs -----------------------------------------------------------------------
     def run(self) -> None:
         callbacks, state = self.objects.callbacks, self.state
         for cb in callbacks:
             cb.on_train_begin(state)
-        for epoch in range(1, self.spec.epochs + 1):
+        last = self.start_epoch if self.stopped else self.spec.epochs
+        for epoch in range(self.start_epoch + 1, last + 1):
+            seed_epoch(self.spec.seed, epoch, self.info.rank)
             state.epoch = epoch
             for cb in callbacks:
                 cb.on_epoch_begin(epoch, state)
@@ -122,7 +156,7 @@ class _TrainingLoop:
                 cb.on_epoch_end(epoch, record, state)
             stop = self._agree_to_stop(state.stop_training)
             if self.info.rank == 0:
-                self._write_checkpoint(epoch)
+                self._write_checkpoint(epoch, stop)
             if stop:
                 break
         for cb in callbacks:
@@ -134,6 +168,7 @@ class _TrainingLoop:
         done = step = 0
         for chunk, weight, last in self.steps:
             step += 1
+            self.batches_drawn += 1
             batch = Batch(chunk, self.spec, self.device, self.transform)
             outputs, loss = self.stepper(batch, weight, last)
             if self.output_shapes is None:
@@ -176,11 +211,15 @@ class _TrainingLoop:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def _write_checkpoint(self, epoch: int) -> None:
+    def _write_checkpoint(self, epoch: int, stop: bool) -> None:
         state = {
             "model": self.objects.model.state_dict(),
             "optimizer": self.objects.optimizer.state_dict(),
             "history": self.state.history,
+            "callbacks": callback_states(self.objects.callbacks),
+            "output_shapes": self.output_shapes,
+            "batches_drawn": self.batches_drawn,
+            "stop_training": stop,
             **self.stepper.state_dict(),
         }
         best_epoch = self.best.best_epoch if self.best else None
@@ -254,6 +293,7 @@ class _TrainingLoop:
             "gradient_compression": loop.gradient_compression,
             "mixed_precision": loop.mixed_precision,
             "epochs_run": len(history),
+            "resumed_from_epoch": self.start_epoch or None,
             "stopped_early": len(history) < self.spec.epochs,
             "early_stopping_epoch": stopped_by[0] if stopped_by else None,
             "selected_epoch": selection["epoch"] if selection else len(history),

@@ -3,6 +3,8 @@ import posixpath
 import subprocess
 import sys
 import textwrap
+import threading
+import uuid
 from dataclasses import asdict, replace
 
 import pandas as pd
@@ -15,7 +17,7 @@ from pyspark.sql import functions as F
 from spark_estimator.driver.cache_key import cache_key, source_fingerprint
 from spark_estimator.driver.materialize import WriteOptions
 from spark_estimator.driver.materialize import materialize as _materialize
-from spark_estimator.driver.validate import check_columns
+from spark_estimator.driver.validate import check_columns, check_sample_weight_col
 
 pytestmark = pytest.mark.legacy  # materialization also runs on pyspark 3.5
 
@@ -137,7 +139,7 @@ REFIT_SCRIPT = """
     from pyspark.sql import SparkSession
     from spark_estimator import Store
     from spark_estimator.driver.materialize import WriteOptions, materialize
-    from spark_estimator.driver.validate import check_columns
+    from spark_estimator.driver.validate import check_columns, check_sample_weight_col
     spark = SparkSession.builder.master("local[1]").getOrCreate()
     df = spark.read.parquet(sys.argv[1]).where("x > 2")
     features, labels = check_columns(df.schema, ["x"], ["y"])
@@ -190,3 +192,98 @@ def test_empty_inputs_raise_and_leave_the_store_as_it_was(spark, store, regressi
     with pytest.raises(ValueError, match="validation: the split 'is_val' selected no"):
         materialize(df, store, *specs(df, ["x"], ["y"]), validation="is_val", seed=0)
     assert store.fs.ls(store.join("datasets")) == []
+
+
+def test_each_write_has_its_own_folder_named_by_meta(regression_df, store):
+    data = materialize(regression_df, store, *specs(regression_df, ["x"], ["y"]), 0.25, 0)
+    meta = store.read_json(posixpath.join(data.path, "_meta.json"))
+    assert data.write_id and meta["write_id"] == data.write_id
+    assert data.path == store.dataset_path(meta["source"]["key"])
+    for split in ("train", "validation"):
+        assert all(f.startswith(f"{data.write_id}/{split}/") for f, _ in data.files[split])
+    assert meta["row_lengths"] == {"x": 3}
+    assert sorted(store.fs.ls(data.path, detail=False)) == [
+        posixpath.join(data.path, n) for n in ("_meta.json", data.write_id)
+    ]
+
+
+def test_vectors_and_labels_are_checked_by_the_write_and_failures_leave_no_trace(spark, store):
+    earlier = store.join("datasets", "earlier", "_meta.json")
+    store.write_bytes(earlier, b"{}")
+    cases = [
+        ([(Vectors.dense([1.0, 2.0]), 1), (None, 0)], "feature_cols: column 'v' has 1 null"),
+        (
+            [(Vectors.dense([1.0, 2.0]), 1), (Vectors.sparse(2, [1], [float("nan")]), 0)],
+            "feature_cols: column 'v' has 1 NaN or infinite values",
+        ),
+        (
+            [(Vectors.dense([1.0, 2.0]), 1), (Vectors.dense([3.0, 4.0]), None)],
+            "label_cols: column 'y' has 1 null values",
+        ),
+        (
+            [(Vectors.dense([1.0, 2.0]), 1), (Vectors.sparse(3, [0], [1.0]), 0)],
+            r"feature_cols: column 'v' has arrays of varying length \(2 to 3\)",
+        ),
+    ]
+    for rows, message in cases:
+        df = spark.createDataFrame(rows, ["v", "y"])
+        with pytest.raises(ValueError, match=message):
+            materialize(df, store, *specs(df, ["v"], ["y"]), None, 0)
+    weighted = spark.createDataFrame(
+        [([1.0], 1, 2.0), ([2.0], 0, None)], "x array<double>, y long, w double"
+    )
+    weight = check_sample_weight_col(weighted.schema, "w", ["x", "y"], "float32")
+    with pytest.raises(ValueError, match="sample_weight_col: column 'w' has 1 null values"):
+        _materialize(weighted, store, *specs(weighted, ["x"], ["y"]), None, 0, OPTIONS, weight)
+    assert store.fs.find(store.join("datasets")) == [earlier]
+    assert store.read_bytes(earlier) == b"{}"
+
+
+def test_a_reused_dataset_is_checked_against_input_shapes_without_a_job(spark, store):
+    df = spark.createDataFrame([(Vectors.dense([1.0, 2.0, 3.0]), 1.0)] * 4, ["v", "y"])
+    cols = specs(df, ["v"], ["y"])
+    first = _materialize(df, store, *cols, None, 0, OPTIONS, input_shapes=[[-1, 1, 3]])
+    assert first.row_lengths == {"v": 3} and not first.reused
+    group = f"reuse-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, "reuse")
+    try:
+        with pytest.raises(ValueError, match=r"input_shapes: shape \[-1, 2, 2\] has 4 elements"):
+            _materialize(df, store, *cols, None, 0, OPTIONS, input_shapes=[[-1, 2, 2]])
+        again = _materialize(df, store, *cols, None, 0, OPTIONS, input_shapes=[[3, -1]])
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert again.reused and again.row_lengths == {"v": 3}
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
+
+
+def test_concurrent_writes_of_one_key_both_end_complete_and_a_third_call_reuses(
+    regression_df, store
+):
+    cols = specs(regression_df, ["x"], ["y"])
+    start = threading.Barrier(2)
+    results, errors = [None, None], []
+
+    def write(i):
+        try:
+            start.wait(timeout=60)
+            results[i] = materialize(regression_df, store, *cols, 0.25, 0)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors
+    assert not all(r.reused for r in results)  # at least one of them wrote
+    for data in results:  # each is complete and readable, whoever won
+        assert data.rows("train") + data.rows("validation") == 200
+        for split in ("train", "validation"):
+            assert len(read_split(data, split)) == data.rows(split)
+    assert results[0].files.keys() == results[1].files.keys()
+    assert [r.rows("validation") for r in results] == [results[0].rows("validation")] * 2
+    third = materialize(regression_df, store, *cols, 0.25, 0)
+    assert third.reused and third.write_id in {r.write_id for r in results}
+    assert third.path == results[0].path == results[1].path
+    assert len(read_split(third, "train")) == third.rows("train")

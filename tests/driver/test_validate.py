@@ -147,3 +147,23 @@ def test_transformation_fn_must_be_a_picklable_function():
     lock = threading.Lock()
     with pytest.raises(TypeError, match="transformation_fn"):
         validate.check_transformation_fn(lambda batch: (lock, batch)[1])
+
+
+class FakeConfSession:
+    def __init__(self, settings):
+        self.conf = type("Conf", (), {"get": lambda _, k, d=None: settings.get(k, d)})()
+
+
+def test_dynamic_allocation_is_refused_up_front():
+    validate.check_no_dynamic_allocation(FakeConfSession({}))
+    validate.check_no_dynamic_allocation(
+        FakeConfSession({"spark.dynamicAllocation.enabled": "false"})
+    )
+    with pytest.raises(ValueError, match="num_proc: training runs as a Spark barrier job"):
+        validate.check_no_dynamic_allocation(
+            FakeConfSession({"spark.dynamicAllocation.enabled": "true"})
+        )
+
+
+def test_the_real_session_has_no_dynamic_allocation(spark):
+    validate.check_no_dynamic_allocation(spark)

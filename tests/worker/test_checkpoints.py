@@ -8,7 +8,7 @@ def test_every_epoch_is_kept_by_default(store):
         checkpoints.write(epoch, {"history": [epoch]})
     assert checkpoints.epochs() == [1, 2, 3]
     assert checkpoints.last().endswith("epoch-0003.pt")
-    saved = state_from_bytes(store.read_bytes(checkpoints.path(2)), weights_only=False)
+    saved = state_from_bytes(store.read_bytes(checkpoints.path(2)))
     assert saved == {"epoch": 2, "history": [2]}
 
 

@@ -1,0 +1,85 @@
+"""Driver: what a run's checkpoints were made with, and whether a new fit may resume them.
+
+Before its training job, a fit writes ``runs/<run_id>/run.json``: the model's state (names,
+shapes and dtypes), the optimizer's class and parameter groups, ``num_proc``,
+``batch_size``, ``backward_passes_per_step``, ``train_steps_per_epoch``, ``random_seed``
+and the training data. A later fit with the same ``run_id`` resumes from the run's newest
+checkpoint only when all of these are the same, because each of them changes what a
+checkpoint means: weights that no longer fit, optimizer state of another kind, other shards
+or another position in the data. Anything else may change between the two fits (epochs,
+callbacks, metrics, ...); the optimizer's hyper-parameters, learning rates included, come
+back from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..spec import DatasetInfo
+from ..store import Store
+
+MANIFEST = "run.json"
+
+
+def run_manifest(model, optimizer, fields: dict[str, Any]) -> dict:
+    """The description of a fit that its checkpoints depend on, without the data (known
+    only after materialization, see ``data_fields``); ``fields`` holds params by name."""
+    return {
+        "model": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()},
+        "optimizer": {
+            "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "param_groups": [len(g["params"]) for g in optimizer.param_groups],
+        },
+        **fields,
+    }
+
+
+def data_fields(data: DatasetInfo) -> dict:
+    """The manifest's entry for the training data."""
+    return {
+        "data": {
+            "dataset": data.source.get("key", data.path),
+            "rows": {split: data.rows(split) for split in ("train", "validation")},
+        }
+    }
+
+
+def _differences(saved: dict, manifest: dict) -> list[str]:
+    keys = [k for k in manifest if k in saved]
+    return [k for k in keys if _normal(saved[k]) != _normal(manifest[k])]
+
+
+def _normal(value):
+    """JSON's view of a value (tuples are lists), to compare with what was read back."""
+    if isinstance(value, dict):
+        return {str(k): _normal(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    return value
+
+
+def check_resume(store: Store, run_id: str, manifest: dict, epochs: int) -> int:
+    """The newest checkpointed epoch of ``run_id`` that this fit will resume from (0 when
+    none); a ValueError naming ``run_id`` when the fit cannot resume that run."""
+    done = store.checkpoint_epochs(run_id)
+    if not done:
+        return 0
+    path = store.join("runs", run_id, MANIFEST)
+    saved = store.read_json(path) if store.exists(path) else {}
+    changed = _differences(saved, manifest)
+    if changed:
+        raise ValueError(
+            f"run_id: run '{run_id}' has checkpoints up to epoch {done[-1]} made with another "
+            f"{', '.join(changed)} (see {path}); a fit resumes a run only with the same "
+            "model, optimizer, data and process layout. Choose a new run_id."
+        )
+    if done[-1] > epochs:
+        raise ValueError(
+            f"run_id: run '{run_id}' already has checkpoints up to epoch {done[-1]}, past "
+            f"epochs={epochs}; raise epochs to continue it, or choose a new run_id"
+        )
+    return done[-1]
+
+
+def write_manifest(store: Store, run_id: str, manifest: dict) -> None:
+    store.write_json(store.join("runs", run_id, MANIFEST), manifest)

@@ -1,0 +1,74 @@
+"""Which training failures are retried and how the others reach the driver.
+
+Spark retries a fit's barrier stage when one of its tasks fails: that is how training
+survives a lost process or executor, resuming from the last checkpoint. It must not
+retry an exception raised by the training code (a bug or bad data raises again, every
+attempt). So the first rank to raise such an exception writes it, with its traceback, to
+the run's ``failures/<launch_id>.json`` in the store before its task fails. The tasks of
+the retried attempt find the record and end at once without training, and the driver
+raises it as a ``TrainingError``.
+
+Exceptions that only say a peer went away (gloo's "connection reset" or "timed out", or
+torch.distributed's ``DistError``) are not recorded: the rank that died is the failure,
+and the retry resumes.
+
+Used on both sides: executors write records, the driver reads them.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch.distributed as dist
+
+from .store import Store
+
+
+class TrainingError(RuntimeError):
+    """The training code raised on a rank.
+
+    The first failing rank's exception, with its type, message and traceback. Retrying
+    would only raise it again, so the run stops. Its checkpoints stay in the store, and
+    a new fit with the same ``run_id`` resumes from them once the cause is fixed.
+    """
+
+    def __init__(self, run_id: str, record: dict):
+        self.run_id = run_id
+        self.rank = record["rank"]
+        self.remote_type = record["type"]
+        self.remote_message = record["message"]
+        self.remote_traceback = record["traceback"]
+        super().__init__(
+            f"{self.remote_type}: {self.remote_message}\n"
+            f"(raised on rank {self.rank} of run '{run_id}'; remote traceback:)\n"
+            f"{self.remote_traceback}"
+        )
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether ``error`` only reports that another rank failed, died or hung."""
+    if isinstance(error, dist.DistError):
+        return True
+    # gloo raises plain RuntimeErrors tagged with its source path
+    return isinstance(error, RuntimeError) and "gloo/" in str(error)
+
+
+def failure_path(store: Store, run_id: str, launch_id: str) -> str:
+    return store.join("runs", run_id, "failures", f"{launch_id}.json")
+
+
+def record_failure(path: str, store: Store, rank: int, error: BaseException) -> None:
+    """Write ``error`` as the failure of this launch (atomically, so never half-read)."""
+    store.write_json(
+        path,
+        {
+            "rank": rank,
+            "type": type(error).__name__,
+            "message": str(error),
+            "traceback": "".join(traceback.format_exception(error)),
+        },
+    )
+
+
+def read_failure(path: str, store: Store) -> dict | None:
+    return store.read_json(path) if store.exists(path) else None

@@ -1,0 +1,35 @@
+import pytest
+import torch.distributed as dist
+
+from spark_estimator.failures import (
+    TrainingError,
+    failure_path,
+    is_peer_failure,
+    read_failure,
+    record_failure,
+)
+
+
+def test_only_errors_about_a_peer_count_as_peer_failures():
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"
+    )
+    assert is_peer_failure(gloo)
+    assert is_peer_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_peer_failure(ValueError("gloo/ in a user's message is not a peer failure"))
+
+
+def test_a_recorded_failure_comes_back_as_a_training_error(store):
+    path = failure_path(store, "r1", "launch-1")
+    assert read_failure(path, store) is None
+    try:
+        raise KeyError("no such column")
+    except KeyError as e:
+        record_failure(path, store, 3, e)
+    error = TrainingError("r1", read_failure(path, store))
+    assert (error.rank, error.remote_type) == (3, "KeyError")
+    assert str(error).startswith("KeyError: 'no such column'\n(raised on rank 3 of run 'r1';")
+    assert 'raise KeyError("no such column")' in error.remote_traceback
+    with pytest.raises(RuntimeError):  # catchable as a RuntimeError
+        raise error

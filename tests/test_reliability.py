@@ -1,0 +1,138 @@
+"""Failures during a fit (local[4]): no hangs, the first error reported, resume by run_id."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from spark_estimator import TrainingError
+from tests.conftest import linear_net, make_estimator
+from tests.faults import Fault
+
+
+def dropout_net(seed=0):
+    """Random in training (dropout), so an exact resume must restore the random state."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1)
+    )
+
+
+def momentum_estimator(store, **params):
+    net = dropout_net()
+    base = dict(
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7),
+        epochs=4,
+        batch_size=20,
+    )
+    return make_estimator(net, store, **{**base, **params})
+
+
+def weights(model):
+    return model.getModel().state_dict()
+
+
+def assert_same_training(resumed, clean):
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(resumed)[name], value, rtol=0, atol=1e-6)
+    assert [h["epoch"] for h in resumed.getHistory()] == [1, 2, 3, 4]
+    for got, want in zip(resumed.getHistory(), clean.getHistory()):
+        assert got["train"]["loss"] == pytest.approx(want["train"]["loss"], abs=1e-6)
+        assert got["lr"] == pytest.approx(want["lr"])
+
+
+def test_a_rank_that_raises_fails_the_fit_at_once_with_its_traceback(
+    regression_df, store, tmp_path
+):
+    fault = Fault("raise", rank=1, epoch=2, marker=tmp_path / "m", once=False)
+    est = momentum_estimator(store, callbacks=[fault], run_id="raises")
+    started = time.monotonic()
+    with pytest.raises(TrainingError, match="ValueError: injected fault on rank 1") as info:
+        est.fit(regression_df)
+    elapsed = time.monotonic() - started
+    assert elapsed < 60, elapsed  # not a collective timeout (600 s by default)
+    assert info.value.rank == 1 and info.value.remote_type == "ValueError"
+    assert "in fire" in info.value.remote_traceback  # the remote frames come along
+    # the epoch before the failure stays checkpointed for a later fit to resume
+    assert store.checkpoint_epochs("raises") == [1]
+
+
+def test_a_fit_with_the_run_id_of_a_failed_run_resumes_it_exactly(regression_df, store, tmp_path):
+    clean = momentum_estimator(store, run_id="clean").fit(regression_df)
+    fault = Fault("raise", rank=0, epoch=3, marker=tmp_path / "m", after_batches=1)
+    with pytest.raises(TrainingError, match="injected fault on rank 0 at epoch 3"):
+        momentum_estimator(store, callbacks=[fault], run_id="again").fit(regression_df)
+    assert store.checkpoint_epochs("again") == [1, 2]
+
+    resumed = momentum_estimator(store, run_id="again").fit(regression_df)
+    assert resumed.getTrainingSummary()["resumed_from_epoch"] == 2
+    assert_same_training(resumed, clean)
+
+
+def test_a_rank_that_hangs_is_left_after_collective_timeout_and_the_fit_resumes(
+    regression_df, store, tmp_path
+):
+    marker = tmp_path / "hung"
+    fault = Fault("hang", rank=1, epoch=2, marker=marker)
+    est = momentum_estimator(store, callbacks=[fault], collective_timeout=3.0)
+    started = time.monotonic()
+    model = est.fit(regression_df)
+    elapsed = time.monotonic() - started
+    assert marker.exists()  # the hang happened
+    assert elapsed < 60, elapsed
+    assert model.getTrainingSummary()["resumed_from_epoch"] == 1
+    assert [h["epoch"] for h in model.getHistory()] == [1, 2, 3, 4]
+
+
+def test_resuming_refuses_another_model_or_fewer_epochs(regression_df, store, tmp_path, spark):
+    fault = Fault("raise", rank=0, epoch=3, marker=tmp_path / "m", once=False)
+    with pytest.raises(TrainingError):
+        momentum_estimator(store, callbacks=[fault], run_id="r").fit(regression_df)
+    before = sorted(p.name for p in (tmp_path / "store" / "runs" / "r").rglob("*"))
+
+    refusals = [
+        (make_estimator(linear_net(), store, run_id="r", epochs=4), "made with another model"),
+        (momentum_estimator(store, run_id="r", epochs=1), "up to epoch 2, past epochs=1"),
+        (momentum_estimator(store, run_id="r", num_proc=3), "made with another num_proc"),
+    ]
+    spark.sparkContext.setJobGroup("refusals", "resume refusals")
+    try:
+        for est, message in refusals:
+            with pytest.raises(ValueError, match=f"run_id: run 'r' .*{message}"):
+                est.fit(regression_df)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup("refusals")) == []
+    assert sorted(p.name for p in (tmp_path / "store" / "runs" / "r").rglob("*")) == before
+
+
+def test_two_fits_in_threads_share_the_store(regression_df, store):
+    def fit(lr, run_id, out):
+        net = linear_net()
+        est = make_estimator(
+            net, store, optimizer=torch.optim.SGD(net.parameters(), lr=lr), run_id=run_id
+        )
+        try:
+            out[run_id] = est.fit(regression_df)
+        except Exception as e:  # reported below, not lost in the thread
+            out[run_id] = e
+
+    together = {}
+    threads = [
+        threading.Thread(target=fit, args=(lr, f"thread-{lr}", together)) for lr in (0.1, 0.05)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(not isinstance(m, Exception) for m in together.values()), together
+    alone = {}
+    for lr in (0.1, 0.05):
+        fit(lr, f"alone-{lr}", alone)
+    for lr in (0.1, 0.05):
+        for name, value in weights(alone[f"alone-{lr}"]).items():
+            torch.testing.assert_close(weights(together[f"thread-{lr}"])[name], value)
+    first, second = (weights(together[f"thread-{lr}"])["weight"] for lr in (0.1, 0.05))
+    assert not torch.equal(first, second)

@@ -1,0 +1,21 @@
+import itertools
+
+from spark_estimator.worker.shards import StepPlan
+from spark_estimator.worker.train import training_steps
+
+
+class CountingLoader:
+    """Batches named (pass, index in pass)."""
+
+    def batches(self, sizes, pass_index):
+        return ((pass_index, i) for i in range(len(sizes)))
+
+
+def test_training_steps_run_pass_after_pass_and_can_start_after_the_steps_done():
+    plan = StepPlan(total_rows=10, world_size=1, rank=0, batch_size=4)  # 3 steps per pass
+    steps = [
+        batch for batch, _, _ in itertools.islice(training_steps(CountingLoader(), plan, 1), 7)
+    ]
+    assert steps == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0)]
+    resumed = training_steps(CountingLoader(), plan, 1, start=4)  # 4 steps were done
+    assert [b for b, _, _ in itertools.islice(resumed, 3)] == steps[4:7]
