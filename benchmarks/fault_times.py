@@ -46,6 +46,15 @@ SCENARIOS = [  # (name, master, fault action, epoch, extra params)
 ]
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1] for line in f if line.startswith("model name")]
+        return names[0].strip()
+    except (OSError, IndexError):
+        return platform.processor() or "unknown CPU"
+
+
 def timed_fit(spark, tmp: Path, action: str | None, epoch: int, params: dict) -> tuple:
     store = Store.create(str(tmp / "store"))
     df = spark.createDataFrame(conftest.regression_rows(), "x array<double>, y double, id long")
@@ -81,7 +90,7 @@ def main() -> None:
     for session in conftest._current.values():
         session.stop()
 
-    machine = f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or 'cpu'}"
+    machine = f"{platform.node()}: {os.cpu_count()} cores, {cpu_model()}"
     lines = [
         "# Fault times",
         "",

@@ -9,8 +9,8 @@ into ``num_files`` files per split with row groups of about ``row_group_bytes``.
 The same write checks the converted values, with Spark's ``DataFrame.observe`` (no extra
 pass over the data): nulls in every column (null rows, and null elements inside arrays),
 NaN and +-inf in features and float labels, and arrays of one length per column, whose
-lengths are also checked against ``input_shapes``. A failed check raises on the driver
-before the training job starts.
+lengths are also checked against ``input_shapes`` (see ``data_checks.py``). A failed check
+raises on the driver before the training job starts.
 
 Each write goes to its own folder, ``datasets/<key>/<write-id>``, which no other fit ever
 writes or removes. ``datasets/<key>/_meta.json`` (row counts and row-group sizes per file,
@@ -24,7 +24,6 @@ wins and the other write stays, unnamed but intact, for the fit that is reading 
 
 from __future__ import annotations
 
-import math
 import posixpath
 import uuid
 import warnings
@@ -35,9 +34,10 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
-from ..spec import SPLITS, ColumnSpec, DatasetInfo, column_param
+from ..spec import SPLITS, ColumnSpec, DatasetInfo
 from ..store import Store
 from .cache_key import cache_key, source_fingerprint
+from .data_checks import check_observed, check_row_lengths, checked_columns, observed_metrics
 
 SPLIT_COL = "__spark_estimator_split"
 COMPRESSIONS = ("uncompressed", "snappy", "gzip", "zstd")
@@ -108,119 +108,6 @@ def _add_null_counts(meta: pq.FileMetaData, counts: dict[str, int | None]) -> No
             )
 
 
-# -- value checks, computed by the write itself (DataFrame.observe) -----------------------
-def _checked_columns(
-    features: list[ColumnSpec], labels: list[ColumnSpec], sample_weight: ColumnSpec | None
-) -> list[tuple[str, ColumnSpec]]:
-    roles = [("feature", c) for c in features] + [("label", c) for c in labels]
-    return roles + ([("sample_weight", sample_weight)] if sample_weight is not None else [])
-
-
-def _finite_checked(role: str, spec: ColumnSpec) -> bool:
-    """NaN and +-inf are rejected in features and float labels."""
-    return role == "feature" or (role == "label" and not spec.integral)
-
-
-def _count(condition: Column) -> Column:
-    return F.sum(condition.cast("long"))
-
-
-def _non_finite(value: Column) -> Column:
-    return F.isnan(value) | (F.abs(value) == F.lit(math.inf))
-
-
-def check_metrics(columns: list[tuple[str, ColumnSpec]]) -> list[Column]:
-    """The aggregates observed on the converted columns during the write: per column its
-    null rows; per array column its null elements and min/max length; per feature and float
-    label its NaN and infinite values. Named ``c<i>_...`` by the column's position."""
-    exprs = []
-    for i, (role, spec) in enumerate(columns):
-        col = F.col(spec.name)
-        exprs.append(_count(col.isNull()).alias(f"c{i}_null_rows"))
-        if spec.kind == "scalar":
-            if _finite_checked(role, spec):
-                exprs.append(_count(_non_finite(col)).alias(f"c{i}_non_finite"))
-            continue
-        # per non-null row only: size() of a null array is -1 or null, depending on ANSI
-        null_elements = F.when(col.isNotNull(), F.size(F.filter(col, lambda v: v.isNull())))
-        exprs.append(F.sum(null_elements).alias(f"c{i}_null_elements"))
-        if _finite_checked(role, spec):
-            non_finite = F.when(col.isNotNull(), F.size(F.filter(col, _non_finite)))
-            exprs.append(F.sum(non_finite).alias(f"c{i}_non_finite"))
-        length = F.when(col.isNotNull(), F.size(col))
-        exprs.append(F.min(length).alias(f"c{i}_min_length"))
-        exprs.append(F.max(length).alias(f"c{i}_max_length"))
-    return exprs
-
-
-def check_values(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, int]:
-    """Raise for nulls, non-finite values or arrays of varying length found by the write's
-    metrics (columns in order, nulls first); return each array column's row length.
-
-    Counts are of the rows written; a stage Spark re-ran may count some rows twice, which
-    can only raise a count, never make a clean column look bad.
-    """
-
-    def get(name: str) -> int:
-        return metrics.get(name) or 0  # None (or absent on pyspark 3.5) for no rows
-
-    for i, (role, spec) in enumerate(columns):
-        rows, elements = get(f"c{i}_null_rows"), get(f"c{i}_null_elements")
-        if rows + elements:
-            param, name = column_param(role), spec.name
-            detail = (
-                f" ({rows} null rows, {elements} null elements inside arrays)" if elements else ""
-            )
-            inside = (
-                f" (and where(~F.exists('{name}', lambda v: v.isNull())) for null elements)"
-                if elements
-                else ""
-            )
-            raise ValueError(
-                f"{param}: column '{name}' has {rows + elements} null values{detail}; filter "
-                f"them, e.g. df.na.drop(subset=['{name}']){inside}, or fill them before fit"
-            )
-    for i, (role, spec) in enumerate(columns):
-        bad = get(f"c{i}_non_finite")
-        if bad:
-            kind = "feature" if role == "feature" else "label"
-            raise ValueError(
-                f"{column_param(role)}: column '{spec.name}' has {bad} NaN or infinite values; "
-                f"they are rejected because a NaN or infinite {kind} makes the loss NaN "
-                "without any error. Filter or replace them before fit"
-            )
-    lengths = {}
-    for i, (role, spec) in enumerate(columns):
-        if spec.kind == "scalar":
-            continue
-        lo, hi = metrics.get(f"c{i}_min_length"), metrics.get(f"c{i}_max_length")
-        if lo is None:  # no rows
-            continue
-        if lo != hi:
-            raise ValueError(
-                f"{column_param(role)}: column '{spec.name}' has arrays of varying length "
-                f"({lo} to {hi}); every row of an array or vector column must have the same "
-                "length"
-            )
-        lengths[spec.name] = int(lo)
-    return lengths
-
-
-def check_input_shapes(data: DatasetInfo, input_shapes: list[list[int]] | None) -> None:
-    """Each shape with a -1 (the batch dimension) must hold as many values as its feature
-    column's rows (1 for scalars; array lengths as recorded in ``_meta.json``)."""
-    for spec, shape in zip(data.features, input_shapes or []):
-        length = data.row_length(spec)
-        if -1 not in shape or length is None:  # a fixed whole-batch shape: checked per batch
-            continue
-        per_row = math.prod(d for d in shape if d != -1)
-        if per_row != length:
-            raise ValueError(
-                f"input_shapes: shape {shape} has {per_row} elements per row, but column "
-                f"'{spec.name}' has rows of length {length}"
-            )
-
-
 def materialize(
     df: DataFrame,
     store: Store,
@@ -240,12 +127,12 @@ def materialize(
     meta_path = posixpath.join(final, "_meta.json")
     if store.exists(meta_path):
         data = DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
-        check_input_shapes(data, input_shapes)
+        check_row_lengths(data, input_shapes)
         return data
 
     write_id = f"write-{uuid.uuid4().hex}"
     tmp = posixpath.join(final, write_id)  # only this call writes or removes it
-    columns = _checked_columns(features, labels, sample_weight)
+    columns = checked_columns(features, labels, sample_weight)
     try:
         selected = df.select(
             *[_select_expr(c) for _, c in columns],
@@ -253,7 +140,7 @@ def materialize(
         )
         observation = Observation(f"spark_estimator_checks_{uuid.uuid4().hex}")
         (
-            selected.observe(observation, *check_metrics(columns))
+            selected.observe(observation, *observed_metrics(columns))
             .repartition(options.num_files)
             .write.partitionBy(SPLIT_COL)
             .option("compression", options.compression)
@@ -261,7 +148,7 @@ def materialize(
             .parquet(store.spark_url(tmp))
         )
         metrics = _observed(observation)
-        row_lengths = check_values(metrics, columns)
+        row_lengths = check_observed(metrics, columns)
         for split in SPLITS:
             written = posixpath.join(tmp, f"{SPLIT_COL}={split}")
             if store.exists(written):
@@ -284,7 +171,7 @@ def materialize(
                 stacklevel=2,
             )
         check_not_empty(data, validation)
-        check_input_shapes(data, input_shapes)
+        check_row_lengths(data, input_shapes)
         published = store.exists(meta_path)  # another fit finished the same dataset first
     except BaseException:
         _discard(store, tmp, final)

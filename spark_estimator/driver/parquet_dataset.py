@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 
 from ..spec import ColumnSpec, DatasetInfo, column_param
 from ..store import Store
-from .materialize import check_input_shapes, check_not_empty, list_row_groups
+from .data_checks import check_row_lengths
+from .materialize import check_not_empty, list_row_groups
 
 _VECTOR_FIELDS = {"type", "size", "indices", "values"}
 
@@ -168,5 +169,5 @@ def parquet_dataset(
         specs += [("sample_weight", weight)] if weight is not None else []
         where = f"'{path}'" + (f" or '{validation_path}'" if validation_path else "")
         _null_counts_in_footers(null_counts, specs, where)
-    check_input_shapes(data, input_shapes)
+    check_row_lengths(data, input_shapes)
     return data
