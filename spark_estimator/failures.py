@@ -8,9 +8,11 @@ the run's ``failures/<launch_id>.json`` in the store before its task fails. The 
 the retried attempt find the record and end at once without training, and the driver
 raises it as a ``TrainingError``.
 
-Exceptions that only say a peer went away (gloo's "connection reset" or "timed out", or
-torch.distributed's ``DistError``) are not recorded: the rank that died is the failure,
-and the retry resumes.
+Two kinds of exception are retried (not recorded), and the retry resumes:
+- those that only say a peer went away (gloo's "connection reset" or "timed out", or
+  torch.distributed's ``DistError``): the rank that died is the failure;
+- I/O errors (``OSError``: a store or a network that failed for a moment). One that
+  persists fails every attempt, and Spark's error after the last attempt carries it.
 
 Used on both sides: executors write records, the driver reads them.
 """
@@ -43,6 +45,11 @@ class TrainingError(RuntimeError):
             f"(raised on rank {self.rank} of run '{run_id}'; remote traceback:)\n"
             f"{self.remote_traceback}"
         )
+
+
+def is_retried(error: BaseException) -> bool:
+    """Whether Spark should retry the training stage after ``error`` (see above)."""
+    return is_peer_failure(error) or isinstance(error, OSError)
 
 
 def is_peer_failure(error: BaseException) -> bool:

@@ -7,6 +7,7 @@ rank's ``after_batches``-th training forward pass of the epoch:
 - ``"kill-executor"``: SIGKILL the executor JVM running it (an executor lost; only on a
   cluster master such as local-cluster, where executors are processes of their own);
 - ``"raise"``: raise ``ValueError("injected fault ...")`` from the training code;
+- ``"io-error"``: raise ``OSError("injected I/O error ...")``, as a store that failed;
 - ``"hang"``: sleep for an hour, as a rank stuck outside any collective.
 
 With ``once`` the fault happens only while the file ``marker`` does not exist, and creates
@@ -22,7 +23,7 @@ import time
 
 from spark_estimator.callbacks import Callback
 
-ACTIONS = ("kill", "kill-executor", "raise", "hang")
+ACTIONS = ("kill", "kill-executor", "raise", "io-error", "hang")
 
 
 def executor_jvm_pid() -> int:
@@ -74,6 +75,8 @@ class Fault(Callback):
             time.sleep(3600)  # this worker goes down with its executor
         if self.action == "hang":
             time.sleep(3600)
+        if self.action == "io-error":
+            raise OSError(f"injected I/O error on rank {self.rank} at epoch {epoch}")
         raise ValueError(f"injected fault on rank {self.rank} at epoch {epoch}")
 
     def state_dict(self):

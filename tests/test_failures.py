@@ -5,6 +5,7 @@ from spark_estimator.failures import (
     TrainingError,
     failure_path,
     is_peer_failure,
+    is_retried,
     read_failure,
     record_failure,
 )
@@ -18,6 +19,14 @@ def test_only_errors_about_a_peer_count_as_peer_failures():
     assert is_peer_failure(dist.DistBackendError("NCCL communicator was aborted"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("gloo/ in a user's message is not a peer failure"))
+
+
+def test_peer_failures_and_io_errors_are_retried_other_exceptions_not():
+    assert is_retried(dist.DistNetworkError("peer gone"))
+    assert is_retried(ConnectionResetError("store connection reset"))
+    assert is_retried(OSError("s3: service unavailable"))
+    assert not is_retried(ValueError("bad value"))
+    assert not is_retried(RuntimeError("CUDA out of memory"))
 
 
 def test_a_recorded_failure_comes_back_as_a_training_error(store):

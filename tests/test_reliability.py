@@ -86,6 +86,14 @@ def test_a_rank_that_hangs_is_left_after_collective_timeout_and_the_fit_resumes(
     assert [h["epoch"] for h in model.getHistory()] == [1, 2, 3, 4]
 
 
+def test_an_io_error_is_retried_and_the_fit_resumes(regression_df, store, tmp_path):
+    marker = tmp_path / "io"
+    fault = Fault("io-error", rank=1, epoch=2, marker=marker)
+    model = momentum_estimator(store, callbacks=[fault]).fit(regression_df)
+    assert marker.exists()
+    assert model.getTrainingSummary()["resumed_from_epoch"] == 1
+
+
 def test_resuming_refuses_another_model_or_fewer_epochs(regression_df, store, tmp_path, spark):
     fault = Fault("raise", rank=0, epoch=3, marker=tmp_path / "m", once=False)
     with pytest.raises(TrainingError):

@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..failures import is_peer_failure
+from ..failures import is_retried
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,8 @@ def process_group(
     ``timeout_s`` bounds every wait for the other ranks: forming the group, and each
     collective (a rank that died or hangs makes the others raise after that long).
     ``on_failure(rank, error)`` is called, before the error propagates, for the job's
-    first failure when it is not just a consequence of a peer's (see ``failures.py``),
-    and for a rendezvous that cannot form.
+    first failure unless it is one that a retry may cure (see ``failures.py``), and for a
+    rendezvous that cannot form.
     """
     global _current
     infos = ctx.getTaskInfos()
@@ -179,7 +179,7 @@ def process_group(
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     except Exception as e:
         first = _first_failure(store)
-        if first and on_failure is not None and not is_peer_failure(e):
+        if first and on_failure is not None and not is_retried(e):
             on_failure(rank, e)
         if not first:
             log.warning(
