@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 import uuid
 import warnings
 
@@ -132,6 +133,19 @@ def test_an_error_in_fn_on_one_rank_fails_run_with_its_message(spark):
         run(fail_on_rank_1, num_proc=2, use_gpu=False, spark=spark)
 
 
+def hang_on_rank_1():
+    if sd.rank() == 1:
+        time.sleep(3600)  # stuck outside any collective
+    return sd.allreduce(1.0)
+
+
+def test_a_rank_that_hangs_makes_the_others_raise_after_collective_timeout(spark):
+    started = time.monotonic()
+    with pytest.raises(Exception, match="Timed out"):
+        run(hang_on_rank_1, num_proc=2, use_gpu=False, spark=spark, collective_timeout=2)
+    assert time.monotonic() - started < 60  # the default timeout is 600 s
+
+
 def lock_on_rank_1():
     return threading.Lock() if sd.rank() == 1 else "fine"
 
@@ -159,6 +173,16 @@ def _bad_inputs():
         ),
         "args not a sequence": (dict(args=5), TypeError, "args: expected a tuple or list"),
         "num_proc 0": (dict(num_proc=0), ValueError, "num_proc: must be >= 1, got 0"),
+        "collective_timeout 0": (
+            dict(collective_timeout=0),
+            ValueError,
+            "collective_timeout: must be > 0",
+        ),
+        "collective_timeout not a number": (
+            dict(collective_timeout="10"),
+            TypeError,
+            "collective_timeout: expected seconds",
+        ),
         "num_proc above slots": (
             dict(num_proc=5),
             ValueError,
