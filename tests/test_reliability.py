@@ -117,19 +117,22 @@ def test_resuming_refuses_another_model_or_fewer_epochs(regression_df, store, tm
 
 
 def test_two_fits_in_threads_share_the_store(regression_df, store):
-    def fit(lr, run_id, out):
+    def estimator(lr, run_id):  # built on the main thread: torch's seed is process-wide
         net = linear_net()
-        est = make_estimator(
+        return make_estimator(
             net, store, optimizer=torch.optim.SGD(net.parameters(), lr=lr), run_id=run_id
         )
+
+    def fit(est, out):
         try:
-            out[run_id] = est.fit(regression_df)
+            out[est.getRunId()] = est.fit(regression_df)
         except Exception as e:  # reported below, not lost in the thread
-            out[run_id] = e
+            out[est.getRunId()] = e
 
     together = {}
     threads = [
-        threading.Thread(target=fit, args=(lr, f"thread-{lr}", together)) for lr in (0.1, 0.05)
+        threading.Thread(target=fit, args=(estimator(lr, f"thread-{lr}"), together))
+        for lr in (0.1, 0.05)
     ]
     for t in threads:
         t.start()
@@ -138,7 +141,7 @@ def test_two_fits_in_threads_share_the_store(regression_df, store):
     assert all(not isinstance(m, Exception) for m in together.values()), together
     alone = {}
     for lr in (0.1, 0.05):
-        fit(lr, f"alone-{lr}", alone)
+        fit(estimator(lr, f"alone-{lr}"), alone)
     for lr in (0.1, 0.05):
         for name, value in weights(alone[f"alone-{lr}"]).items():
             torch.testing.assert_close(weights(together[f"thread-{lr}"])[name], value)
