@@ -23,7 +23,7 @@ setup(
         "connect": ["pyspark[connect]>=3.5"],
         "s3": ["s3fs"],
         "mlflow": ["mlflow-skinny>=2.10"],
-        "notebooks": ["jupyterlab", "matplotlib", "scikit-learn"],
+        "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn"],
         "examples": ["scikit-learn"],
         "test": [
             "pytest>=8",

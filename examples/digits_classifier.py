@@ -2,7 +2,8 @@
 
 Run it with either of:
     ./dev.sh demo
-    PYSPARK_PYTHON=.venv/bin/python .venv/bin/spark-submit examples/digits_classifier.py
+    PYSPARK_PYTHON=.venv/bin/python .venv/bin/spark-submit --master "local[2]" \
+        examples/digits_classifier.py
 
 It fits on 80% of the 1,797 images (20% of those held out for validation), prints the
 per-epoch history, measures accuracy on the remaining 20%, saves the model, loads it back
@@ -24,6 +25,15 @@ from sklearn.datasets import load_digits
 
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
+
+
+def spark_session(app_name: str) -> SparkSession:
+    builder = SparkSession.builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
+    # Under spark-submit the master comes from its --master or properties file; run as a
+    # plain Python script, this picks one.
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        builder = builder.master(os.environ.get("SPARK_MASTER", "local[2]"))
+    return builder.getOrCreate()
 
 
 def digits_frame(spark: SparkSession):
@@ -63,12 +73,7 @@ def main(argv=None) -> int:
 
     # Executors must run the same Python as this driver (and find torch in it).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    spark = (
-        SparkSession.builder.appName("spark-estimator digits demo")
-        .master(os.environ.get("SPARK_MASTER", "local[2]"))
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
+    spark = spark_session("spark-estimator digits demo")
     spark.sparkContext.setLogLevel("ERROR")
 
     train, test = digits_frame(spark).randomSplit([0.8, 0.2], seed=7)

@@ -7,7 +7,9 @@ rank 0 report. Each step is commented with the Horovod call it replaces. The dat
 scikit-learn's bundled 8x8 digits (no download); DistributedDataParallel stands in for
 ``hvd.DistributedOptimizer``.
 
-Run it with:
+Run it with either of:
+    PYSPARK_PYTHON=.venv/bin/python .venv/bin/spark-submit --master "local[2]" \
+        examples/horovod_style_digits.py --epochs 10 --num-proc 2
     .venv/bin/python examples/horovod_style_digits.py --epochs 10 --num-proc 2
 """
 
@@ -27,6 +29,15 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from spark_estimator import distributed as sd
 from spark_estimator import run
+
+
+def spark_session(app_name: str) -> SparkSession:
+    builder = SparkSession.builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
+    # Under spark-submit the master comes from its --master or properties file; run as a
+    # plain Python script, this picks one.
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        builder = builder.master(os.environ.get("SPARK_MASTER", "local[2]"))
+    return builder.getOrCreate()
 
 
 class Net(torch.nn.Module):
@@ -140,12 +151,7 @@ def main(argv=None) -> int:
 
     # Executors must run the same Python as this driver (and find torch in it).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    spark = (
-        SparkSession.builder.appName("spark-estimator horovod-style digits")
-        .master(os.environ.get("SPARK_MASTER", "local[2]"))
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
+    spark = spark_session("spark-estimator horovod-style digits")
     spark.sparkContext.setLogLevel("ERROR")
 
     # horovod.spark.run(train_fn, args=..., num_proc=...) becomes:

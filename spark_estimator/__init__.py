@@ -8,12 +8,43 @@ Driver-side code lives in ``spark_estimator.driver`` (and the stage classes at t
 level); code that runs inside Spark tasks lives in ``spark_estimator.worker``.
 """
 
-from .estimator import TorchEstimator
-from .failures import TrainingError
-from .model import TorchModel
-from .runner import run
-from .store import Store
-from .worker import distributed
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __all__ = ["TorchEstimator", "TorchModel", "Store", "TrainingError", "run", "distributed"]
 __version__ = "0.1.0"
+
+# Imported on first use: Spark's Python workers unpickle functions of this package (the
+# materialization writer, for one) and should not pay for importing torch and pyspark.ml.
+_WHERE = {
+    "TorchEstimator": ".estimator",
+    "TorchModel": ".model",
+    "Store": ".store",
+    "TrainingError": ".failures",
+    "run": ".runner",
+    "distributed": ".worker.distributed",
+}
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'spark_estimator' has no attribute {name!r}")
+    module = importlib.import_module(_WHERE[name], __name__)
+    value = module if name == "distributed" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from .estimator import TorchEstimator
+    from .failures import TrainingError
+    from .model import TorchModel
+    from .runner import run
+    from .store import Store
+    from .worker import distributed

@@ -18,9 +18,10 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame, SparkSession
 
-from .driver import run_manifest, validate, validate_training
+from .driver import mlflow_log, run_manifest, validate, validate_training
 from .driver.launch import available_slots, run_barrier_job
 from .driver.materialize import COMPRESSIONS, WriteOptions, materialize
+from .driver.monitor import FitMonitor
 from .driver.parquet_dataset import parquet_dataset
 from .failures import TrainingError, failure_path, read_failure
 from .model import TorchModel
@@ -91,6 +92,10 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         label_cols=None,
         input_shapes=None,
         output_cols=None,
+        classification=False,
+        probabilityCol="probability",
+        rawPredictionCol="rawPrediction",
+        learning_rate=None,
         batch_size=32,
         epochs=1,
         num_proc=None,
@@ -126,6 +131,8 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         loss_constructors=None,
         keep_checkpoints=None,
         collective_timeout=600.0,
+        verbose=True,
+        mlflow_logging=False,
     ):
         super().__init__()
         self._set(**self._input_kwargs)
@@ -230,36 +237,48 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         result = state_from_bytes(store.read_bytes(store.result_path(run_id)))
         model = loads(checked.bundle)["model"]
         model.load_state_dict(result["model"])
-        return TorchModel(
+        fitted = TorchModel(
             model=model.cpu().eval(),
             feature_cols=self.getFeatureCols(),
             input_shapes=self.getInputShapes(),
             output_cols=self.getOutputCols(),
+            classification=self.getClassification(),
+            probabilityCol=self.getProbabilityCol(),
+            rawPredictionCol=self.getRawPredictionCol(),
             history=result["history"],
             output_shapes=result["output_shapes"],
             run_id=run_id,
             training_summary=result["summary"],
         )
+        if self.getMlflowLogging():
+            mlflow_log.log_fit(self, fitted)
+        return fitted
 
     def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[dict]:
         """Run the training job (retried by Spark after a lost task, resuming from the last
-        checkpoint); raise the training code's own error as a TrainingError."""
+        checkpoint), following it from the driver (driver/monitor.py); raise the training
+        code's own error as a TrainingError, with the failing rank's last output lines."""
         store, run_id = spec.store, spec.run_id
         failure = failure_path(store, run_id, spec.launch_id)
+        monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose())
         try:
-            summaries = run_barrier_job(
-                spark,
-                num_proc,
-                functools.partial(training_task, spec),
-                f"spark-estimator {run_id}",
-                retry=True,
-            )
+            with monitor:
+                summaries = run_barrier_job(
+                    spark,
+                    num_proc,
+                    functools.partial(training_task, spec),
+                    f"spark-estimator {run_id}",
+                    retry=True,
+                )
         except Exception as e:
             if (record := read_failure(failure, store)) is not None:
-                raise TrainingError(run_id, record) from e
+                raise TrainingError(run_id, record, monitor.tail(record["rank"])) from e
+            if hasattr(e, "add_note") and monitor.tail():
+                e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
             raise
         if any(s.get("aborted") for s in summaries):
-            raise TrainingError(run_id, read_failure(failure, store))
+            record = read_failure(failure, store)
+            raise TrainingError(run_id, record, monitor.tail(record["rank"]))
         return summaries
 
     def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
@@ -290,6 +309,13 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         )
         validate.check_input_shapes(self.getInputShapes(), feature_cols)
         validate.check_output_cols(self.getOutputCols(), [])
+        if self.getClassification():
+            validate.classification_cols(
+                self.getOutputCols(),
+                self.getProbabilityCol(),
+                self.getRawPredictionCol(),
+                label_cols,
+            )
         for name in (
             "batch_size",
             "epochs",
@@ -306,15 +332,19 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
         validate.check_reader(self.getReader())
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         validate.check_no_dynamic_allocation(spark)
+        if self.getMlflowLogging():
+            mlflow_log.check_installed()
         slots = available_slots(spark, self.getNumProc())
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         validate.check_num_proc(num_proc, slots)
-        bundle = validate_training.training_bundle(
-            {name: self.getOrDefault(name) for name in _BUNDLED}, label_cols
+        objects = {name: self.getOrDefault(name) for name in _BUNDLED}
+        objects["optimizer"] = validate_training.with_learning_rate(
+            objects["optimizer"], self.getLearningRate()
         )
+        bundle = validate_training.training_bundle(objects, label_cols)
         if dataset is not None:
             self._check_callbacks(has_validation=self.getValidation() is not None)
-        manifest = self._check_run_id(store, num_proc)
+        manifest = self._check_run_id(store, num_proc, objects["optimizer"])
         loader = LoaderSpec(
             reader=self.getReader(),
             shuffle=self.getShuffle(),
@@ -329,13 +359,15 @@ class TorchEstimator(Estimator, EstimatorParams, MLReadable, MLWritable):
             features, labels, sample_weight, bundle, num_proc, store, loader, loop, manifest
         )
 
-    def _check_run_id(self, store: Store, num_proc: int) -> dict:
-        """The manifest of what this fit's checkpoints depend on (but the data); refuses a
-        ``run_id`` that finished, or whose checkpoints this fit cannot resume."""
+    def _check_run_id(self, store: Store, num_proc: int, optimizer) -> dict:
+        """The manifest of what this fit's checkpoints depend on (but the data), with the
+        optimizer it trains (``learning_rate`` applied); refuses a ``run_id`` that finished,
+        or whose checkpoints this fit cannot resume."""
         manifest = run_manifest.run_manifest(
             self.getModel(),
-            self.getOptimizer(),
+            optimizer,
             {
+                "learning_rate": self.getLearningRate(),
                 "num_proc": num_proc,
                 "batch_size": self.getBatchSize(),
                 "random_seed": self.getRandomSeed(),

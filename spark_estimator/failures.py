@@ -34,14 +34,16 @@ class TrainingError(RuntimeError):
     a new fit with the same ``run_id`` resumes from them once the cause is fixed.
     """
 
-    def __init__(self, run_id: str, record: dict):
+    def __init__(self, run_id: str, record: dict, output: str = ""):
         self.run_id = run_id
         self.rank = record["rank"]
         self.remote_type = record["type"]
         self.remote_message = record["message"]
         self.remote_traceback = record["traceback"]
+        self.output = output  # the rank's last lines of output and logging
+        shown = f"(last output of rank {self.rank}:)\n{output}\n" if output else ""
         super().__init__(
-            f"{self.remote_type}: {self.remote_message}\n"
+            f"{self.remote_type}: {self.remote_message}\n{shown}"
             f"(raised on rank {self.rank} of run '{run_id}'; remote traceback:)\n"
             f"{self.remote_traceback}"
         )

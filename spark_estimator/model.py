@@ -3,6 +3,9 @@
 ``transform`` adds one column per model output through ``mapInArrow`` (whole Arrow batches,
 the model shipped once per task, never one row at a time): a double column for outputs of
 shape [B] or [B, 1], an array<float> column otherwise. Input columns are kept unchanged.
+With ``classification`` the one output is read as class logits and becomes Spark ML's
+classifier columns: ``rawPredictionCol`` and ``probabilityCol`` (ML vectors, converted from
+arrays after ``mapInArrow`` with ``array_to_vector``) and the class index.
 
 ``save`` writes the module in two parts: ``weights.pt``, its state dict (loadable with
 ``torch.load(weights_only=True)``), and ``objects.pkl``, the module without those tensors (a
@@ -12,12 +15,15 @@ cloudpickle: ``TorchModel.load`` trusts it, see docs/security.md).
 from __future__ import annotations
 
 import functools
+from copy import deepcopy
 
 import torch
 from pyspark.ml import Model
+from pyspark.ml.functions import array_to_vector
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
 from .driver import validate
@@ -33,6 +39,7 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
 
     ``getHistory()`` has one dict per epoch, e.g. ``{"epoch": 1, "train": {"loss": 0.3},
     "validation": {"loss": 0.4}}``; ``getModel()`` is the trained module on CPU.
+    ``copy(extra)`` keeps the uid and gives the copy its own module, history and summary.
     """
 
     model = Param(Params._dummy(), "model", "the trained torch.nn.Module", TypeConverters.identity)
@@ -44,6 +51,9 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         feature_cols=None,
         input_shapes=None,
         output_cols=None,
+        classification=None,
+        probabilityCol=None,
+        rawPredictionCol=None,
         history=None,
         output_shapes=None,
         run_id=None,
@@ -58,6 +68,9 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
                     feature_cols=feature_cols,
                     input_shapes=input_shapes,
                     output_cols=output_cols,
+                    classification=classification,
+                    probabilityCol=probabilityCol,
+                    rawPredictionCol=rawPredictionCol,
                 ).items()
                 if v is not None
             }
@@ -66,6 +79,18 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         self._output_shapes = output_shapes
         self._run_id = run_id
         self._training_summary = dict(training_summary or {})
+
+    def copy(self, extra=None) -> TorchModel:
+        """A copy with the same uid and the ``extra`` params (a dict Param -> value). It
+        holds deep copies of the module (unless ``extra`` sets ``model``), the history and
+        the training summary, so changing one model never changes the other."""
+        that = super().copy(extra)
+        if self.isDefined("model") and that.getModel() is self.getModel():
+            that._set(model=deepcopy(self.getModel()))
+        that._history = deepcopy(self._history)
+        that._output_shapes = deepcopy(self._output_shapes)
+        that._training_summary = deepcopy(self._training_summary)
+        return that
 
     def getTrainingSummary(self) -> dict:
         """How the model was trained: processes, learning rates used (after ``lr_scaling``),
@@ -99,6 +124,8 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         schema = dataset.schema
         features = [validate.column_spec(schema, c, "feature") for c in self.getFeatureCols()]
         validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols())
+        if self.getClassification():
+            return self._transform_classes(dataset, features)
         names = self._output_names()
         validate.check_output_cols(names, schema.names)
         if self._output_shapes is not None and len(self._output_shapes) != len(names):
@@ -110,22 +137,43 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
             self._output_shapes is not None and shape in ([], [1])
             for shape in (self._output_shapes or [None] * len(names))
         ]
-        out_schema = StructType(
-            list(schema.fields)
-            + [
-                StructField(n, DoubleType() if s else ArrayType(FloatType(), False), False)
-                for n, s in zip(names, scalar)
-            ]
+        fields = [
+            StructField(n, DoubleType() if s else ArrayType(FloatType(), False), False)
+            for n, s in zip(names, scalar)
+        ]
+        return self._map_batches(dataset, features, fields, scalar_outputs=scalar)
+
+    def _transform_classes(self, dataset: DataFrame, features) -> DataFrame:
+        """``classification``: mapInArrow writes logits and probabilities as arrays of
+        doubles, which ``array_to_vector`` then turns into ML vectors (a projection)."""
+        raw, prob, pred = validate.classification_cols(
+            self.getOutputCols(), self.getProbabilityCol(), self.getRawPredictionCol()
         )
+        validate.check_class_output_shapes(self._output_shapes)
+        params = ("rawPredictionCol", "probabilityCol", "output_cols")
+        for param, name in zip(params, (raw, prob, pred)):
+            if name in dataset.schema.names:
+                raise ValueError(f"{param}: column '{name}' already exists in the DataFrame")
+        doubles = ArrayType(DoubleType(), False)
+        fields = [
+            StructField(raw, doubles, False),
+            StructField(prob, doubles, False),
+            StructField(pred, DoubleType(), False),
+        ]
+        out = self._map_batches(dataset, features, fields, scalar_outputs=[], classification=True)
+        return out.withColumns({c: array_to_vector(_col(c)) for c in (raw, prob)})
+
+    def _map_batches(self, dataset: DataFrame, features, fields, **options) -> DataFrame:
+        """``dataset`` with the columns ``fields`` appended by ``predict_batches``."""
         predict = functools.partial(
             predict_batches,
             model_bytes=dumps(self.getModel(), "model"),
             features=features,
             input_shapes=self.getInputShapes(),
-            output_cols=names,
-            scalar_outputs=scalar,
+            output_cols=[f.name for f in fields],
+            **options,
         )
-        return dataset.mapInArrow(predict, out_schema)
+        return dataset.mapInArrow(predict, StructType(list(dataset.schema.fields) + fields))
 
     # -- persistence ---------------------------------------------------------------------
     def write(self) -> ObjectParamsWriter:
@@ -162,3 +210,8 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         self._output_shapes = metadata.get("output_shapes")
         self._run_id = metadata.get("run_id")
         self._training_summary = metadata.get("training_summary") or {}
+
+
+def _col(name: str):
+    """The column called ``name``, even with dots or backticks in it."""
+    return F.col("`" + name.replace("`", "``") + "`")

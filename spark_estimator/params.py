@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
 
 
 def _camel(name: str) -> str:
@@ -30,6 +31,10 @@ def _to_optional_list_str(value: Any) -> list[str] | None:
 
 def _to_optional_list_float(value: Any) -> list[float] | None:
     return None if value is None else TypeConverters.toListFloat(value)
+
+
+def _to_optional_float(value: Any) -> float | None:
+    return None if value is None else TypeConverters.toFloat(value)
 
 
 def _to_input_shapes(value: Any) -> list[list[int]] | None:
@@ -80,7 +85,33 @@ def with_accessors(cls):
 
 
 @with_accessors
-class HasModelIO(Params):
+class HasClassification(HasProbabilityCol, HasRawPredictionCol):
+    """Reading the model's output as class logits, with Spark ML's classifier columns."""
+
+    classification = _param(
+        "classification",
+        "read the model's single output as class logits: [B, C] with C >= 2 classes "
+        "(softmax) or [B] / [B, 1] (one binary logit, sigmoid); transform then adds the "
+        "class index as a double (the prediction column), probabilityCol and "
+        "rawPredictionCol (ML vectors), like Spark ML classifiers",
+        TypeConverters.toBoolean,
+    )
+
+    def __init__(self):
+        super().__init__()
+        self._setDefault(classification=False)
+
+    def setProbabilityCol(self, value: str):
+        """Sets the value of `probabilityCol`: the class probabilities' column."""
+        return self._set(probabilityCol=value)
+
+    def setRawPredictionCol(self, value: str):
+        """Sets the value of `rawPredictionCol`: the logits' column."""
+        return self._set(rawPredictionCol=value)
+
+
+@with_accessors
+class HasModelIO(HasClassification):
     """What both the estimator and the fitted model need to feed the network."""
 
     feature_cols = _param(
@@ -111,6 +142,13 @@ class EstimatorParams(HasModelIO):
 
     model = _param("model", "the torch.nn.Module to train")
     optimizer = _param("optimizer", "a torch.optim.Optimizer built on the model's parameters")
+    learning_rate = _param(
+        "learning_rate",
+        "when set, the learning rate of every param group of the optimizer for this fit "
+        "(before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object "
+        "itself is left unchanged. Default: the optimizer's own rates",
+        _to_optional_float,
+    )
     loss = _param(
         "loss",
         "a loss module or a function (output, label) -> scalar tensor, or a list of them, one "
@@ -156,6 +194,20 @@ class EstimatorParams(HasModelIO):
         "seconds a training process waits for the others, to form the process group and "
         "in each collective, before it gives up (a process that died or hangs)",
         TypeConverters.toFloat,
+    )
+    verbose = _param(
+        "verbose",
+        "show a progress bar on the driver during fit (epoch, steps, running loss; a widget "
+        "in Jupyter with ipywidgets) and print the processes' output above it when no logging is configured "
+        "for the 'spark_estimator.worker' logger (their lines are logged there either way)",
+        TypeConverters.toBoolean,
+    )
+    mlflow_logging = _param(
+        "mlflow_logging",
+        "log the fit to MLflow (pip install spark-estimator[mlflow]): params, per-epoch "
+        "metrics and the fitted TorchModel as artifacts, into the active MLflow run or a new "
+        "run named by run_id in the current experiment",
+        TypeConverters.toBoolean,
     )
 
     # -- materialization ------------------------------------------------------------------
@@ -305,6 +357,7 @@ class EstimatorParams(HasModelIO):
     def __init__(self):
         super().__init__()
         self._setDefault(
+            learning_rate=None,
             lr_scaling="none",
             backward_passes_per_step=1,
             gradient_compression="none",
@@ -341,6 +394,8 @@ class EstimatorParams(HasModelIO):
             use_gpu=True,
             run_id=None,
             collective_timeout=600.0,
+            verbose=True,
+            mlflow_logging=False,
         )
 
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from .store import Store
 
 DATASET_FORMAT_VERSION = 3  # 3: files under a write folder, row lengths, data checks
@@ -18,8 +16,15 @@ READERS = ("arrow", "petastorm")
 LR_SCALINGS = ("none", "linear")
 PRECISIONS = ("none", "fp16", "bf16")  # for mixed_precision and gradient_compression
 SCHEDULER_INTERVALS = ("epoch", "step")
-PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-_TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
+# torch dtypes by name: this module is imported by executor code that needs no torch
+PRECISION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    """The torch dtype named ``name`` (``float32``, ``bfloat16``...)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def column_param(role: str) -> str:
@@ -40,8 +45,8 @@ class ColumnSpec:
         return self.dtype == "int64"
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _TORCH_DTYPES[self.dtype]
+    def torch_dtype(self):
+        return torch_dtype(self.dtype)
 
 
 @dataclass

@@ -11,9 +11,14 @@ Layout under the store's root (see docs/store.md)::
     runs/<run_id>/failures/<launch>.json        the training code's error, when it raised
     runs/<run_id>/result.pt                     final weights, history, output shapes
     runs/<run_id>/ranks.json                    one summary per rank (rows, weights digest)
+    runs/<run_id>/progress.json                 rank 0's progress, for the driver's bar
+    runs/<run_id>/logs/rank-<r>/*.log           each rank's output, in chunks
+    runs/<run_id>/tensorboard/                  rank 0's TensorBoard event file
 
-A Store is used on the driver and, pickled, on every executor. Every file is written to a
-temporary name and moved into place, so a crash never leaves a half-written file behind.
+A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
+Every file is written to a temporary name and moved into place, so a crash never leaves a
+half-written file behind. Remote filesystems are opened without fsspec's listings cache:
+the store is written by other processes, and a cached listing would hide their files.
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ import os
 import posixpath
 import re
 import uuid
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
 
 import fsspec
 
 _CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")
+TEMPORARY_PREFIX = ".tmp-"  # a file being written; moved to its real name when complete
 
 
 class Store:
@@ -42,11 +50,22 @@ class Store:
             raise ValueError("store: url must be a non-empty string")
         protocol, path = fsspec.core.split_protocol(url)
         protocol = protocol or "file"
+        self._url_options: dict[str, Any] = {}  # what the URL says besides the path
         if protocol in ("file", "local"):
             protocol = "file"
             path = os.path.abspath(os.path.expanduser(path))
+        else:
+            try:
+                fs_class = fsspec.get_filesystem_class(protocol)
+            except (ImportError, ValueError):  # not installed or unknown: fails when used
+                pass
+            else:  # e.g. hdfs://namenode:8020/path: host and port are options, not the path
+                path = fs_class._strip_protocol(url)
+                self._url_options = fs_class._get_kwargs_from_urls(url)
         self.protocol = protocol
         self.root = path.rstrip("/") or "/"
+        trimmed = url if self.root == "/" else url.rstrip("/")
+        self._url = self.root if protocol == "file" else trimmed
         self.storage_options = dict(storage_options or {})
         self._fs = None
 
@@ -59,13 +78,15 @@ class Store:
 
     @property
     def url(self) -> str:
-        """The root as a URL, without any credentials."""
-        return self.root if self.protocol == "file" else f"{self.protocol}://{self.root}"
+        """The root as a URL, without any credentials (as given, or the absolute local path)."""
+        return self._url
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None:
-            self._fs = fsspec.filesystem(self.protocol, **self.storage_options)
+            uncached = {} if self.protocol == "file" else {"use_listings_cache": False}
+            options = {**uncached, **self._url_options, **self.storage_options}
+            self._fs = fsspec.filesystem(self.protocol, **options)
         return self._fs
 
     def __getstate__(self):
@@ -101,14 +122,6 @@ class Store:
     def result_path(self, run_id: str) -> str:
         return self.join("runs", run_id, "result.pt")
 
-    def spark_url(self, path: str) -> str:
-        """``path`` in the form Spark's Hadoop filesystems expect."""
-        if self.protocol == "file":
-            return "file://" + path
-        if self.protocol == "s3":
-            return "s3a://" + path
-        return f"{self.protocol}://{path}"
-
     # -- files ---------------------------------------------------------------------------
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
@@ -117,27 +130,33 @@ class Store:
         with self.fs.open(path, "rb") as f:
             return f.read()
 
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Write ``data`` to ``path`` atomically: a temporary sibling, then a move."""
+    @contextmanager
+    def open_atomic(self, path: str) -> Iterator[IO[bytes]]:
+        """A binary file for writing that becomes ``path`` only when the block ends without
+        an error: it is written as a hidden temporary sibling (``.tmp-<id>-<name>``, which
+        Parquet readers skip), then moved into place; on an error it is removed."""
         parent = posixpath.dirname(path)
         self.fs.makedirs(parent, exist_ok=True)
-        tmp = posixpath.join(parent, f".tmp-{uuid.uuid4().hex}-{posixpath.basename(path)}")
+        name = f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}-{posixpath.basename(path)}"
+        tmp = posixpath.join(parent, name)
         try:
             with self.fs.open(tmp, "wb") as f:
-                f.write(data)
+                yield f
             self.fs.mv(tmp, path)
         except BaseException:
             self.remove(tmp)
             raise
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` atomically: a temporary sibling, then a move."""
+        with self.open_atomic(path) as f:
+            f.write(data)
 
     def read_json(self, path: str) -> Any:
         return json.loads(self.read_bytes(path))
 
     def write_json(self, path: str, value: Any) -> None:
         self.write_bytes(path, json.dumps(value, indent=1, sort_keys=True).encode())
-
-    def move(self, src: str, dst: str) -> None:
-        self.fs.mv(src, dst, recursive=True)
 
     def remove(self, path: str) -> None:
         if self.fs.exists(path):

@@ -73,6 +73,18 @@ def cluster_spark() -> SparkSession:
 
 
 @pytest.fixture
+def mlflow_tracking(tmp_path, monkeypatch):
+    """MLflow logging into a folder of this test (a file store: no database server here);
+    the client to read it back."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"file:{tmp_path / 'mlruns'}"
+    mlflow.set_tracking_uri(uri)
+    yield mlflow.tracking.MlflowClient(uri)
+    mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture
 def store(tmp_path) -> Store:
     return Store.create(str(tmp_path / "store"))
 

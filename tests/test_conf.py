@@ -1,8 +1,10 @@
-"""The example configuration in conf/: the GPU discovery script's output is what Spark reads."""
+"""The configuration in conf/: the GPU discovery script's output is what Spark reads, and
+spark-defaults.conf and log4j2.properties are what a spark-submit job runs with."""
 
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,3 +37,75 @@ def test_gpu_conf_names_the_shipped_discovery_script_and_one_gpu_per_task():
         .strip()
         .endswith("/conf/get_gpus_resources.sh")
     )
+
+
+# A job that sets nothing itself: it reports the settings it runs with and logs one INFO
+# and one WARN line through a Spark logger; with --run it also forms a 2-process group with
+# run(fn), which the local settings (loopback driver address, 4 slots) must allow.
+CONF_JOB = """
+import json
+import sys
+from pyspark.sql import SparkSession
+from spark_estimator import distributed, run
+
+spark = SparkSession.builder.appName("conf check").getOrCreate()
+log = spark.sparkContext._jvm.org.apache.logging.log4j.LogManager.getLogger(
+    "org.apache.spark.ConfCheck"
+)
+log.info("conf-check INFO marker")
+log.warn("conf-check WARN marker")
+if "--run" in sys.argv:
+    mean_rank = lambda: distributed.allreduce(float(distributed.rank()))
+    print("RANKS " + json.dumps(run(mean_rank, num_proc=2, use_gpu=False)))
+settings = dict(spark.sparkContext.getConf().getAll())
+settings["spark.sql.shuffle.partitions"] = spark.conf.get("spark.sql.shuffle.partitions")
+print("SETTINGS " + json.dumps(settings))
+spark.stop()
+"""
+
+
+def conf_settings(path: Path) -> dict[str, str]:
+    lines = path.read_text().splitlines()
+    pairs = (line.split(None, 1) for line in lines if line.strip() and not line.startswith("#"))
+    return {key: value.strip() for key, value in pairs}
+
+
+@pytest.mark.parametrize("how", ["properties-file", "SPARK_CONF_DIR"])
+def test_local_conf_and_quiet_logging_reach_a_spark_submit_job(tmp_path, how):
+    """Both ways conf/README.md gives: every spark-defaults.conf setting is what the job
+    runs with, and log4j2.properties leaves Spark's warnings but none of its INFO lines."""
+    job = tmp_path / "job.py"
+    job.write_text(CONF_JOB)
+    spark_submit = str(Path(sys.executable).parent / "spark-submit")
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    for name in ("PYSPARK_DRIVER_PYTHON", "SPARK_CONF_DIR", "SPARK_MASTER"):
+        env.pop(name, None)
+    if how == "properties-file":
+        argv = [
+            spark_submit,
+            "--properties-file",
+            "conf/spark-defaults.conf",
+            "--driver-java-options",
+            "-Dlog4j2.configurationFile=conf/log4j2.properties",
+            str(job),
+            "--run",
+        ]
+    else:
+        env["SPARK_CONF_DIR"] = str(CONF)
+        argv = [spark_submit, str(job)]
+    done = subprocess.run(
+        argv, cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+
+    seen = json.loads(done.stdout.split("SETTINGS ", 1)[1].splitlines()[0])
+    wanted = conf_settings(CONF / "spark-defaults.conf")
+    assert {key: seen.get(key) for key in wanted} == wanted
+    if how == "properties-file":  # one process group is enough to show training works
+        assert json.loads(done.stdout.split("RANKS ", 1)[1].splitlines()[0]) == [0.5, 0.5]
+
+    assert "conf-check WARN marker" in done.stderr
+    assert "conf-check INFO marker" not in done.stderr
+    assert "Using Spark's default log4j profile" not in done.stderr
+    info_lines = [line for line in done.stderr.splitlines() if " INFO " in line]
+    assert info_lines == []

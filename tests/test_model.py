@@ -12,7 +12,7 @@ from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import EarlyStopping
-from tests.conftest import linear_net, make_estimator
+from tests.conftest import linear_net, make_estimator, regression_rows
 
 
 def fixed_net():
@@ -206,3 +206,173 @@ def test_a_model_saved_with_its_weights_inside_the_pickle_still_loads(spark, tmp
     (path / WEIGHTS_FILE).unlink()
     (path / OBJECTS_FILE).write_bytes(cloudpickle.dumps({"model": fixed_net()}))
     assert torch.equal(TorchModel.load(str(path)).getModel().weight, fixed_net().weight)
+
+
+# -- classification output ------------------------------------------------------------------
+def class_net():
+    net = torch.nn.Linear(2, 3)
+    with torch.no_grad():
+        net.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]))
+        net.bias.zero_()
+    return net
+
+
+def test_classification_adds_spark_classifier_columns(spark):
+    x = [[2.0, 0.0], [0.0, 3.0], [-1.0, -2.0], [0.5, 0.4]]
+    df = spark.createDataFrame([(v, i) for i, v in enumerate(x)], "x array<double>, id long")
+    model = TorchModel(
+        model=class_net(), feature_cols=["x"], classification=True, output_shapes=[[3]]
+    )
+    out = model.transform(df)
+    assert out.columns == ["x", "id", "rawPrediction", "probability", "prediction"]
+    types = dict(out.dtypes)
+    assert (types["rawPrediction"], types["probability"], types["prediction"]) == (
+        "vector",
+        "vector",
+        "double",
+    )
+    logits = class_net()(torch.tensor(x)).double()
+    got = sorted(out.collect(), key=lambda r: r.id)
+    assert [r.prediction for r in got] == logits.argmax(1).double().tolist()
+    for r, row_logits in zip(got, logits):
+        assert r.probability.toArray().tolist() == pytest.approx(
+            torch.softmax(row_logits, 0).tolist()
+        )
+        assert r.rawPrediction.toArray().tolist() == pytest.approx(
+            (row_logits - row_logits.mean()).tolist()
+        )
+
+
+@pytest.mark.parametrize("shape", [[], [1]])
+def test_one_binary_logit_gives_two_class_columns(spark, shape):
+    class Logit(torch.nn.Module):
+        def forward(self, x):
+            z = x.sum(1)
+            return z if shape == [] else z.unsqueeze(1)
+
+    df = spark.createDataFrame([([1.0, 0.5],), ([-2.0, 0.0],)], "x array<double>")
+    model = TorchModel(
+        model=Logit(),
+        feature_cols=["x"],
+        output_cols=["label_hat"],
+        classification=True,
+        probabilityCol="p",
+        rawPredictionCol="raw",
+        output_shapes=[shape],
+    )
+    got = {r.raw[1]: r for r in model.transform(df).collect()}
+    assert set(got) == {1.5, -2.0}
+    assert got[1.5].raw.toArray().tolist() == [-1.5, 1.5] and got[1.5].label_hat == 1.0
+    p = torch.sigmoid(torch.tensor(-2.0, dtype=torch.float64)).item()
+    assert got[-2.0].p.toArray().tolist() == pytest.approx([1 - p, p])
+    assert got[-2.0].label_hat == 0.0
+
+
+def test_spark_classification_evaluators_read_the_output(spark):
+    import numpy as np
+    from pyspark.ml.evaluation import (
+        BinaryClassificationEvaluator,
+        MulticlassClassificationEvaluator,
+    )
+    from sklearn.metrics import accuracy_score, f1_score, log_loss, roc_auc_score
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 2))
+    y = np.argmax(x @ np.array([[1.0, 0.0, -1.0], [0.0, 1.0, -1.0]]) + rng.normal(size=(200, 3)), 1)
+    df = spark.createDataFrame(
+        [(r.tolist(), int(c)) for r, c in zip(x, y)], "x array<double>, label long"
+    )
+    out = TorchModel(model=class_net(), feature_cols=["x"], classification=True).transform(df)
+    logits = class_net()(torch.tensor(x, dtype=torch.float32)).detach().double()
+    p = torch.softmax(logits, 1).numpy()
+    for metric, expected in (
+        ("accuracy", accuracy_score(y, p.argmax(1))),
+        ("f1", f1_score(y, p.argmax(1), average="weighted")),
+        ("logLoss", log_loss(y, p, labels=[0, 1, 2])),
+    ):
+        got = MulticlassClassificationEvaluator(metricName=metric).evaluate(out)
+        assert got == pytest.approx(expected, rel=1e-4), metric
+
+    # two logits a = 2 s, b = s: b alone ranks rows opposite to the log-odds b - a = -s
+    two = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        two.weight.copy_(torch.tensor([[2.0, 2.0], [1.0, 1.0]]))
+    binary = (x.sum(1) + rng.normal(size=200) < 0).astype(int)
+    bdf = spark.createDataFrame(
+        [(r.tolist(), int(c)) for r, c in zip(x, binary)], "x array<double>, label long"
+    )
+    scored = TorchModel(model=two, feature_cols=["x"], classification=True).transform(bdf)
+    auc = BinaryClassificationEvaluator(metricName="areaUnderROC").evaluate(scored)
+    assert auc == pytest.approx(roc_auc_score(binary, -x.sum(1)), abs=1e-6)
+    assert auc > 0.7
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (dict(output_shapes=[[3], [3]]), "classification: the model has 2 outputs"),
+        (dict(output_shapes=[[3, 4]]), r"classification: the model's output has shape \['B', 3"),
+        (dict(output_shapes=[[0]]), r"classification: the model's output has shape \['B', 0\]"),
+        (dict(output_cols=["a", "b"]), "classification: .* output_cols names 2"),
+        (dict(probabilityCol="x"), "probabilityCol: column 'x' already exists"),
+        (dict(rawPredictionCol="id"), "rawPredictionCol: column 'id' already exists"),
+        (dict(output_cols=["x"]), "output_cols: column 'x' already exists"),
+        (dict(rawPredictionCol="probability"), "classification: rawPredictionCol, probabilityCol"),
+    ],
+)
+def test_classification_misuse_is_refused_on_the_driver(spark, params, message):
+    df = spark.createDataFrame([([1.0, 2.0], 1)], "x array<double>, id long")
+    model = TorchModel(model=class_net(), feature_cols=["x"], classification=True, **params)
+    with pytest.raises(ValueError, match=message):
+        model.transform(df)
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (dict(label_cols=["y", "z"]), r"classification: needs one label column .*\['y', 'z'\]"),
+        (dict(output_cols=["p", "q"]), "classification: .* output_cols names 2"),
+    ],
+)
+def test_estimator_classification_misuse_is_refused_before_any_job(spark, store, params, message):
+    df = spark.createDataFrame([([1.0, 2.0, 3.0], 1, 0)], "x array<double>, y long, z long")
+    est = make_estimator(store=store, classification=True, **params)
+    spark.sparkContext.setJobGroup("bad-classification", "refused")
+    try:
+        with pytest.raises(ValueError, match=message):
+            est.fit(df)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup("bad-classification")) == []
+
+
+def test_a_binary_classifier_fits_and_its_columns_survive_save_and_load(spark, store, tmp_path):
+    from pyspark.ml.evaluation import BinaryClassificationEvaluator
+
+    rows = [(x, float(x[0] - x[1] > 0.5)) for x, _, _ in regression_rows()]
+    df = spark.createDataFrame(rows, "x array<double>, y double")
+    est = make_estimator(
+        store=store,
+        loss=torch.nn.BCEWithLogitsLoss(),
+        classification=True,
+        probabilityCol="p",
+        epochs=3,
+        learning_rate=0.5,
+    )
+    model = est.fit(df)
+    assert model.getClassification() and model.getProbabilityCol() == "p"
+    out = model.transform(df)
+    evaluator = BinaryClassificationEvaluator(labelCol="y", rawPredictionCol="rawPrediction")
+    assert evaluator.evaluate(out) > 0.9
+    path = str(tmp_path / "classifier")
+    model.save(path)
+    back = TorchModel.load(path)
+    assert back.getClassification() and back.getProbabilityCol() == "p"
+    assert (
+        back.transform(df).select("p", "prediction").collect()
+        == out.select("p", "prediction").collect()
+    )
+    est.save(str(tmp_path / "est"))
+    loaded = TorchEstimator.load(str(tmp_path / "est"))
+    assert loaded.getClassification() and loaded.getProbabilityCol() == "p"
+    assert loaded.getLearningRate() == 0.5

@@ -18,7 +18,6 @@ def test_layout_paths(store):
     assert store.dataset_path("k").endswith("/datasets/k")
     assert store.checkpoint_path("r1", 3).endswith("/runs/r1/checkpoints/epoch-0003.pt")
     assert store.result_path("r1").endswith("/runs/r1/result.pt")
-    assert store.spark_url(store.root) == "file://" + store.root
 
 
 def test_write_bytes_is_atomic_and_leaves_no_temp_files(store):
@@ -75,3 +74,47 @@ def test_pickle_keeps_url_and_options_but_url_has_no_credentials(tmp_path):
 def test_rejects_empty_url(bad):
     with pytest.raises(ValueError, match="store"):
         Store(bad)
+
+
+def test_open_atomic_shows_the_file_only_when_complete(store):
+    path = store.join("d", "f.bin")
+    store.write_bytes(path, b"old")
+    with store.open_atomic(path) as f:
+        f.write(b"new, in parts")
+        f.flush()
+        assert store.read_bytes(path) == b"old"
+        [temporary] = [p for p in store.fs.ls(store.join("d"), detail=False) if p != path]
+        assert temporary.rsplit("/", 1)[-1].startswith(".tmp-")
+    assert store.read_bytes(path) == b"new, in parts"
+    with pytest.raises(RuntimeError, match="stopped"):
+        with store.open_atomic(path) as f:
+            f.write(b"never complete")
+            raise RuntimeError("stopped")
+    assert store.read_bytes(path) == b"new, in parts"
+    assert store.fs.ls(store.join("d"), detail=False) == [path]
+
+
+def test_url_options_such_as_an_hdfs_namenode_go_to_the_filesystem_not_the_path():
+    store = Store("hdfs://namenode:8020/user/me/store/", storage_options={"user": "me"})
+    assert store.protocol == "hdfs" and store.root == "/user/me/store"
+    assert store.join("runs") == "/user/me/store/runs"
+    assert store.url == "hdfs://namenode:8020/user/me/store"
+    assert store._url_options == {"host": "namenode", "port": 8020}  # the fs is never opened
+    clone = pickle.loads(pickle.dumps(store))
+    assert (clone.url, clone.root, clone._url_options) == (
+        store.url,
+        store.root,
+        {
+            "host": "namenode",
+            "port": 8020,
+        },
+    )
+    s3 = Store("s3://bucket/root/")
+    assert (s3.root, s3.url) == ("bucket/root", "s3://bucket/root")
+
+
+def test_a_remote_store_opens_its_filesystem_without_a_listings_cache():
+    store = Store("memory://no-cache/root", storage_options={"skip_instance_cache": True})
+    assert store.fs.dircache.use_listings_cache is False
+    local = Store("/tmp")
+    assert local.fs.storage_options == {}

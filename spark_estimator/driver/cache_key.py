@@ -15,8 +15,10 @@ leaves out the files. So the key is built from
   this Spark application, so such data is reused within a session and never across,
 - the selected columns, their dtypes, the validation split and the write options.
 
-On Spark Connect, where the plan is not reachable from Python, the key falls back to the
-server's semantic hash and the session id: reuse within the session only.
+On Spark Connect the JVM's plan is not reachable from Python; ``connect_plan.py`` builds
+the fingerprint from the client's plan message, the server's analyzed plan text and the
+input files instead, with the same rules (valid across sessions only where the plan
+describes its rows).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict
 from pyspark.sql import DataFrame
 
 from ..spec import DATASET_FORMAT_VERSION, ColumnSpec
+from .launch import is_connect
 
 _CONTENT_LEAVES = {"LocalRelation", "Range", "OneRowRelation"}
 _FILE_LEAVES = {"HiveTableRelation"}
@@ -62,14 +65,11 @@ def _file_metadata(df: DataFrame) -> list[list]:
 
 def source_fingerprint(df: DataFrame) -> dict:
     """What identifies the rows of ``df``; persisted with the dataset it keys."""
-    jdf = getattr(df, "_jdf", None)
-    if jdf is None:  # Spark Connect
-        return {
-            "semantic_hash": df.semanticHash(),
-            "schema": df.schema.json(),
-            "session": df.sparkSession.session_id,
-        }
-    analyzed = jdf.queryExecution().analyzed()
+    if is_connect(df.sparkSession):
+        from .connect_plan import connect_fingerprint  # needs the Connect client's protobuf
+
+        return connect_fingerprint(df)
+    analyzed = df._jdf.queryExecution().analyzed()
     leaves, has_files = [], False
     for leaf in _leaves(analyzed):
         name = leaf.getClass().getSimpleName()

@@ -1,13 +1,18 @@
 """Driver: count task slots and run the one barrier-mode job of a fit.
 
 The job is built with the DataFrame API (``mapInPandas(..., barrier=True)`` over a range of
-``num_proc`` single-row partitions), which also runs on Spark Connect. Each task returns one
-row, a JSON summary of its rank; large results go through the store, not through rows.
+``num_proc`` single-row partitions), so it runs on a classic session and on Spark Connect
+alike. Each task returns one row, a JSON summary of its rank; large results go through the
+store, not through rows.
 
 Spark does not retry a failed barrier stage whose output is the job's result, but it does
 retry a barrier stage that feeds a shuffle (up to ``spark.stage.maxConsecutiveAttempts``
 times, 4 by default), relaunching all of its tasks. ``retry=True`` adds that shuffle (of
 ``num_proc`` small rows) so that a fit survives a lost process or executor.
+
+On Spark Connect there is no SparkContext on this side: slots are counted from the
+server's configuration alone (see ``connect_slots``), and the job is labelled with a job
+tag (``spark.addTag``) instead of a job description.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from pyspark.sql import SparkSession
 
@@ -25,26 +31,59 @@ _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]
 SLOT_WAIT_S = 30.0  # how long to wait for executors to register before counting slots
 
 
+def is_connect(spark) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no JVM on this side)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _local_cores(master: str) -> int | None:
+    """Cores a local master URL names; None for a cluster manager's URL."""
+    if master == "local":
+        return 1
+    if m := _LOCAL.fullmatch(master):
+        return (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
+    if m := _LOCAL_CLUSTER.fullmatch(master):
+        return int(m.group(1)) * int(m.group(2))
+    return None
+
+
 def master_slots(spark: SparkSession) -> int:
     """Task slots implied by the master URL and ``spark.task.cpus`` (cores / task cpus)."""
+    if is_connect(spark):
+        slots = connect_slots(spark)
+        return 0 if slots is None else slots
     sc = spark.sparkContext
-    master = sc.master
     task_cpus = int(sc.getConf().get("spark.task.cpus", "1"))
-    if master == "local":
-        cores = 1
-    elif m := _LOCAL.fullmatch(master):
-        cores = (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
-    elif m := _LOCAL_CLUSTER.fullmatch(master):
-        cores = int(m.group(1)) * int(m.group(2))
-    else:
-        cores = sc.defaultParallelism
-    return max(0, cores // task_cpus)
+    cores = _local_cores(sc.master)
+    return max(0, (sc.defaultParallelism if cores is None else cores) // task_cpus)
+
+
+def connect_slots(spark: SparkSession) -> int | None:
+    """Slots of a Spark Connect server, from its configuration: the cores of a local master
+    URL (``local[*]``: this machine's), else ``spark.default.parallelism``, else
+    ``spark.executor.instances`` x ``spark.executor.cores``; each divided by
+    ``spark.task.cpus``. None where the configuration does not say (executors that come
+    and go, a cluster manager's defaults)."""
+
+    def conf(key: str) -> str | None:
+        value = spark.conf.get(key, None)
+        return None if value in (None, "") else value
+
+    task_cpus = int(conf("spark.task.cpus") or 1)
+    cores = _local_cores(conf("spark.master") or "")
+    if cores is None and conf("spark.default.parallelism"):
+        cores = int(conf("spark.default.parallelism"))
+    if cores is None and conf("spark.executor.instances") and conf("spark.executor.cores"):
+        cores = int(conf("spark.executor.instances")) * int(conf("spark.executor.cores"))
+    return None if cores is None else max(0, cores // task_cpus)
 
 
 def scheduler_slots(spark: SparkSession) -> int | None:
     """The scheduler's own count of tasks that can run at once on the executors registered
     now: the count Spark checks barrier stages against, so it also knows task resources such
     as ``spark.task.resource.gpu.amount``. None where it cannot be asked (Spark Connect)."""
+    if is_connect(spark):
+        return None
     try:
         sc = spark.sparkContext._jsc.sc()
         return int(sc.maxNumConcurrentTasks(sc.resourceProfileManager().defaultResourceProfile()))
@@ -58,7 +97,24 @@ def available_slots(spark: SparkSession, wanted: int | None = None) -> int:
     Executors of a cluster register after the session starts, so while the scheduler
     counts fewer than ``wanted`` (or than the master URL implies) it is asked again, for
     at most ``SLOT_WAIT_S`` seconds. In local mode the count is known at once.
+
+    On Spark Connect the count comes from the server's configuration (``connect_slots``);
+    where that does not tell, ``wanted`` is trusted (Spark itself refuses a barrier stage
+    larger than the cluster) and, without it, ``num_proc`` is required.
     """
+    if is_connect(spark):
+        slots = connect_slots(spark)
+        if slots is not None:
+            return slots
+        if wanted is None:
+            raise ValueError(
+                "num_proc: the task slots of this Spark Connect session cannot be counted "
+                f"(master {spark.conf.get('spark.master', None)!r} without "
+                "spark.default.parallelism, or spark.executor.instances and "
+                "spark.executor.cores, in the server's configuration); set num_proc to the "
+                "number of training processes"
+            )
+        return wanted
     expected = master_slots(spark)
     master = spark.sparkContext.master
     local = master.startswith("local") and not master.startswith("local-cluster")
@@ -70,6 +126,30 @@ def available_slots(spark: SparkSession, wanted: int | None = None) -> int:
         if counted >= (wanted or expected) or time.monotonic() >= deadline:
             return counted
         time.sleep(0.25)
+
+
+def job_tag(description: str) -> str:
+    """``description`` as a Spark Connect job tag (which may not contain commas)."""
+    return description.replace(",", ";") or "spark-estimator"
+
+
+@contextmanager
+def labelled_jobs(spark: SparkSession, description: str) -> Iterator[None]:
+    """Label the jobs this thread starts inside the block: the job description of a
+    classic session, a job tag on Spark Connect (``spark.interruptTag`` can cancel it)."""
+    if is_connect(spark):
+        tag = job_tag(description)
+        spark.addTag(tag)
+        try:
+            yield
+        finally:
+            spark.removeTag(tag)
+        return
+    spark.sparkContext.setJobDescription(description)
+    try:
+        yield
+    finally:
+        spark.sparkContext.setJobDescription(None)
 
 
 def run_barrier_job(
@@ -90,12 +170,9 @@ def run_barrier_job(
         summary = task()
         yield pd.DataFrame({"summary": [json.dumps(summary)]})
 
-    spark.sparkContext.setJobDescription(description)
-    try:
+    with labelled_jobs(spark, description):
         summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
             job, "summary string", barrier=True
         )
         rows = (summaries.repartition(1) if retry else summaries).collect()
-    finally:
-        spark.sparkContext.setJobDescription(None)
     return sorted((json.loads(r.summary) for r in rows), key=lambda s: s["rank"])

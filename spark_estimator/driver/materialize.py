@@ -4,7 +4,13 @@ One Spark write produces the train and validation rows together (partitioned by 
 column), so the two are complementary even when the source is not deterministic. Columns
 are converted column-wise by Spark: vectors (dense or sparse) to arrays, features and float
 labels to ``dtype``, integral labels to int64 (class indices). The rows are repartitioned
-into ``num_files`` files per split with row groups of about ``row_group_bytes``.
+into ``num_files`` partitions, and each partition is written by its executor with pyarrow
+through the store's fsspec filesystem (``worker/parquet_writer.py``, run by ``mapInArrow``):
+at most ``num_files`` files per split, row groups of about ``row_group_bytes``, each file
+moved into place only when complete. Spark's own writer is not used, so any fsspec store
+works with its ``storage_options`` alone (no Hadoop connector or configuration), and the
+driver needs no SparkContext (Spark Connect). The executors return each file's row-group
+sizes, so no footer is read back.
 
 The same write checks the converted values, with Spark's ``DataFrame.observe`` (no extra
 pass over the data): nulls in every column (null rows, and null elements inside arrays),
@@ -24,18 +30,19 @@ wins and the other write stays, unnamed but intact, for the fit that is reading 
 
 from __future__ import annotations
 
+import functools
 import posixpath
 import uuid
 import warnings
 from dataclasses import asdict, dataclass
 
-import pyarrow.parquet as pq
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame, Observation
 from pyspark.sql import functions as F
 
 from ..spec import SPLITS, ColumnSpec, DatasetInfo
 from ..store import Store
+from ..worker.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
 from .data_checks import check_observed, check_row_lengths, checked_columns, observed_metrics
 
@@ -47,8 +54,8 @@ COMPRESSIONS = ("uncompressed", "snappy", "gzip", "zstd")
 class WriteOptions:
     """How the Parquet is laid out; part of the cache key."""
 
-    num_files: int  # files per split (one Spark partition each)
-    row_group_bytes: int  # Parquet's parquet.block.size
+    num_files: int  # Spark partitions written, each at most one file per split
+    row_group_bytes: int  # about this much uncompressed Arrow data per row group
     compression: str
 
 
@@ -70,42 +77,6 @@ def _split_expr(validation, seed: int) -> Column:
     else:
         is_val = F.rand(seed) < validation
     return F.when(is_val, F.lit("validation")).otherwise(F.lit("train"))
-
-
-def list_row_groups(
-    store: Store, folder: str, root: str, null_counts: dict[str, int | None] | None = None
-) -> list[tuple[str, list[int]]]:
-    """(path relative to ``root``, rows per row group) of every non-empty Parquet file.
-
-    With ``null_counts``, also adds up the footers' null counts per Parquet column path
-    (``x``, ``v.type``, ``a.list.element``); None where a row group has no such statistic.
-    """
-    if not store.exists(folder):
-        return []
-    files = []
-    paths = [p for p in store.fs.find(folder) if p.endswith(".parquet")]
-    for path in sorted(paths):
-        with store.fs.open(path, "rb") as f:
-            meta = pq.ParquetFile(f).metadata
-        groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-        if sum(groups):
-            files.append((posixpath.relpath(path, root), groups))
-        if null_counts is not None:
-            _add_null_counts(meta, null_counts)
-    return files
-
-
-def _add_null_counts(meta: pq.FileMetaData, counts: dict[str, int | None]) -> None:
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        for c in range(group.num_columns):
-            chunk = group.column(c)
-            stats = chunk.statistics
-            known = stats is not None and stats.has_null_count
-            total = counts.get(chunk.path_in_schema, 0)
-            counts[chunk.path_in_schema] = (
-                total + stats.null_count if known and total is not None else None
-            )
 
 
 def materialize(
@@ -139,25 +110,22 @@ def materialize(
             _split_expr(validation, seed).alias(SPLIT_COL),
         )
         observation = Observation(f"spark_estimator_checks_{uuid.uuid4().hex}")
-        (
+        target = ParquetTarget(
+            store, tmp, final, SPLIT_COL, options.row_group_bytes, options.compression
+        )
+        written = (
             selected.observe(observation, *observed_metrics(columns))
             .repartition(options.num_files)
-            .write.partitionBy(SPLIT_COL)
-            .option("compression", options.compression)
-            .option("parquet.block.size", options.row_group_bytes)
-            .parquet(store.spark_url(tmp))
+            .mapInArrow(functools.partial(write_partition, target=target), WRITTEN_SCHEMA)
+            .collect()
         )
         metrics = _observed(observation)
         row_lengths = check_observed(metrics, columns)
-        for split in SPLITS:
-            written = posixpath.join(tmp, f"{SPLIT_COL}={split}")
-            if store.exists(written):
-                store.move(written, posixpath.join(tmp, split))
         data = DatasetInfo(
             path=final,
             features=features,
             labels=labels,
-            files={s: list_row_groups(store, posixpath.join(tmp, s), final) for s in SPLITS},
+            files=_files_by_split(written),
             source={**source, "files": len(source.get("files", [])), "key": key},
             sample_weight=sample_weight,
             row_lengths=row_lengths,
@@ -181,6 +149,15 @@ def materialize(
         return DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
     store.write_json(meta_path, data.to_json())  # atomic; the last of two racing fits wins
     return data
+
+
+def _files_by_split(written: list) -> dict[str, list[tuple[str, list[int]]]]:
+    """The executors' rows (split, path, row groups) as DatasetInfo.files, in path order,
+    which is the partitions' order."""
+    return {
+        split: sorted((row.path, list(row.row_groups)) for row in written if row.split == split)
+        for split in SPLITS
+    }
 
 
 def _observed(observation: Observation) -> dict:

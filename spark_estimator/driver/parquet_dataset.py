@@ -25,13 +25,58 @@ import pyarrow.parquet as pq
 from ..spec import ColumnSpec, DatasetInfo, column_param
 from ..store import Store
 from .data_checks import check_row_lengths
-from .materialize import check_not_empty, list_row_groups
+from .materialize import check_not_empty
 
 _VECTOR_FIELDS = {"type", "size", "indices", "values"}
 
 
 def _numeric(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _hidden(path: str, folder: str) -> bool:
+    """A name starting with ``.`` or ``_`` below ``folder`` (a temporary file, ``_SUCCESS``,
+    ``_meta.json``): not data, as for Spark and pyarrow."""
+    relative = posixpath.relpath(path, folder)
+    return relative != "." and any(p.startswith((".", "_")) for p in relative.split("/"))
+
+
+def list_row_groups(
+    store: Store, folder: str, root: str, null_counts: dict[str, int | None] | None = None
+) -> list[tuple[str, list[int]]]:
+    """(path relative to ``root``, rows per row group) of every non-empty Parquet file under
+    ``folder`` (or ``folder`` itself, a file), in path order.
+
+    With ``null_counts``, also adds up the footers' null counts per Parquet column path
+    (``x``, ``v.type``, ``a.list.element``); None where a row group has no such statistic.
+    """
+    if not store.exists(folder):
+        return []
+    files = []
+    found = store.fs.find(folder)
+    paths = [p for p in found if p.endswith(".parquet") and not _hidden(p, folder)]
+    for path in sorted(paths):
+        with store.fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+        groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        if sum(groups):
+            files.append((posixpath.relpath(path, root), groups))
+        if null_counts is not None:
+            _add_null_counts(meta, null_counts)
+    return files
+
+
+def _add_null_counts(meta: pq.FileMetaData, counts: dict[str, int | None]) -> None:
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            stats = chunk.statistics
+            known = stats is not None and stats.has_null_count
+            total = counts.get(chunk.path_in_schema, 0)
+            counts[chunk.path_in_schema] = (
+                total + stats.null_count if known and total is not None else None
+            )
 
 
 def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str) -> ColumnSpec:

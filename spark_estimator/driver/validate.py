@@ -183,3 +183,45 @@ def check_output_cols(output_cols, existing: list[str]) -> None:
     clash = [c for c in output_cols if c in existing]
     if clash:
         raise ValueError(f"output_cols: {clash} already exist in the DataFrame")
+
+
+def classification_cols(
+    output_cols, probability_col: str, raw_prediction_col: str, label_cols=None
+) -> list[str]:
+    """The columns ``classification`` adds in transform: [rawPredictionCol, probabilityCol,
+    prediction column], checked to be distinct; it reads one model output (one label)."""
+    if output_cols is not None and len(output_cols) != 1:
+        raise ValueError(
+            f"classification: reads the model's single output into one prediction column, "
+            f"but output_cols names {len(output_cols)}: {output_cols}"
+        )
+    if label_cols is not None and len(label_cols) != 1:
+        raise ValueError(
+            f"classification: needs one label column of class indices, got {label_cols}"
+        )
+    names = [raw_prediction_col, probability_col, output_cols[0] if output_cols else "prediction"]
+    if len(set(names)) != 3 or not all(names):
+        raise ValueError(
+            "classification: rawPredictionCol, probabilityCol and the prediction column "
+            f"(output_cols) must be distinct non-empty names, got {names}"
+        )
+    return names
+
+
+def check_class_output_shapes(output_shapes) -> None:
+    """With ``classification``, the model has one output: [B, C] with C >= 2, or [B] or
+    [B, 1] (one binary logit); ``output_shapes`` leave out B (None: not known)."""
+    if output_shapes is None:
+        return
+    if len(output_shapes) != 1:
+        raise ValueError(
+            f"classification: the model has {len(output_shapes)} outputs; it must return "
+            "one tensor of class logits"
+        )
+    shape = list(output_shapes[0])
+    if shape in ([], [1]) or (len(shape) == 1 and shape[0] >= 2):
+        return
+    raise ValueError(
+        f"classification: the model's output has shape {['B', *shape]}; class logits must "
+        "be [B, C] with C >= 2 classes, or [B] or [B, 1] for one binary logit"
+    )

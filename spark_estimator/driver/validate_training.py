@@ -9,6 +9,7 @@ first, so a failure names the parameter that holds the unpicklable thing.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 
 import torch
@@ -142,6 +143,22 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
             "train_minibatch_fn: your step owns backward and optimizer.step, so it cannot be "
             "combined with backward_passes_per_step > 1 or mixed_precision; do those in it"
         )
+
+
+def with_learning_rate(optimizer, learning_rate: float | None):
+    """The optimizer a fit trains with: ``optimizer`` itself, or with ``learning_rate`` set
+    as every param group's ``lr``, a shallow copy with its own param group dicts (the same
+    parameters and state), so the user's optimizer is left as it was."""
+    if learning_rate is None:
+        return optimizer
+    if not math.isfinite(learning_rate) or learning_rate <= 0:
+        raise ValueError(f"learning_rate: must be a finite number > 0, got {learning_rate}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer  # refused, naming optimizer, by training_bundle
+    effective = copy.copy(optimizer)
+    effective.param_groups = [{**g, "lr": learning_rate} for g in optimizer.param_groups]
+    effective.defaults = {**optimizer.defaults, "lr": learning_rate}
+    return effective
 
 
 def training_bundle(objects: dict, label_cols: list[str]) -> bytes:

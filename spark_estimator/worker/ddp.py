@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..spec import PRECISION_DTYPES
+from ..spec import PRECISION_DTYPES, torch_dtype
 
 
 class CompressionState:
@@ -48,6 +48,6 @@ def wrap_model(
     )
     if compression == "none":
         return ddp, None
-    state = CompressionState(PRECISION_DTYPES[compression])
+    state = CompressionState(torch_dtype(PRECISION_DTYPES[compression]))
     ddp.register_comm_hook(state, compressed_allreduce)
     return ddp, state

@@ -45,6 +45,12 @@ class EpochSums:
         first = torch.where(bad & (self.first_bad_step < 0), step, self.first_bad_step)
         self.first_bad_step.copy_(first)
 
+    def running_loss(self, split: str) -> float | None:
+        """This rank's mean loss over the split's batches so far (before ``reduce``)."""
+        at = self._offset(split)
+        total, rows = self.sums[at : at + 2].tolist()
+        return total / rows if rows else None
+
     def reduce(self) -> None:
         """Sum across ranks: the epoch's one collective for metrics."""
         dist.all_reduce(self.sums)

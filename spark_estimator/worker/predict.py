@@ -3,20 +3,25 @@
 The model is unpickled once per task and run under ``torch.no_grad()`` on whole Arrow
 batches (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows each), on the GPU Spark
 assigned the task if any, else on CPU. Input columns pass through untouched.
+
+With ``classification`` the model's one output is read as class logits and becomes three
+columns, as Spark ML classifiers write them: the logits (``rawPrediction``), the class
+probabilities and the class index, see ``class_columns``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pyarrow as pa
 import torch
 
 from ..serialization import loads
 from ..spec import ColumnSpec
 from .convert import column_to_tensor, reshape_input, tensor_to_arrow
+from .loss import as_outputs
 from .rendezvous import task_device
-from .train import as_outputs
 
 
 def predict_batches(
@@ -26,13 +31,18 @@ def predict_batches(
     input_shapes: list[list[int]] | None,
     output_cols: list[str],
     scalar_outputs: list[bool],
+    classification: bool = False,
 ) -> Iterator[pa.RecordBatch]:
+    """Append the model's outputs to each batch: one column per output (a double where
+    ``scalar_outputs`` says so, else array<float>), or with ``classification`` the three
+    columns of ``class_columns`` named by ``output_cols`` (raw, probability, prediction)."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
     device = task_device(ctx, use_gpu=True, warn=False)[0] if ctx else torch.device("cpu")
     model = loads(model_bytes).to(device).eval()
     shapes = input_shapes or [None] * len(features)
+    expected = 1 if classification else len(output_cols)
     with torch.no_grad():
         for batch in batches:
             if batch.num_rows == 0:
@@ -44,12 +54,50 @@ def predict_batches(
                 for c, s in zip(features, shapes)
             ]
             outputs = as_outputs(model(*inputs))
-            if len(outputs) != len(output_cols):
+            if len(outputs) != expected:
+                what = "classification" if classification else "output_cols"
                 raise ValueError(
-                    f"output_cols: the model returned {len(outputs)} outputs for output "
+                    f"{what}: the model returned {len(outputs)} outputs for output "
                     f"columns {output_cols}"
                 )
-            columns = [tensor_to_arrow(o, s) for o, s in zip(outputs, scalar_outputs)]
+            if classification:
+                columns = class_columns(outputs[0])
+            else:
+                columns = [tensor_to_arrow(o, s) for o, s in zip(outputs, scalar_outputs)]
             yield pa.RecordBatch.from_arrays(
                 batch.columns + columns, names=batch.schema.names + output_cols
             )
+
+
+def class_columns(logits: torch.Tensor) -> list[pa.Array]:
+    """Class logits of shape [B, C] (C >= 2) or [B] / [B, 1] (one binary logit z) as
+    [raw, probability, prediction]: raw and probability are array<double> with C values
+    (two for a binary logit), prediction the class index as a double.
+
+    C logits: probability = softmax, prediction = argmax, raw = the logits less their row
+    mean (softmax and argmax unchanged; with two classes raw[1] is half the log-odds, so
+    BinaryClassificationEvaluator ranks rows correctly). One logit z: probability =
+    [1 - sigmoid(z), sigmoid(z)], raw = [-z, z] and prediction = 1 where z > 0, as Spark's
+    LogisticRegression writes them.
+    """
+    z = logits.detach().to("cpu", torch.float64)
+    if z.dim() == 2 and z.shape[1] == 1:
+        z = z.squeeze(1)
+    if z.dim() == 1:
+        p = torch.sigmoid(z)
+        raw, prob, pred = torch.stack([-z, z], 1), torch.stack([1 - p, p], 1), z > 0
+    elif z.dim() == 2 and z.shape[1] >= 2:
+        raw, prob, pred = z - z.mean(1, keepdim=True), torch.softmax(z, 1), z.argmax(1)
+    else:
+        raise ValueError(
+            f"classification: the model's output has shape {list(logits.shape)}; class "
+            "logits must be [B, C] with C >= 2 classes, or [B] or [B, 1] for one binary logit"
+        )
+    return [_double_rows(raw), _double_rows(prob), pa.array(pred.to(torch.float64).numpy())]
+
+
+def _double_rows(values: torch.Tensor) -> pa.Array:
+    """A [B, C] float64 tensor as an Arrow list<double> column of B rows."""
+    rows, width = values.shape
+    offsets = np.arange(0, (rows + 1) * width, width, dtype=np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.numpy().reshape(-1)))

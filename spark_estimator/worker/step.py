@@ -18,7 +18,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..spec import PRECISION_DTYPES, LoopSpec
+from ..spec import PRECISION_DTYPES, LoopSpec, torch_dtype
 from .batch import Batch
 from .loss import as_outputs
 from .objects import TrainingObjects
@@ -35,7 +35,8 @@ class Stepper:
         self.ddp, self.objects, self.device = ddp, objects, device
         self.accumulate = loop.backward_passes_per_step > 1
         self.step_scheduler = objects.scheduler is not None and loop.lr_scheduler_interval == "step"
-        self.autocast_dtype = PRECISION_DTYPES.get(loop.mixed_precision)
+        precision = PRECISION_DTYPES.get(loop.mixed_precision)
+        self.autocast_dtype = torch_dtype(precision) if precision else None
         self.scaler = torch.amp.GradScaler(device.type) if loop.mixed_precision == "fp16" else None
 
     def autocast(self):

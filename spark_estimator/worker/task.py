@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..failures import failure_path, read_failure, record_failure
 from ..spec import TrainSpec
 from .rendezvous import process_group
+from .run_log import RankLog
 from .train import train
 
 
@@ -26,5 +27,7 @@ def training_task(spec: TrainSpec) -> dict:
     def on_failure(rank: int, error: BaseException) -> None:
         record_failure(path, store, rank, error)
 
-    with process_group(ctx, spec.use_gpu, spec.collective_timeout, on_failure) as info:
-        return train(spec, info)
+    rank, attempt = ctx.partitionId(), ctx.taskAttemptId()  # unique, rising over retries
+    with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
+        with process_group(ctx, spec.use_gpu, spec.collective_timeout, on_failure) as info:
+            return train(spec, info, log.report)

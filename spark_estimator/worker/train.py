@@ -18,7 +18,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,8 +41,10 @@ from .resume import (
     restore_callbacks,
     seed_epoch,
 )
+from .run_log import FLUSH_S
 from .shards import StepPlan, eval_sizes
 from .step import Stepper
+from .tensorboard import TensorBoardLog
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
@@ -60,9 +62,10 @@ def training_steps(
         skip = 0
 
 
-def train(spec: TrainSpec, info: RankInfo) -> dict:
-    """Train on this rank; return a summary of what it did (one JSON-able dict)."""
-    loop = _TrainingLoop(spec, info)
+def train(spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None = None) -> dict:
+    """Train on this rank; return a summary of what it did (one JSON-able dict).
+    Rank 0 passes its progress to ``report`` (see run_log.py)."""
+    loop = _TrainingLoop(spec, info, report)
     try:
         loop.run()
     finally:
@@ -73,8 +76,12 @@ def train(spec: TrainSpec, info: RankInfo) -> dict:
 class _TrainingLoop:
     """One rank's training run: set up in ``__init__``, ``run`` the epochs, ``finish``."""
 
-    def __init__(self, spec: TrainSpec, info: RankInfo):
+    def __init__(self, spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None):
         self.spec, self.info, self.device = spec, info, info.device
+        lead = info.rank == 0
+        self.report = report if lead else None
+        self.reported = 0.0  # when progress was last reported (time.monotonic)
+        self.tensorboard = TensorBoardLog(spec.store, spec.run_id) if lead else None
         rank, world = info.rank, info.world_size
         self.objects = build_objects(spec, world, self.device)
         fn = spec.loader.transformation_fn
@@ -141,7 +148,7 @@ class _TrainingLoop:
                 cb.on_epoch_begin(epoch, state)
             lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
             sums = EpochSums(self.metric_names, self.device)
-            self._train_epoch(sums)
+            self._train_epoch(epoch, sums)
             if self.has_validation:
                 self._validate(epoch, sums)
             sums.reduce()  # the epoch's one collective for loss and metrics
@@ -151,18 +158,36 @@ class _TrainingLoop:
             if self.has_validation:
                 record["validation"] = sums.record("validation")
             state.history.append(record)
+            self._progress(epoch, self.steps_per_epoch)
             self._step_scheduler(record)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, record, state)
             stop = self._agree_to_stop(state.stop_training)
             if self.info.rank == 0:
                 self._write_checkpoint(epoch, stop)
+                self.tensorboard.write(state.history)
             if stop:
                 break
         for cb in callbacks:
             cb.on_train_end(state)
 
-    def _train_epoch(self, sums: EpochSums) -> None:
+    def _progress(self, epoch: int, step: int, sums: EpochSums | None = None) -> None:
+        """Report rank 0's progress: at an epoch's end (no ``sums``), else at most every
+        FLUSH_S, with the epoch's running loss and the last finished epoch's record."""
+        if self.report is None or (sums and time.monotonic() - self.reported < FLUSH_S):
+            return
+        self.reported = time.monotonic()
+        last = self.state.history[-1] if self.state.history else None
+        self.report(
+            epoch=epoch,
+            epochs=self.spec.epochs,
+            step=step,
+            steps=self.steps_per_epoch,
+            loss=sums.running_loss("train") if sums else last["train"]["loss"],
+            last=last,
+        )
+
+    def _train_epoch(self, epoch: int, sums: EpochSums) -> None:
         self.ddp.train()
         objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
         done = step = 0
@@ -181,6 +206,7 @@ class _TrainingLoop:
             done += last
             if done == self.optimizer_steps:
                 return
+            self._progress(epoch, step, sums)
 
     def _validate(self, epoch: int, sums: EpochSums) -> None:
         """Add this rank's validation batches to ``sums`` (no collectives: ranks may have

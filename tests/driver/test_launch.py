@@ -4,6 +4,10 @@ import pytest
 
 from spark_estimator.driver.launch import (
     available_slots,
+    connect_slots,
+    is_connect,
+    job_tag,
+    labelled_jobs,
     master_slots,
     run_barrier_job,
     scheduler_slots,
@@ -91,3 +95,80 @@ def test_with_retry_spark_relaunches_all_tasks_after_one_died(spark, tmp_path):
 def test_without_retry_the_job_fails(spark, tmp_path):
     with pytest.raises(Exception, match="barrier"):
         run_barrier_job(spark, 2, failing_once(str(tmp_path / "m")), "t")
+
+
+class FakeConnectConf:
+    def __init__(self, values):
+        self.values = values
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+
+class FakeConnectSession:
+    """What launch.py reads of a Spark Connect session: its conf and job tags."""
+
+    def __init__(self, **conf):
+        self.conf = FakeConnectConf({k.replace("_", "."): v for k, v in conf.items()})
+        self.tags: list[str] = []
+
+    def addTag(self, tag):
+        self.tags.append(tag)
+
+    def removeTag(self, tag):
+        self.tags.remove(tag)
+
+
+FakeConnectSession.__module__ = "pyspark.sql.connect.session"  # how is_connect tells
+
+
+@pytest.mark.parametrize(
+    "conf,slots",
+    [
+        ({"spark_master": "local[2]"}, 2),
+        ({"spark_master": "local[4]", "spark_task_cpus": "2"}, 2),
+        ({"spark_master": "local"}, 1),
+        ({"spark_master": "local[*]"}, os.cpu_count()),
+        ({"spark_master": "local-cluster[2,3,1024]"}, 6),
+        ({"spark_master": "spark://h:7077", "spark_default_parallelism": "8"}, 8),
+        (
+            {
+                "spark_master": "yarn",
+                "spark_executor_instances": "3",
+                "spark_executor_cores": "4",
+                "spark_task_cpus": "2",
+            },
+            6,
+        ),
+    ],
+)
+def test_connect_slots_come_from_the_servers_conf(conf, slots):
+    spark = FakeConnectSession(**conf)
+    assert connect_slots(spark) == slots
+    assert scheduler_slots(spark) is None
+    assert available_slots(spark) == slots
+    assert available_slots(spark, wanted=1) == slots  # known: wanted does not change it
+
+
+def test_connect_slots_unknown_trust_num_proc_or_ask_for_it():
+    spark = FakeConnectSession(spark_master="yarn", spark_executor_cores="4")
+    assert connect_slots(spark) is None
+    assert available_slots(spark, wanted=3) == 3  # Spark refuses a too large barrier stage
+    with pytest.raises(ValueError, match="num_proc: the task slots of this Spark Connect"):
+        available_slots(spark)
+
+
+def test_connect_jobs_are_tagged_not_described():
+    spark = FakeConnectSession(spark_master="local[2]")
+    with labelled_jobs(spark, "spark-estimator run a,b"):
+        assert spark.tags == ["spark-estimator run a;b"]  # tags may not hold commas
+    assert spark.tags == []
+    with pytest.raises(RuntimeError), labelled_jobs(spark, "x"):
+        raise RuntimeError("the job failed")
+    assert spark.tags == []  # removed after a failure too
+    assert job_tag("") == "spark-estimator"
+
+
+def test_classic_sessions_are_not_connect(spark):
+    assert not is_connect(spark)
+    assert is_connect(FakeConnectSession())

@@ -287,3 +287,41 @@ def test_concurrent_writes_of_one_key_both_end_complete_and_a_third_call_reuses(
     assert third.reused and third.write_id in {r.write_id for r in results}
     assert third.path == results[0].path == results[1].path
     assert len(read_split(third, "train")) == third.rows("train")
+
+
+def test_the_executors_write_exactly_the_listed_files_in_a_deterministic_order(
+    regression_df, store, tmp_path
+):
+    from spark_estimator import Store
+
+    cols = specs(regression_df, ["x"], ["y"])
+    options = WriteOptions(num_files=3, row_group_bytes=256, compression="gzip")
+    data = materialize(regression_df, store, *cols, 0.25, 0, options)
+    listed = [f for split in data.files.values() for f, _ in split]
+    written = [posixpath.relpath(p, data.path) for p in store.fs.find(data.path)]
+    assert sorted(written) == sorted(["_meta.json", *listed])  # no temporary or marker files
+    for split in ("train", "validation"):
+        names = [posixpath.basename(f) for f, _ in data.files[split]]
+        assert names == sorted(names) and len(names) <= 3
+        assert set(names) <= {f"part-{p:05d}.parquet" for p in range(3)}
+    for rel, groups in data.files["train"]:  # the executors' sizes are the footers'
+        meta = pq.ParquetFile(posixpath.join(data.path, rel)).metadata
+        assert [meta.row_group(g).num_rows for g in range(meta.num_row_groups)] == groups
+        assert meta.row_group(0).column(0).compression == "GZIP"
+    again = materialize(
+        regression_df, Store.create(str(tmp_path / "again")), *cols, 0.25, 0, options
+    )
+    for split in ("train", "validation"):  # same rows, same files, same order
+        assert [(posixpath.basename(f), g) for f, g in again.files[split]] == [
+            (posixpath.basename(f), g) for f, g in data.files[split]
+        ]
+        assert read_split(again, split) == read_split(data, split)
+
+
+def test_row_groups_hold_about_row_group_bytes_of_data(spark, store):
+    df = spark.range(6000).selectExpr("cast(id as double) as x", "id as y")  # 16 bytes a row
+    options = WriteOptions(num_files=2, row_group_bytes=16 * 500, compression="snappy")
+    data = materialize(df, store, *specs(df, ["x"], ["y"], "float64"), None, 0, options)
+    assert len(data.files["train"]) == 2 and data.rows("train") == 6000
+    for _, groups in data.files["train"]:
+        assert all(450 <= rows <= 500 for rows in groups[:-1]) and groups[-1] <= 500

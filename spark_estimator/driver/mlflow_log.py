@@ -1,0 +1,77 @@
+"""Driver: log a finished fit to MLflow (the ``mlflow_logging`` param; the ``mlflow`` extra).
+
+What is logged, into the active MLflow run, or else into a new run named by the fit's
+``run_id`` in the current experiment (MLflow's tracking URI and experiment settings apply):
+
+- params: every param with a plain value (defaults included), the class names of the
+  object-valued ones (``model``, ``optimizer``, ``loss``...), the store's URL and ``run_id``;
+- metrics: per epoch (``step`` = epoch), ``train/<name>`` and ``validation/<name>`` for the
+  loss and every metric, and ``lr/group_<i>``, the names TensorBoard shows;
+- the fitted TorchModel, saved with ``TorchModel.save`` under the artifact path ``model``
+  (load it back with ``TorchModel.load(<downloaded folder>)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+from pyspark.ml.param import Params
+
+from ..params import OBJECT_PARAMS
+from ..worker.tensorboard import epoch_scalars
+
+_MAX_PARAM_CHARS = 500  # MLflow limits a param's value; object reprs are cut to this
+
+
+def check_installed() -> None:
+    try:
+        import mlflow  # noqa: F401
+    except ImportError as e:
+        raise ValueError(
+            "mlflow_logging: MLflow is not installed; pip install 'spark-estimator[mlflow]' "
+            "(or mlflow) on the driver, or set mlflow_logging=False"
+        ) from e
+
+
+def logged_params(estimator: Params, run_id: str) -> dict[str, str]:
+    """The params as MLflow takes them: strings, object params by their class name."""
+    logged = {"run_id": run_id}
+    for param in estimator.params:
+        if not estimator.isDefined(param):
+            continue
+        value = estimator.getOrDefault(param)
+        if value is None:
+            continue
+        if param.name == "store":
+            value = value.url
+        elif param.name in OBJECT_PARAMS:
+            value = _names(value)
+        logged[param.name] = str(value)[:_MAX_PARAM_CHARS]
+    return logged
+
+
+def _names(value) -> str:
+    """A function's or class's name, an object's class name; of each, for a list or dict."""
+    if isinstance(value, dict):
+        return ",".join(map(str, value))
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return ",".join(getattr(v, "__name__", type(v).__name__) for v in items)
+
+
+def log_fit(estimator: Params, model) -> str:
+    """Log ``estimator``'s params and the fitted ``model`` (a TorchModel); return the
+    MLflow run's id."""
+    import mlflow
+
+    active = mlflow.active_run()
+    run = contextlib.nullcontext(active) if active else mlflow.start_run(run_name=model.getRunId())
+    with run as current:
+        mlflow.log_params(logged_params(estimator, model.getRunId()))
+        for record in model.getHistory():
+            mlflow.log_metrics(epoch_scalars(record), step=record["epoch"])
+        with tempfile.TemporaryDirectory() as folder:
+            model.save(os.path.join(folder, "model"))
+            mlflow.log_artifacts(os.path.join(folder, "model"), artifact_path="model")
+        return current.info.run_id

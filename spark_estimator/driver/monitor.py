@@ -1,0 +1,129 @@
+"""Driver: follow a running fit through the store: progress bar and the ranks' output.
+
+While the training job runs, a thread reads what the ranks write (``worker/run_log.py``)
+every ``POLL_S`` seconds:
+
+- each new chunk of a rank's output is logged, line by line, as ``[rank <r>] <line>`` on
+  the ``spark_estimator.worker`` logger (INFO); with ``verbose`` and no logging configured
+  for that logger, the lines are also printed (to stderr) above the progress bar;
+- with ``verbose``, rank 0's ``progress.json`` drives a tqdm bar (a widget in Jupyter, text
+  in a terminal): steps over all epochs, the epoch, the running training loss and the last
+  epoch's validation loss.
+
+The last lines of every rank are kept for error messages (``tail``). Reading is
+best-effort: a store that fails for a moment delays lines, it never fails the fit.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import posixpath
+import re
+import sys
+import threading
+
+from tqdm.auto import tqdm
+
+from ..store import Store
+from ..worker.run_log import logs_folder, progress_path
+
+POLL_S = 0.5
+TAIL_LINES = 20
+logger = logging.getLogger("spark_estimator.worker")
+_RANK = re.compile(r"rank-(\d+)")
+
+
+def _logging_configured(log: logging.Logger) -> bool:
+    """Whether a handler (other than a NullHandler) would see ``log``'s records."""
+    while log is not None:
+        if any(not isinstance(h, logging.NullHandler) for h in log.handlers):
+            return True
+        log = log.parent if log.propagate else None
+    return False
+
+
+class FitMonitor:
+    """Follows one launch of a run (a context manager around the training job)."""
+
+    def __init__(self, store: Store, run_id: str, launch_id: str, verbose: bool):
+        self.store, self.launch_id, self.verbose = store, launch_id, verbose
+        self.folder = logs_folder(store, run_id)
+        self.progress_file = progress_path(store, run_id)
+        self.seen: set[str] = set()
+        self.tails: dict[int, collections.deque] = {}
+        self.print_lines = verbose and not _logging_configured(logger)
+        self.bar = None
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    # -- reading --------------------------------------------------------------------------
+    def poll(self) -> None:
+        with self.lock:
+            self._read_logs()
+            if self.verbose:
+                self._read_progress()
+
+    def _read_logs(self) -> None:
+        if not self.store.exists(self.folder):
+            return
+        chunks = []
+        for path in self.store.fs.find(self.folder):
+            name, parent = posixpath.basename(path), posixpath.basename(posixpath.dirname(path))
+            rank = _RANK.fullmatch(parent)
+            if rank and name.startswith(self.launch_id) and path not in self.seen:
+                chunks.append((int(rank.group(1)), name, path))
+        for rank, _, path in sorted(chunks):
+            text = self.store.read_bytes(path).decode(errors="replace")
+            self.seen.add(path)
+            tail = self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+            for line in text.splitlines():
+                tail.append(line)
+                logger.info("[rank %d] %s", rank, line)
+                if self.print_lines:
+                    tqdm.write(f"[rank {rank}] {line}", file=sys.stderr)
+
+    def _read_progress(self) -> None:
+        if not self.store.exists(self.progress_file):
+            return
+        progress = self.store.read_json(self.progress_file)
+        if progress.get("launch_id") != self.launch_id:
+            return  # an earlier fit of the same run_id
+        steps, epoch = progress["steps"], progress["epoch"]
+        if self.bar is None:
+            self.bar = tqdm(total=progress["epochs"] * steps, unit="step", dynamic_ncols=True)
+        self.bar.n = (epoch - 1) * steps + progress["step"]
+        self.bar.set_description(f"epoch {epoch}/{progress['epochs']}", refresh=False)
+        postfix = {"loss": progress["loss"]}
+        last = progress.get("last") or {}
+        if (last.get("validation") or {}).get("loss") is not None:
+            postfix["val_loss"] = last["validation"]["loss"]
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items() if v is not None})
+
+    def _poll_loop(self) -> None:
+        while not self.stop.wait(POLL_S):
+            try:
+                self.poll()
+            except Exception as e:  # e.g. a file of the store not readable for a moment
+                logger.debug("could not read the run's progress: %s", e)
+
+    # -- context --------------------------------------------------------------------------
+    def __enter__(self) -> FitMonitor:
+        self.thread = threading.Thread(target=self._poll_loop, name="fit-monitor", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        try:
+            self.poll()  # what the ranks wrote last, a failing rank's lines included
+        except Exception as e:
+            logger.debug("could not read the run's progress: %s", e)
+        if self.bar is not None:
+            self.bar.close()
+
+    def tail(self, rank: int | None = None) -> str:
+        """The last lines of ``rank`` (of every rank when None), for error messages."""
+        ranks = sorted(self.tails) if rank is None else [rank]
+        return "\n".join(f"[rank {r}] {line}" for r in ranks for line in self.tails.get(r, ()))

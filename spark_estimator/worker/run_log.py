@@ -1,0 +1,147 @@
+"""Executor: what a rank prints and logs, and how far training got, written to the store.
+
+While a training task runs, ``RankLog`` copies the lines the process writes to
+``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too) and the
+records of Python ``logging`` (INFO and above, on the root logger) into a buffer. A
+background thread writes the buffer every ``FLUSH_S`` seconds as a new chunk file, so it
+works on stores that cannot append (S3)::
+
+    runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log
+
+Rank 0 also reports progress (epoch, step, the epoch's running training loss, the last
+epoch's record) in ``runs/<run_id>/progress.json``, rewritten at the same pace. The
+driver's ``driver/monitor.py`` reads both while the job runs.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+import sys
+import threading
+
+from ..store import Store
+
+FLUSH_S = 0.5
+_FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+
+
+def logs_folder(store: Store, run_id: str) -> str:
+    return store.join("runs", run_id, "logs")
+
+
+def progress_path(store: Store, run_id: str) -> str:
+    return store.join("runs", run_id, "progress.json")
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes through to ``stream`` and hands whole lines to ``sink``."""
+
+    def __init__(self, stream, sink):
+        self.stream, self.sink, self.partial = stream, sink, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.sink(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        if self.partial:
+            self.sink(self.partial)
+            self.partial = ""
+
+    def __getattr__(self, name):  # fileno, encoding, isatty: those of the real stream
+        return getattr(self.stream, name)
+
+
+class _Handler(logging.Handler):
+    def __init__(self, sink):
+        super().__init__(logging.INFO)
+        self.sink = sink
+        self.setFormatter(_FORMAT)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            for line in self.format(record).split("\n"):
+                self.sink(line)
+        except Exception:
+            self.handleError(record)
+
+
+class RankLog:
+    """Capture this rank's output and progress for the driver (a context manager)."""
+
+    def __init__(self, store: Store, run_id: str, launch_id: str, rank: int, attempt: int):
+        self.store, self.rank = store, rank
+        folder = posixpath.join(logs_folder(store, run_id), f"rank-{rank}")
+        self.prefix = posixpath.join(folder, f"{launch_id}-{attempt:012d}-")
+        self.progress_file = progress_path(store, run_id)
+        self.launch_id = launch_id
+        self.lines: list[str] = []
+        self.seq = 0
+        self.lock = threading.Lock()
+        self.progress: dict | None = None
+        self.progress_written: dict | None = None
+        self.stop = threading.Event()
+
+    def add_line(self, line: str) -> None:
+        with self.lock:
+            self.lines.append(line)
+
+    def report(self, **progress) -> None:
+        """Rank 0's progress (JSON values), written at the next flush."""
+        if self.rank == 0:
+            with self.lock:
+                self.progress = {"launch_id": self.launch_id, **progress}
+
+    def flush(self) -> None:
+        with self.lock:
+            lines, self.lines = self.lines, []
+            progress = self.progress
+        if lines:
+            self.seq += 1
+            text = "".join(line + "\n" for line in lines)
+            self.store.write_bytes(f"{self.prefix}{self.seq:06d}.log", text.encode())
+        if progress is not None and progress != self.progress_written:
+            self.store.write_json(self.progress_file, progress)
+            self.progress_written = progress
+
+    def _flush_loop(self) -> None:
+        while not self.stop.wait(FLUSH_S):
+            try:
+                self.flush()
+            except Exception as e:  # the store failed for a moment: keep the lines
+                print(f"spark-estimator: could not write the rank's log: {e}", file=sys.__stderr__)
+
+    def __enter__(self) -> RankLog:
+        self.stdout, self.stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.add_line), _Tee(sys.stderr, self.add_line)
+        root = logging.getLogger()
+        self.handler, self.root_level = _Handler(self.add_line), root.level
+        root.addHandler(self.handler)
+        if root.getEffectiveLevel() > logging.INFO:
+            root.setLevel(logging.INFO)
+        self.thread = threading.Thread(target=self._flush_loop, name="rank-log", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for tee in (sys.stdout, sys.stderr):
+            if isinstance(tee, _Tee):
+                tee.close_line()
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        root = logging.getLogger()
+        root.removeHandler(self.handler)
+        root.setLevel(self.root_level)
+        self.stop.set()
+        self.thread.join()
+        try:
+            self.flush()  # the last lines, the failing rank's included
+        except Exception as e:  # never hide the task's own outcome behind the log's
+            print(f"spark-estimator: could not write the rank's log: {e}", file=sys.__stderr__)

@@ -1,0 +1,112 @@
+"""A fit, transform, run(fn) and the driver's errors on a real local Spark Connect session.
+
+Run by tests/test_connect.py in its own process: a local Connect server cannot start while
+a classic SparkContext runs in the process, and once started it switches every later
+session of the process to Connect. Prints one line ``RESULT <json>`` of what it observed;
+the test judges it. Usage: ``python tests/connect_job.py <scratch dir>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["PYSPARK_PYTHON"] = sys.executable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+
+from spark_estimator import Store, TorchModel, run  # noqa: E402
+from spark_estimator.driver.cache_key import source_fingerprint  # noqa: E402
+from spark_estimator.driver.launch import available_slots, is_connect  # noqa: E402
+from tests.conftest import make_estimator, regression_rows  # noqa: E402
+
+SCHEMA = "x array<double>, y double, id long"
+
+
+def rank_sum(offset):
+    from spark_estimator import distributed as sd
+
+    return sd.allreduce(float(sd.rank()) + offset, average=False)
+
+
+def error_of(call) -> str | None:
+    try:
+        call()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def fingerprints(spark, scratch: Path) -> dict:
+    """Which DataFrames share a dataset key (equal fingerprints) and which do not."""
+    rows = regression_rows(40)
+    df = spark.createDataFrame(rows, SCHEMA)
+    other = spark.newSession()
+    spark.range(5).write.parquet(str(scratch / "pq"))
+    read = spark.read.parquet(str(scratch / "pq"))
+    read_key = source_fingerprint(read)
+    read_other_session = source_fingerprint(other.read.parquet(str(scratch / "pq")))
+    spark.range(6).write.mode("overwrite").parquet(str(scratch / "pq"))  # rewritten files
+    df.createOrReplaceTempView("regression")
+    view = spark.table("regression")
+    return {
+        "same_plan_again": source_fingerprint(df)
+        == source_fingerprint(spark.createDataFrame(rows, SCHEMA)),
+        "same_plan_other_session": source_fingerprint(df)
+        == source_fingerprint(other.createDataFrame(rows, SCHEMA)),
+        "filtered_differs": source_fingerprint(df) != source_fingerprint(df.filter("id > 0")),
+        "other_rows_differ": source_fingerprint(df)
+        != source_fingerprint(spark.createDataFrame(regression_rows(40, seed=1), SCHEMA)),
+        "files_listed": len(read_key["files"]),
+        "files_other_session": read_key == read_other_session,
+        "rewritten_files_differ": read_key
+        != source_fingerprint(spark.read.parquet(str(scratch / "pq"))),
+        "view_is_session_scoped": source_fingerprint(view).get("session") == spark.session_id,
+    }
+
+
+def main(scratch: Path) -> dict:
+    spark = SparkSession.builder.remote("local[2]").getOrCreate()
+    out: dict = {"is_connect": is_connect(spark), "slots": available_slots(spark)}
+    store = Store.create(str(scratch / "store"))
+    df = spark.createDataFrame(regression_rows(), SCHEMA)
+
+    # errors raised on the driver before any Spark job: nothing reaches the store
+    out["too_many_procs"] = error_of(lambda: make_estimator(store=store, num_proc=3).fit(df))
+    out["datasets_after_error"] = store.exists(store.join("datasets"))
+
+    model = make_estimator(store=store, epochs=15).fit(df)
+    module = model.getModel()
+    out["weight"] = module.weight.detach().flatten().tolist()
+    out["bias"] = module.bias.item()
+    out["final_loss"] = model.getHistory()[-1]["train"]["loss"]
+    rows = model.transform(df).select("y", "prediction").collect()
+    out["rows"] = len(rows)
+    out["max_error"] = max(abs(r.y - r.prediction) for r in rows)
+
+    est = make_estimator(store=store, epochs=1)
+    path = est.materialize(df)
+    out["reused"] = est.materialize(df) == path
+    out["other_plan_other_dataset"] = est.materialize(df.filter("id > 0")) != path
+    refit = make_estimator(store=store, epochs=1).fit_on_parquet(path)
+    out["fit_on_parquet_epochs"] = len(refit.getHistory())
+
+    model.save(str(scratch / "model"))
+    loaded = TorchModel.load(str(scratch / "model"))
+    out["loaded_equal"] = all(
+        torch.equal(a, b)
+        for a, b in zip(module.state_dict().values(), loaded.getModel().state_dict().values())
+    )
+    out["run"] = run(rank_sum, args=(0.5,), num_proc=2, use_gpu=False)
+    out["fingerprints"] = fingerprints(spark, scratch)
+    return out
+
+
+if __name__ == "__main__":
+    result = main(Path(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # do not wait for the local server's threads

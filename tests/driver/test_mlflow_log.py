@@ -1,0 +1,73 @@
+"""mlflow_log: params, per-epoch metrics and the saved model reach a real MLflow store."""
+
+import pytest
+import torch
+
+from spark_estimator import Store, TorchEstimator, TorchModel
+from spark_estimator.driver import mlflow_log
+
+mlflow = pytest.importorskip("mlflow")
+
+HISTORY = [
+    {"epoch": 1, "lr": [0.1], "train": {"loss": 2.0}, "validation": {"loss": 2.5}},
+    {"epoch": 2, "lr": [0.1], "train": {"loss": 1.0}, "validation": {"loss": 1.5}},
+]
+
+
+def estimator(tmp_path):
+    net = torch.nn.Linear(3, 1)
+    return TorchEstimator(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        epochs=2,
+        metrics={"mae": torch.nn.functional.l1_loss},
+        store=Store(str(tmp_path / "store")),
+        mlflow_logging=True,
+    )
+
+
+def fitted_model():
+    return TorchModel(
+        model=torch.nn.Linear(3, 1), feature_cols=["x"], history=HISTORY, run_id="run-7"
+    )
+
+
+def test_params_are_strings_with_defaults_class_names_and_the_store_url(tmp_path):
+    params = mlflow_log.logged_params(estimator(tmp_path), "run-7")
+    assert params["run_id"] == "run-7"
+    assert params["epochs"] == "2" and params["batch_size"] == "32"  # set, and a default
+    assert params["model"] == "Linear" and params["optimizer"] == "SGD"
+    assert params["metrics"] == "mae"
+    assert params["store"] == str(tmp_path / "store")
+    assert "run_id" in params and "num_proc" not in params  # None values are left out
+
+
+def test_a_new_run_gets_params_metrics_per_epoch_and_the_model(tmp_path, mlflow_tracking, spark):
+    run_id = mlflow_log.log_fit(estimator(tmp_path), fitted_model())
+    run = mlflow_tracking.get_run(run_id)
+    assert run.info.run_name == "run-7" and run.info.status == "FINISHED"
+    assert run.data.params["optimizer"] == "SGD"
+    history = mlflow_tracking.get_metric_history(run_id, "validation/loss")
+    assert [(m.step, m.value) for m in history] == [(1, 2.5), (2, 1.5)]
+    folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="model")
+    loaded = TorchModel.load(folder)
+    assert loaded.getHistory() == HISTORY
+    for a, b in zip(loaded.getModel().parameters(), fitted_model().getModel().parameters()):
+        assert a.shape == b.shape
+
+
+def test_an_active_run_is_used_and_left_open(tmp_path, mlflow_tracking, spark):
+    with mlflow.start_run(run_name="mine") as active:
+        run_id = mlflow_log.log_fit(estimator(tmp_path), fitted_model())
+        assert run_id == active.info.run_id
+        assert mlflow.active_run().info.run_id == run_id
+    assert mlflow_tracking.get_run(run_id).data.metrics["train/loss"] == 1.0
+
+
+def test_missing_mlflow_is_reported_naming_the_param(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "mlflow", None)
+    with pytest.raises(ValueError, match="mlflow_logging: MLflow is not installed"):
+        mlflow_log.check_installed()

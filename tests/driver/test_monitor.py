@@ -1,0 +1,89 @@
+"""FitMonitor: the ranks' chunks become driver log lines; progress drives a tqdm bar."""
+
+import logging
+
+import pytest
+
+from spark_estimator import Store
+from spark_estimator.driver import monitor as monitor_module
+from spark_estimator.driver.monitor import FitMonitor, _logging_configured
+from spark_estimator.worker.run_log import RankLog
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store.create(str(tmp_path / "store"))
+
+
+def write_rank(store, rank, lines, launch="L", attempt=0, progress=None):
+    with RankLog(store, "r", launch, rank, attempt) as log:
+        for line in lines:
+            print(line)
+        if progress:
+            log.report(**progress)
+
+
+def test_lines_of_this_launch_are_logged_per_rank_once_and_kept_for_errors(store, caplog):
+    write_rank(store, 0, ["zero a", "zero b"])
+    write_rank(store, 1, ["one a"])
+    write_rank(store, 1, ["older fit"], launch="K")  # another launch of the same run_id
+    caplog.set_level(logging.INFO, logger="spark_estimator.worker")
+    with FitMonitor(store, "r", "L", verbose=False) as monitor:
+        pass
+    monitor.poll()  # read again: nothing new
+    lines = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.worker"]
+    assert lines == ["[rank 0] zero a", "[rank 0] zero b", "[rank 1] one a"]
+    assert monitor.tail(1) == "[rank 1] one a"
+    assert monitor.tail() == "[rank 0] zero a\n[rank 0] zero b\n[rank 1] one a"
+
+
+def test_tail_keeps_the_last_lines(store, monkeypatch):
+    monkeypatch.setattr(monitor_module, "TAIL_LINES", 3)
+    write_rank(store, 0, [f"line {i}" for i in range(10)])
+    with FitMonitor(store, "r", "L", verbose=False) as monitor:
+        pass
+    assert monitor.tail(0).splitlines() == ["[rank 0] line 7", "[rank 0] line 8", "[rank 0] line 9"]
+
+
+def test_verbose_draws_a_bar_from_rank_zeros_progress(store, capsys):
+    last = {"epoch": 1, "train": {"loss": 2.0}, "validation": {"loss": 1.5}}
+    progress = dict(epoch=2, epochs=3, step=5, steps=10, loss=0.25, last=last)
+    write_rank(store, 0, [], progress=progress)
+    with FitMonitor(store, "r", "L", verbose=True):
+        pass
+    err = capsys.readouterr().err
+    assert "epoch 2/3" in err and "15/30" in err
+    assert "loss=0.25" in err and "val_loss=1.5" in err
+
+
+def test_not_verbose_draws_no_bar(store, capsys):
+    write_rank(store, 0, [], progress=dict(epoch=1, epochs=1, step=1, steps=1, loss=1.0, last=None))
+    with FitMonitor(store, "r", "L", verbose=False):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_logging_counts_as_configured_with_a_real_handler_up_the_chain():
+    bare = logging.getLogger("spark_estimator_test_bare")
+    bare.propagate = False
+    assert not _logging_configured(bare)
+    bare.addHandler(logging.NullHandler())
+    assert not _logging_configured(bare)
+    child = logging.getLogger("spark_estimator_test_bare.child")
+    bare.addHandler(logging.StreamHandler())
+    assert _logging_configured(child)
+
+
+@pytest.mark.parametrize(
+    "verbose, configured, printed",
+    [(True, False, True), (True, True, False), (False, False, False)],
+)
+def test_lines_are_printed_when_verbose_and_logging_is_not_configured(
+    store, capsys, monkeypatch, verbose, configured, printed
+):
+    monkeypatch.setattr(monitor_module, "_logging_configured", lambda log: configured)
+    write_rank(store, 0, ["hello"])
+    capsys.readouterr()
+    with FitMonitor(store, "r", "L", verbose=verbose):
+        pass
+    assert ("[rank 0] hello" in capsys.readouterr().err) == printed

@@ -1,0 +1,55 @@
+"""Docs that follow the code: docs/parameters.md is what docs/gen_parameters.py writes from
+the params of TorchEstimator and TorchModel, and relative links in the user docs resolve."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("gen_parameters", ROOT / "docs/gen_parameters.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parameters_md_is_up_to_date_with_the_code():
+    generator = load_generator()
+    assert (ROOT / "docs/parameters.md").read_text() == generator.render(), (
+        "docs/parameters.md is out of date: run .venv/bin/python docs/gen_parameters.py"
+    )
+
+
+def test_parameters_md_lists_every_param_with_its_default():
+    from spark_estimator import TorchEstimator, TorchModel
+
+    text = load_generator().render()
+    estimator_part, model_part = text.split("\n## TorchModel\n")
+    for stage, part in ((TorchEstimator(), estimator_part), (TorchModel(), model_part)):
+        rows = dict(re.findall(r"^\| `(\w+)` \| (.*?) \|", part, re.M))
+        assert set(rows) == {p.name for p in stage.params}
+        for param in stage.params:
+            if stage.hasDefault(param):
+                assert rows[param.name] == f"`{stage.getOrDefault(param)!r}`"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        "docs/gpu.md",
+        "docs/troubleshooting.md",
+        "docs/parameters.md",
+        "conf/README.md",
+        "examples/README.md",
+        "README.md",
+    ],
+)
+def test_relative_links_resolve(page):
+    path = ROOT / page
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
+    missing = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
+    assert missing == []

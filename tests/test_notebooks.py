@@ -1,0 +1,77 @@
+"""The notebooks in notebooks/ run from top to bottom in a Jupyter kernel and learn.
+
+Each runs in a kernel of this test's Python (a kernelspec written for sys.executable, so
+the notebook sees the same torch, pyspark and spark-estimator), with matplotlib's inline
+backend: figures become PNG outputs, and nothing tries to open a window.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")  # test tools of the default stack only
+write_kernel_spec = pytest.importorskip("ipykernel.kernelspec").write_kernel_spec
+NotebookClient = pytest.importorskip("nbclient").NotebookClient
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+KERNEL = "spark-estimator-tests"
+
+
+@pytest.fixture(scope="module")
+def jupyter_path(tmp_path_factory):
+    """A folder whose kernels/ holds a kernelspec running this Python."""
+    root = tmp_path_factory.mktemp("jupyter")
+    write_kernel_spec(
+        path=root / "kernels" / KERNEL,
+        overrides={
+            "display_name": KERNEL,
+            "env": {"MPLBACKEND": "module://matplotlib_inline.backend_inline"},
+        },
+    )
+    return root
+
+
+def run_notebook(name: str, jupyter_path: Path, cwd: Path, monkeypatch) -> tuple[str, int]:
+    """Execute notebooks/``name`` in a fresh kernel; its stdout and how many figures it
+    drew. A cell that raises fails the test with that cell's error."""
+    monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    NotebookClient(
+        nb,
+        kernel_name=KERNEL,
+        timeout=600,
+        resources={"metadata": {"path": str(cwd)}},
+    ).execute()
+    outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
+    text = "".join(out.text for out in outputs if out.output_type == "stream")
+    figures = sum("image/png" in out.get("data", {}) for out in outputs)
+    return text, figures
+
+
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "tabular_regression.ipynb"])
+def test_notebooks_are_committed_without_outputs(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert code and all(cell.outputs == [] and cell.execution_count is None for cell in code)
+
+
+def test_quickstart_notebook(jupyter_path, tmp_path, monkeypatch):
+    text, figures = run_notebook("quickstart.ipynb", jupyter_path, tmp_path, monkeypatch)
+    history = re.findall(r"^epoch (\d+): train loss ([0-9.]+)", text, re.M)
+    assert [int(epoch) for epoch, _ in history] == list(range(1, 7))
+    assert float(history[-1][1]) < float(history[0][1])
+    assert figures == 1
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+) on \d+ images", text).group(1))
+    assert accuracy >= 0.85, text  # 0.95 when measured
+    assert "loaded model gives the same predictions: True" in text
+
+
+def test_tabular_regression_notebook(jupyter_path, tmp_path, monkeypatch):
+    text, figures = run_notebook("tabular_regression.ipynb", jupyter_path, tmp_path, monkeypatch)
+    assert figures == 2
+    found = re.search(r"held-out RMSE: ([0-9.]+)  R\^2: (-?[0-9.]+) on \d+ rows", text)
+    rmse, r2 = float(found.group(1)), float(found.group(2))
+    baseline = float(re.search(r"baseline RMSE \(always the training mean\): ([0-9.]+)", text)[1])
+    assert r2 >= 0.3 and rmse < 0.85 * baseline, text

@@ -1,0 +1,93 @@
+"""Saved stages through fsspec in Spark ML's own format: pyspark's readers (and so Pipelines)
+read them, stages saved by Spark's writer still load, and neither save nor load uses Spark."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter
+
+from spark_estimator import TorchModel
+from spark_estimator.params import json_params
+from spark_estimator.persistence import OBJECTS_FILE
+
+
+def small_model() -> TorchModel:
+    torch.manual_seed(0)
+    return TorchModel(model=torch.nn.Linear(3, 1), feature_cols=["x"], history=[{"epoch": 1}])
+
+
+def test_metadata_is_one_json_line_that_pysparks_reader_loads(spark, tmp_path):
+    model = small_model()
+    path = tmp_path / "model"
+    model.save(str(path))
+    assert sorted(p.name for p in (path / "metadata").iterdir()) == ["_SUCCESS", "part-00000"]
+    text = (path / "metadata" / "part-00000").read_text()
+    assert text.endswith("\n") and text.count("\n") == 1
+    assert json.loads(text)["paramMap"] == {"feature_cols": ["x"]}
+    metadata = DefaultParamsReader.loadMetadata(str(path), spark)  # Spark's text reader
+    assert metadata["class"] == "spark_estimator.model.TorchModel"
+    assert metadata["uid"] == model.uid and metadata["history"] == [{"epoch": 1}]
+    assert "model" not in metadata["paramMap"]
+    back = DefaultParamsReader.loadParamsInstance(str(path), spark)  # as Pipelines load stages
+    assert isinstance(back, TorchModel) and back.uid == model.uid
+    assert torch.equal(back.getModel().weight, model.getModel().weight)
+
+
+def test_a_stage_whose_metadata_spark_wrote_still_loads(spark, tmp_path):
+    model = small_model()
+    path = tmp_path / "model"
+    model.save(str(path))
+    for f in (path / "metadata").iterdir():
+        f.unlink()
+    (path / "metadata").rmdir()
+    DefaultParamsWriter.saveMetadata(
+        model, str(path), spark, extraMetadata=model._extra_metadata(), paramMap=json_params(model)
+    )
+    assert not (path / "metadata" / "part-00000").exists()  # Spark names it part-00000-<id>
+    back = TorchModel.load(str(path))
+    assert back.uid == model.uid and back.getHistory() == [{"epoch": 1}]
+    assert torch.equal(back.getModel().weight, model.getModel().weight)
+
+
+def test_a_save_interrupted_before_its_metadata_is_refused(tmp_path):
+    path = tmp_path / "model"
+    small_model().save(str(path))
+    for f in (path / "metadata").iterdir():
+        f.unlink()
+    assert (path / OBJECTS_FILE).exists()
+    with pytest.raises(FileNotFoundError, match="holds no saved Spark ML stage"):
+        TorchModel.load(str(path))
+
+
+NO_SPARK_SCRIPT = """
+    import sys, torch
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+    from spark_estimator import TorchModel
+    torch.manual_seed(0)
+    model = TorchModel(model=torch.nn.Linear(3, 1), feature_cols=["x"])
+    for path in (sys.argv[1], "file://" + sys.argv[1] + "-url", "memory://saved/model"):
+        model.save(path)
+        model.write().overwrite().save(path)
+        back = TorchModel.load(path)
+        assert back.uid == model.uid
+        assert torch.equal(back.getModel().weight, model.getModel().weight)
+    assert SparkContext._active_spark_context is None and SparkSession.getActiveSession() is None
+    print("saved and loaded without Spark")
+"""
+
+
+def test_save_and_load_use_no_spark_session_or_jvm(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(NO_SPARK_SCRIPT), str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("saved and loaded without Spark")
+    assert (tmp_path / "model-url" / "metadata" / "_SUCCESS").exists()

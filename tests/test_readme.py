@@ -1,0 +1,40 @@
+"""README.md's Example runs as printed: copied from the README, run as a Python program."""
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def example_code() -> str:
+    """The first ```python block of README.md's "## Example" section."""
+    section = README.read_text().split("\n## Example\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_example_runs_as_printed(tmp_path):
+    code = example_code()
+    ast.parse(code)  # a syntax error fails here, with its line
+    (tmp_path / "example.py").write_text(code)
+    # As with the virtual environment active: its python3 first on PATH (Spark starts the
+    # tasks' Python as python3), no PYSPARK_* variables chosen for it.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_CONF_DIR"):
+        env.pop(name, None)
+    done = subprocess.run(
+        ["python3", "example.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    accuracy = float(re.search(r"^accuracy: ([0-9.]+)$", done.stdout, re.M).group(1))
+    assert accuracy >= 0.9  # iris: a linear model alone gets about 0.97
+    assert (tmp_path / "iris_model" / "weights.pt").is_file()
+    assert list((tmp_path / "store" / "runs").iterdir())  # the run is in the store

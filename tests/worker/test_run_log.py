@@ -1,0 +1,57 @@
+"""RankLog: a rank's prints, stderr and logging records reach chunk files in the store."""
+
+import logging
+import sys
+import time
+
+from spark_estimator import Store
+from spark_estimator.worker.run_log import RankLog, logs_folder, progress_path
+
+
+def chunks(store: Store, run_id: str, rank: int) -> list[str]:
+    folder = store.join("runs", run_id, "logs", f"rank-{rank}")
+    return sorted(p for p in store.fs.find(folder))
+
+
+def test_prints_stderr_and_logging_are_captured_in_order_and_still_written_through(
+    tmp_path, capsys
+):
+    store = Store.create(str(tmp_path / "store"))
+    with RankLog(store, "r", "launch", rank=1, attempt=0):
+        print("first line")
+        sys.stderr.write("a warning\nwithout end")
+        logging.getLogger("user.code").info("logged %d", 3)
+        logging.getLogger("user.code").debug("below INFO: not captured")
+    paths = chunks(store, "r", 1)
+    assert paths and all(p.split("/")[-1].startswith("launch-000000000000-") for p in paths)
+    text = "".join(store.read_bytes(p).decode() for p in paths)
+    assert text == "first line\na warning\nINFO user.code: logged 3\nwithout end\n"
+    out, err = capsys.readouterr()  # the executor's own log still gets everything
+    assert out == "first line\n" and err == "a warning\nwithout end"
+    assert logging.getLogger().level == logging.WARNING  # restored
+    assert not store.exists(progress_path(store, "r"))  # rank 1 reports no progress
+
+
+def test_lines_are_flushed_while_the_task_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr("spark_estimator.worker.run_log.FLUSH_S", 0.05)
+    store = Store.create(str(tmp_path / "store"))
+    with RankLog(store, "r", "launch", rank=0, attempt=2) as log:
+        print("early")
+        log.report(epoch=1, epochs=2, step=3, steps=4, loss=0.5, last=None)
+        for _ in range(100):
+            if chunks(store, "r", 0) and store.exists(progress_path(store, "r")):
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("nothing flushed while the task ran")
+        assert store.read_json(progress_path(store, "r")) == {
+            "launch_id": "launch",
+            "epoch": 1,
+            "epochs": 2,
+            "step": 3,
+            "steps": 4,
+            "loss": 0.5,
+            "last": None,
+        }
+    assert chunks(store, "r", 0)[0].split("/")[-1] == "launch-000000000002-000001.log"
+    assert store.exists(logs_folder(store, "r"))
