@@ -198,8 +198,9 @@ class EstimatorParams(HasModelIO):
     verbose = _param(
         "verbose",
         "show a progress bar on the driver during fit (epoch, steps, running loss; a widget "
-        "in Jupyter with ipywidgets) and print the processes' output above it when no logging is configured "
-        "for the 'spark_estimator.worker' logger (their lines are logged there either way)",
+        "in Jupyter with ipywidgets) and print the processes' output above it when no "
+        "logging is configured for the 'spark_estimator.worker' logger (their lines are "
+        "logged there either way)",
         TypeConverters.toBoolean,
     )
     mlflow_logging = _param(

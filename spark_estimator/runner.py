@@ -20,6 +20,7 @@ import torch
 from pyspark.sql import SparkSession
 
 from .driver.launch import available_slots, run_barrier_job
+from .driver.monitor import print_lines_by_default, show_line
 from .driver.validate import check_num_proc, check_positive
 from .serialization import dumps
 from .worker.run_task import run_task
@@ -60,7 +61,10 @@ def run(
     nothing back). Return values go through the driver's memory; tensors arrive on CPU.
     ``collective_timeout`` is how many seconds a rank waits for the others, to form the
     group and in each collective, before it raises. A failing rank fails the job at once
-    with its traceback; unlike a fit, ``run`` does not retry (``fn`` owns its state).
+    with its traceback and its last lines of output; unlike a fit, ``run`` does not retry
+    (``fn`` owns its state). What the ranks print or log reaches the driver after the job,
+    as ``[rank <r>] <line>`` on the ``spark_estimator.worker`` logger (also printed to
+    stderr when no logging is configured for it).
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
@@ -95,6 +99,10 @@ def run(
         ),
         f"spark-estimator run {name} on {num_proc} tasks",
     )
+    printed = print_lines_by_default()
+    for s in summaries:
+        for line in s["output"]:
+            show_line(s["rank"], line, printed)
     notes: dict[str, list[int]] = {}
     for s in summaries:
         if s["device_note"]:

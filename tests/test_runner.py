@@ -1,5 +1,6 @@
 """spark_estimator.run: a hand-written function on barrier tasks with real process groups."""
 
+import logging
 import os
 import threading
 import time
@@ -123,14 +124,34 @@ def test_spark_defaults_to_the_active_session_and_num_proc_to_every_slot(spark):
 
 
 def fail_on_rank_1():
+    print(f"rank {sd.rank()} starts")
     if sd.rank() == 1:
         raise ValueError("boom on rank 1")
     sd.barrier()  # rank 0 waits for rank 1, which never comes
 
 
-def test_an_error_in_fn_on_one_rank_fails_run_with_its_message(spark):
-    with pytest.raises(Exception, match="ValueError: boom on rank 1"):
+def test_an_error_in_fn_on_one_rank_fails_run_with_its_message_and_last_output(spark):
+    with pytest.raises(Exception, match="ValueError: boom on rank 1") as failure:
         run(fail_on_rank_1, num_proc=2, use_gpu=False, spark=spark)
+    assert "last output of rank 1:\nrank 1 starts" in str(failure.value)
+
+
+def talk():
+    print(f"printed on rank {sd.rank()}")
+    logging.getLogger("user.code").info("logged on rank %d", sd.rank())
+    return sd.rank()
+
+
+def test_what_the_ranks_print_and_log_is_logged_on_the_driver_per_rank(spark, caplog):
+    caplog.set_level(logging.INFO, logger="spark_estimator.worker")
+    assert run(talk, num_proc=2, use_gpu=False, spark=spark) == [0, 1]
+    lines = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.worker"]
+    assert lines == [
+        "[rank 0] printed on rank 0",
+        "[rank 0] INFO user.code: logged on rank 0",
+        "[rank 1] printed on rank 1",
+        "[rank 1] INFO user.code: logged on rank 1",
+    ]
 
 
 def hang_on_rank_1():

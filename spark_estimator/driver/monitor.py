@@ -34,6 +34,18 @@ logger = logging.getLogger("spark_estimator.worker")
 _RANK = re.compile(r"rank-(\d+)")
 
 
+def show_line(rank: int, line: str, printed: bool) -> None:
+    """Log one line of a rank's output on the driver (and print it, when ``printed``)."""
+    logger.info("[rank %d] %s", rank, line)
+    if printed:
+        tqdm.write(f"[rank {rank}] {line}", file=sys.stderr)
+
+
+def print_lines_by_default() -> bool:
+    """Whether ranks' lines are also printed: no logging is configured for them."""
+    return not _logging_configured(logger)
+
+
 def _logging_configured(log: logging.Logger) -> bool:
     """Whether a handler (other than a NullHandler) would see ``log``'s records."""
     while log is not None:
@@ -52,7 +64,7 @@ class FitMonitor:
         self.progress_file = progress_path(store, run_id)
         self.seen: set[str] = set()
         self.tails: dict[int, collections.deque] = {}
-        self.print_lines = verbose and not _logging_configured(logger)
+        self.print_lines = verbose and print_lines_by_default()
         self.bar = None
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -79,9 +91,7 @@ class FitMonitor:
             tail = self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
             for line in text.splitlines():
                 tail.append(line)
-                logger.info("[rank %d] %s", rank, line)
-                if self.print_lines:
-                    tqdm.write(f"[rank {rank}] {line}", file=sys.stderr)
+                show_line(rank, line, self.print_lines)
 
     def _read_progress(self) -> None:
         if not self.store.exists(self.progress_file):

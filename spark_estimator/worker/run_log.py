@@ -74,6 +74,33 @@ class _Handler(logging.Handler):
             self.handleError(record)
 
 
+class OutputCapture:
+    """Hands every line written to ``sys.stdout`` / ``sys.stderr`` (still written through)
+    and every root ``logging`` record at INFO and above to ``sink``, while entered."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def __enter__(self) -> OutputCapture:
+        self.stdout, self.stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.sink), _Tee(sys.stderr, self.sink)
+        root = logging.getLogger()
+        self.handler, self.root_level = _Handler(self.sink), root.level
+        root.addHandler(self.handler)
+        if root.getEffectiveLevel() > logging.INFO:
+            root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for tee in (sys.stdout, sys.stderr):
+            if isinstance(tee, _Tee):
+                tee.close_line()
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        root = logging.getLogger()
+        root.removeHandler(self.handler)
+        root.setLevel(self.root_level)
+
+
 class RankLog:
     """Capture this rank's output and progress for the driver (a context manager)."""
 
@@ -120,25 +147,13 @@ class RankLog:
                 print(f"spark-estimator: could not write the rank's log: {e}", file=sys.__stderr__)
 
     def __enter__(self) -> RankLog:
-        self.stdout, self.stderr = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(sys.stdout, self.add_line), _Tee(sys.stderr, self.add_line)
-        root = logging.getLogger()
-        self.handler, self.root_level = _Handler(self.add_line), root.level
-        root.addHandler(self.handler)
-        if root.getEffectiveLevel() > logging.INFO:
-            root.setLevel(logging.INFO)
+        self.capture = OutputCapture(self.add_line).__enter__()
         self.thread = threading.Thread(target=self._flush_loop, name="rank-log", daemon=True)
         self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        for tee in (sys.stdout, sys.stderr):
-            if isinstance(tee, _Tee):
-                tee.close_line()
-        sys.stdout, sys.stderr = self.stdout, self.stderr
-        root = logging.getLogger()
-        root.removeHandler(self.handler)
-        root.setLevel(self.root_level)
+        self.capture.__exit__(*exc)
         self.stop.set()
         self.thread.join()
         try:

@@ -5,12 +5,16 @@ with its rank, its CPU-fallback note and its return value. The value is written 
 ``torch.save`` through cloudpickle (any picklable object; tensors are stored so that the
 driver can map CUDA tensors to CPU) and travels base64-encoded inside the summary.
 
-Failures are ordered and ranks leave together in ``rendezvous.process_group``.
+Failures are ordered and ranks leave together in ``rendezvous.process_group``. What the
+rank prints or logs (``run_log.OutputCapture``) goes back with the summary, its last
+``OUTPUT_LINES`` lines; a failing rank's last lines become a note of its exception, which
+Spark's error on the driver shows with the remote traceback.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import io
 
 import cloudpickle
@@ -18,6 +22,10 @@ import torch
 
 from ..serialization import loads
 from .rendezvous import process_group
+from .run_log import OutputCapture
+
+OUTPUT_LINES = 1000  # the most lines of a rank's output sent back to the driver
+NOTE_LINES = 20  # the most of them shown in a failing rank's error
 
 
 def encode_result(value, rank: int) -> str:
@@ -41,11 +49,19 @@ def run_task(payload: bytes, use_gpu: bool, rank0_only: bool, timeout_s: float) 
 
     ctx = BarrierTaskContext.get()
     fn, args, kwargs = loads(payload)
-    with process_group(ctx, use_gpu, timeout_s) as info:
-        value = fn(*args, **kwargs)
+    output: collections.deque[str] = collections.deque(maxlen=OUTPUT_LINES)
+    try:
+        with OutputCapture(output.append), process_group(ctx, use_gpu, timeout_s) as info:
+            value = fn(*args, **kwargs)
+    except BaseException as e:
+        if output:
+            last = list(output)[-NOTE_LINES:]
+            e.add_note(f"last output of rank {ctx.partitionId()}:\n" + "\n".join(last))
+        raise
     keep = info.rank == 0 or not rank0_only
     return {
         "rank": info.rank,
         "device_note": info.device_note,
         "result": encode_result(value, info.rank) if keep else None,
+        "output": list(output),
     }
