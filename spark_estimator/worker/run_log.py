@@ -3,13 +3,13 @@
 While a training task runs, ``RankLog`` copies the lines the process writes to
 ``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too) and the
 records of Python ``logging`` (INFO and above, on the root logger) into a buffer. A
-background thread writes the buffer every ``FLUSH_S`` seconds as a new chunk file, so it
-works on stores that cannot append (S3)::
+background thread writes the buffer every ``CHUNK_S`` seconds (when it holds lines, and at
+the end) as a new chunk file, so it works on stores that cannot append (S3)::
 
     runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log
 
 Rank 0 also reports progress (epoch, step, the epoch's running training loss, the last
-epoch's record) in ``runs/<run_id>/progress.json``, rewritten at the same pace. The
+epoch's record) in ``runs/<run_id>/progress.json``, rewritten every ``FLUSH_S`` seconds. The
 driver's ``driver/monitor.py`` reads both while the job runs.
 """
 
@@ -20,10 +20,12 @@ import logging
 import posixpath
 import sys
 import threading
+import time
 
 from ..store import Store
 
-FLUSH_S = 0.5
+FLUSH_S = 0.5  # progress
+CHUNK_S = 2.0  # output lines: a chattier pace would mean many small files in the store
 _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 
@@ -111,7 +113,7 @@ class RankLog:
         self.progress_file = progress_path(store, run_id)
         self.launch_id = launch_id
         self.lines: list[str] = []
-        self.seq = 0
+        self.seq, self.chunk_written = 0, time.monotonic()
         self.lock = threading.Lock()
         self.progress: dict | None = None
         self.progress_written: dict | None = None
@@ -127,11 +129,16 @@ class RankLog:
             with self.lock:
                 self.progress = {"launch_id": self.launch_id, **progress}
 
-    def flush(self) -> None:
+    def flush(self, final: bool = False) -> None:
+        """Write new progress; new lines too at the end or after ``CHUNK_S`` seconds."""
+        chunk_due = final or time.monotonic() - self.chunk_written >= CHUNK_S
         with self.lock:
-            lines, self.lines = self.lines, []
+            lines = self.lines if chunk_due else []
+            if chunk_due:
+                self.lines = []
             progress = self.progress
         if lines:
+            self.chunk_written = time.monotonic()
             self.seq += 1
             text = "".join(line + "\n" for line in lines)
             self.store.write_bytes(f"{self.prefix}{self.seq:06d}.log", text.encode())
@@ -157,6 +164,6 @@ class RankLog:
         self.stop.set()
         self.thread.join()
         try:
-            self.flush()  # the last lines, the failing rank's included
+            self.flush(final=True)  # the last lines, the failing rank's included
         except Exception as e:  # never hide the task's own outcome behind the log's
             print(f"spark-estimator: could not write the rank's log: {e}", file=sys.__stderr__)

@@ -34,6 +34,7 @@ def test_prints_stderr_and_logging_are_captured_in_order_and_still_written_throu
 
 def test_lines_are_flushed_while_the_task_runs(tmp_path, monkeypatch):
     monkeypatch.setattr("spark_estimator.worker.run_log.FLUSH_S", 0.05)
+    monkeypatch.setattr("spark_estimator.worker.run_log.CHUNK_S", 0.05)
     store = Store.create(str(tmp_path / "store"))
     with RankLog(store, "r", "launch", rank=0, attempt=2) as log:
         print("early")
