@@ -21,7 +21,7 @@ setup(
     extras_require={
         "petastorm": ["petastorm==0.13.1"],
         "connect": ["pyspark[connect]>=3.5"],
-        "s3": ["s3fs"],
+        "s3": ["s3fs>=2024.2"],
         "mlflow": ["mlflow-skinny>=2.10"],
         "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn"],
         "examples": ["scikit-learn"],
@@ -31,7 +31,7 @@ setup(
             "scikit-learn",
             "ruff",
             "pyspark[connect]",
-            "s3fs",
+            "s3fs>=2024.2",
             "moto[server]",
             "mlflow-skinny>=2.10",
             "tensorboard",
