@@ -1,0 +1,415 @@
+"""Shared by the benchmark scripts of benchmarks/ (not a benchmark itself).
+
+- The job they all time, unless a script says otherwise: ``rows`` x 32 float32 features
+  (one ``array<float>`` column ``features``) and a float32 label ``label`` = x . w + noise,
+  generated from a fixed numpy seed; an MLP 32-256-256-1, MSE, SGD(lr=0.01), global batch
+  512. ``dataset`` writes the rows once as Parquet (read back by Spark, so a DataFrame's
+  source is a file, as in production); ``job_arrays`` regenerates the same rows in memory
+  for the hand-written baselines.
+- ``spark_session``: a local Spark whose executors run this interpreter.
+- ``fit_phases``: times ``TorchEstimator``'s own steps (validate, materialize, the barrier
+  job, the fit's end) by wrapping its private methods for the duration of a ``with`` block;
+  the library has no phase timings of its own. ``rank_timings`` reads the ranks' training
+  time (``runs/<run_id>/ranks.json``) and, from the checkpoint files' modification times,
+  the end of each epoch.
+- ``machine`` and ``record``: the machine, library versions and date, and the results file,
+  one section per stack (virtual environment), as ``loader_benchmark.py`` writes them.
+
+Spark's Python workers cannot import this module (``benchmarks/`` is not on their path), so
+it registers itself to be pickled by value, as code in ``__main__`` is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+SMALL_RESULTS = Path(tempfile.gettempdir()) / "spark-estimator-bench-results"
+DATA = Path(tempfile.gettempdir()) / "spark-estimator-bench-data"
+
+SEED = 20240601
+FEATURES = 32
+FULL_ROWS = 1_000_000
+FULL_EPOCHS = 2
+GLOBAL_BATCH = 512
+LR = 0.01
+HIDDEN = (256, 256)
+INPUT_FILES = 8
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+try:  # pyspark ships its own copy of cloudpickle for UDFs and mapInPandas functions
+    from pyspark import cloudpickle as _pyspark_cloudpickle
+
+    _pyspark_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+except (ImportError, AttributeError):
+    pass
+
+
+# -- the job ---------------------------------------------------------------------------------
+def job_arrays(rows: int, seed: int = SEED) -> tuple[np.ndarray, np.ndarray]:
+    """The job's rows in memory: features [rows, 32] and label [rows], float32.
+
+    Row i is the same for every ``rows`` >= i (chunks of 65,536 rows, each from its own
+    generator), so a small run trains on a prefix of the full job's rows."""
+    w = np.random.default_rng(seed).standard_normal(FEATURES).astype(np.float32)
+    w /= np.sqrt(FEATURES)
+    chunk = 65_536
+    xs, ys = [], []
+    for i, start in enumerate(range(0, rows, chunk)):
+        n = min(chunk, rows - start)
+        rng = np.random.default_rng([seed, i])
+        x = rng.standard_normal((n, FEATURES), dtype=np.float32)
+        noise = rng.standard_normal(n, dtype=np.float32)
+        xs.append(x)
+        ys.append((x @ w + np.float32(0.1) * noise).astype(np.float32))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def dataset(rows: int, folder: Path = DATA, files: int = INPUT_FILES) -> str:
+    """The job's rows as ``files`` snappy Parquet files (``features`` list<float>, ``label``
+    float), written under ``folder`` unless already there; returns the folder of the files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    target = Path(folder) / f"rows-{rows}-seed-{SEED}"
+    done = target / "_bench_done.json"  # Spark skips files whose name starts with "_"
+    if done.exists():
+        return str(target)
+    print(f"writing the job's {rows:,} rows to {target} ...", flush=True)
+    target.mkdir(parents=True, exist_ok=True)
+    x, y = job_arrays(rows)
+    bounds = np.linspace(0, rows, files + 1).astype(int)
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        offsets = pa.array(np.arange(0, (b - a + 1) * FEATURES, FEATURES, dtype=np.int32))
+        features = pa.ListArray.from_arrays(offsets, pa.array(x[a:b].reshape(-1)))
+        table = pa.table({"features": features, "label": pa.array(y[a:b])})
+        pq.write_table(table, target / f"part-{i:05d}.parquet", compression="snappy")
+    done.write_text(json.dumps({"rows": rows, "seed": SEED, "files": files}))
+    return str(target)
+
+
+def frame(spark, path: str, layout: str = "array"):
+    """The job's DataFrame, read from ``path``: ``features`` as array<float> ("array") or as
+    a Spark ML vector ("vector", made with array_to_vector), and ``label`` (float)."""
+    df = spark.read.parquet(path)
+    if layout == "vector":
+        from pyspark.ml.functions import array_to_vector
+
+        df = df.select(array_to_vector("features").alias("features"), "label")
+    elif layout != "array":
+        raise ValueError(f"layout: 'array' or 'vector', got {layout!r}")
+    return df
+
+
+def mlp(hidden: tuple[int, ...] = HIDDEN, inputs: int = FEATURES, seed: int = 0):
+    """MLP inputs-hidden...-1 with ReLUs, initialized from ``seed``."""
+    import torch
+
+    torch.manual_seed(seed)
+    layers, width = [], inputs
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, 1))
+    return torch.nn.Sequential(*layers)
+
+
+def estimator(store, net=None, **params):
+    """TorchEstimator for the job (CPU, 2 processes x batch 256, quiet); ``params`` override."""
+    import torch
+
+    from spark_estimator import TorchEstimator
+
+    net = net if net is not None else mlp()
+    base = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["features"],
+        label_cols=["label"],
+        num_proc=2,
+        batch_size=GLOBAL_BATCH // 2,
+        epochs=FULL_EPOCHS,
+        store=store,
+        use_gpu=False,
+        verbose=False,
+    )
+    base.update(params)
+    return TorchEstimator(**base)
+
+
+def hand_loop(net, x, y, batch_size: int, epochs: int, device="cpu", seed: int = 0) -> float:
+    """Train ``net`` on tensors ``x``, ``y`` ([N, 1]) already on ``device``: per epoch one
+    shuffled pass (``torch.randperm``) in batches of ``batch_size``, SGD(lr=0.01), MSE.
+    Returns the seconds the loop took (synchronized on CUDA)."""
+    import torch
+
+    net = net.to(device).train()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    loss_fn = torch.nn.MSELoss()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    n = x.shape[0]
+    if device != "cpu":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(epochs):
+        order = torch.randperm(n, device=device, generator=generator)
+        for i in range(0, n, batch_size):
+            index = order[i : i + batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(net(x[index]), y[index])
+            loss.backward()
+            optimizer.step()
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+# -- Spark -----------------------------------------------------------------------------------
+def spark_session(master: str, conf: dict | None = None, driver_memory: str = "4g"):
+    """A Spark session on ``master`` whose Python workers run this interpreter."""
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master(master)
+        .appName("spark-estimator benchmark")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "8")
+        .config("spark.driver.memory", driver_memory)
+    )
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, str(value))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+# -- timing ----------------------------------------------------------------------------------
+_PHASED = ("_validate", "_materialize", "_train", "_launch")
+
+
+@contextmanager
+def fit_phases() -> Iterator[dict]:
+    """Within the block, every ``TorchEstimator`` call of ``_validate``, ``_materialize``,
+    ``_train`` (everything after materialization) and ``_launch`` (the barrier job, inside
+    ``_train``) adds its seconds to the yielded dict under those names, and ``_materialize``
+    sets ``reused`` (the dataset was found in the store). Private methods, wherever in the
+    class hierarchy they are defined: a name the library no longer has is skipped and its
+    phase stays unmeasured (the dict lacks the key)."""
+    from spark_estimator import TorchEstimator
+
+    times: dict = {}
+    own = {n: TorchEstimator.__dict__[n] for n in _PHASED if n in TorchEstimator.__dict__}
+    found = {n: getattr(TorchEstimator, n) for n in _PHASED if hasattr(TorchEstimator, n)}
+
+    def timed(name: str, original: Callable) -> Callable:
+        def wrapper(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                times[name] = times.get(name, 0.0) + time.perf_counter() - start
+            if name == "_materialize":
+                times["reused"] = bool(getattr(result, "reused", False))
+            return result
+
+        return wrapper
+
+    for name, original in found.items():
+        setattr(TorchEstimator, name, timed(name, original))
+    try:
+        yield times
+    finally:
+        for name in found:
+            if name in own:
+                setattr(TorchEstimator, name, own[name])
+            else:
+                delattr(TorchEstimator, name)
+
+
+def rank_timings(store, run_id: str) -> dict:
+    """What a local store tells about a finished run's time: ``train_s``, the longest rank's
+    training time (``seconds`` in ranks.json: from the end of the rank's setup, loaders
+    opened, to its summary, after rank 0 wrote the result), and ``epoch_s``, each epoch's
+    seconds on rank 0 (differences of the checkpoints' modification times, the first counted
+    from the start of rank 0's training time, i.e. result.pt's time less its ``seconds``);
+    ``None`` where the store does not say."""
+    ranks = store.read_json(store.join("runs", run_id, "ranks.json"))
+    seconds = [r.get("seconds") for r in ranks]
+    known = all(isinstance(s, (int, float)) for s in seconds)
+    out: dict = {"train_s": max(seconds) if known and seconds else None, "epoch_s": None}
+    rank0 = next((r for r in ranks if r.get("rank") == 0 and "seconds" in r), None)
+    result = store.result_path(run_id)
+    epochs = store.checkpoint_epochs(run_id)
+    if rank0 is not None and epochs and os.path.exists(result):
+        ends = [os.path.getmtime(store.checkpoint_path(run_id, e)) for e in epochs]
+        start = os.path.getmtime(result) - rank0["seconds"]
+        out["epoch_s"] = [b - a for a, b in zip([start, *ends[:-1]], ends)]
+    return out
+
+
+def dataset_files(store) -> dict[str, float]:
+    """Every file under the store's ``datasets/`` with its modification time."""
+    root = Path(store.join("datasets"))
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if p.is_file()}
+
+
+def best_median(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{min(values):.2f} (median {statistics.median(values):.2f})"
+
+
+def wait_quiet(limit_s: float, threshold: float = 0.3) -> bool:
+    """Wait up to ``limit_s`` until other processes leave the CPUs idle (less than
+    ``threshold`` CPUs busy over half a second); False if they stayed busy."""
+    deadline = time.monotonic() + limit_s
+    while _busy_cpus() > threshold:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(2)
+    return True
+
+
+def _busy_cpus(seconds: float = 0.5) -> float:
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        return sum(values), values[3] + values[4]  # total, idle + iowait
+
+    (total0, idle0), _, (total1, idle1) = sample(), time.sleep(seconds), sample()
+    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(1, total1 - total0))
+
+
+# -- the machine and the results ---------------------------------------------------------------
+def machine(extra_packages: tuple[str, ...] = ()) -> dict:
+    """CPU, cores, RAM, GPU, Python and library versions, the stack, the code, the date."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+        with open("/proc/meminfo") as f:
+            ram = int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1)) / 2**20
+    except (OSError, AttributeError):
+        ram = float("nan")
+    versions = {}
+    for name in ("torch", "pyspark", "pyarrow", "numpy", "pandas", *extra_packages):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception as e:  # petastorm fails to import on a new pyarrow
+            versions[name] = f"not importable ({type(e).__name__})"
+    gpu = "none"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            gpu = f"{count} x {torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda})"
+    except Exception:
+        pass
+    venv = sys.prefix
+    if venv.startswith(str(ROOT)):
+        venv = os.path.relpath(venv, ROOT)
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": ram,
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "venv": venv,
+        "commit": _commit(),
+        "load": os.getloadavg()[0],
+        **versions,
+    }
+
+
+def _commit() -> str:
+    try:
+        git = ["git", "-C", str(ROOT)]
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "spark_estimator"], capture_output=True, text=True
+        ).stdout.strip()
+        return f"{head}{' + uncommitted changes in spark_estimator/' if dirty else ''}" or "?"
+    except OSError:
+        return "unknown"
+
+
+def machine_lines(env: dict, extra: tuple[str, ...] = ()) -> list[str]:
+    """The machine as the first bullet points of a results section."""
+    libs = ", ".join(
+        f"{n} {env[n]}" for n in ("torch", "pyspark", "pyarrow", "numpy", "pandas", *extra)
+    )
+    return [
+        f"- Machine: {env['cpu']}, {env['cores']} cores, {env['ram_gib']:.1f} GiB RAM, "
+        f"GPU: {env['gpu']}",
+        f"- Python {env['python']} (`{env['venv']}`), {libs}",
+        f"- Code: {env['commit']}; 1-minute load average {env['load']:.2f} before the run, "
+        f"{os.getloadavg()[0]:.2f} after (other processes may share the cores; re-run if high)",
+    ]
+
+
+def add_record_args(parser) -> None:
+    parser.add_argument(
+        "--no-record", action="store_true", help="print the results only, write no file"
+    )
+    parser.add_argument(
+        "--results-dir",
+        default=None,
+        help=f"where to write the results file (default: {RESULTS.relative_to(ROOT)}/ for a "
+        f"run of the full job, {SMALL_RESULTS}/ for a smaller one)",
+    )
+
+
+def record(
+    args, name: str, header: str, section: str, venv: str, full_size: bool, extra=()
+) -> Path | None:
+    """Write ``section`` as this stack's section of ``<results dir>/<name>.md`` (keeping the
+    other stacks' sections) under ``header``; ``extra`` files (name -> bytes) go next to it.
+    A run smaller than the full job goes to a temporary folder unless ``--results-dir``
+    says otherwise, so small runs never replace recorded results."""
+    if args.no_record:
+        return None
+    folder = Path(args.results_dir) if args.results_dir else (RESULTS if full_size else None)
+    if folder is None:
+        folder = SMALL_RESULTS
+        print(f"(a smaller job than the full one: results go to {folder}, not {RESULTS})")
+    path = folder / f"{name}.md"
+    sections: dict[str, str] = {}
+    if path.exists():
+        found = re.findall(
+            r"<!-- section: (.+?) -->\n(.*?)<!-- end section -->\n", path.read_text(), re.S
+        )
+        sections = dict(found)
+    sections[venv] = section
+    body = "".join(f"<!-- section: {k} -->\n{v}<!-- end section -->\n" for k, v in sections.items())
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + "\n" + body)
+    for filename, data in dict(extra).items():
+        (folder / filename).write_bytes(data)
+    print(f"written to {path}")
+    return path
