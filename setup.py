@@ -23,6 +23,7 @@ setup(
         "connect": ["pyspark[connect]>=3.5"],
         "s3": ["s3fs>=2024.2"],
         "mlflow": ["mlflow-skinny>=2.10"],
+        "lightning": ["lightning>=2.0"],
         "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn"],
         "examples": ["scikit-learn"],
         "test": [
@@ -34,6 +35,7 @@ setup(
             "s3fs>=2024.2",
             "moto[server]",
             "mlflow-skinny>=2.10",
+            "lightning>=2.0",
             "tensorboard",
             "nbclient",
             "nbformat",

@@ -1,4 +1,5 @@
-"""Write docs/parameters.md from the Spark ML params of TorchEstimator and TorchModel.
+"""Write docs/parameters.md from the Spark ML params of TorchEstimator, LightningEstimator
+and TorchModel.
 
     .venv/bin/python docs/gen_parameters.py           # (re)write docs/parameters.md
     .venv/bin/python docs/gen_parameters.py --check   # exit 1 if it is out of date
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from pyspark.ml.param import Params
 
-from spark_estimator import TorchEstimator, TorchModel
+from spark_estimator import LightningEstimator, TorchEstimator, TorchModel
 
 OUTPUT = Path(__file__).resolve().parent / "parameters.md"
 
@@ -37,7 +38,8 @@ the values set on an instance. Params with the same name on `TorchEstimator` and
 
 def _default(stage: Params, param) -> str:
     if not stage.hasDefault(param):
-        return "none: required" if isinstance(stage, TorchEstimator) else "none: set by `fit`"
+        required = isinstance(stage, (TorchEstimator, LightningEstimator))
+        return "none: required" if required else "none: set by `fit`"
     return f"`{stage.getOrDefault(param)!r}`"
 
 
@@ -63,6 +65,11 @@ def render() -> str:
         + "`loss_constructors`); `fit` checks every one before any Spark job and names the\n"
         + "parameter at fault (see [bad-input.md](bad-input.md)).\n\n"
         + param_table(estimator)
+        + "\n## LightningEstimator\n\n"
+        + "`LightningEstimator(**params).fit(df)` trains a LightningModule and returns a\n"
+        + "`TorchModel` (see [lightning.md](lightning.md)). It shares the data, store and run\n"
+        + "parameters with `TorchEstimator`; the training loop is the module's own.\n\n"
+        + param_table(LightningEstimator())
         + "\n## TorchModel\n\n"
         + "Set by `fit` from the estimator's params of the same names; change them on the\n"
         + "model (e.g. `model.setOutputCols([...])`) before `transform`.\n\n"

@@ -1,6 +1,7 @@
 """spark-estimator: distributed PyTorch training as a Spark ML stage.
 
     from spark_estimator import TorchEstimator, TorchModel, Store   # the Spark ML stages
+    from spark_estimator import LightningEstimator                  # LightningModules
     from spark_estimator import run, distributed                   # hand-written loops
     from spark_estimator import TrainingError                      # a rank's own error
 
@@ -13,13 +14,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__all__ = ["TorchEstimator", "TorchModel", "Store", "TrainingError", "run", "distributed"]
+__all__ = [
+    "TorchEstimator",
+    "LightningEstimator",
+    "TorchModel",
+    "Store",
+    "TrainingError",
+    "run",
+    "distributed",
+]
 __version__ = "0.1.0"
 
 # Imported on first use: Spark's Python workers unpickle functions of this package (the
 # materialization writer, for one) and should not pay for importing torch and pyspark.ml.
 _WHERE = {
     "TorchEstimator": ".estimator",
+    "LightningEstimator": ".lightning_estimator",
     "TorchModel": ".model",
     "Store": ".store",
     "TrainingError": ".failures",
@@ -44,6 +54,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .estimator import TorchEstimator
     from .failures import TrainingError
+    from .lightning_estimator import LightningEstimator
     from .model import TorchModel
     from .runner import run
     from .store import Store

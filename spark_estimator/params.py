@@ -137,23 +137,12 @@ class HasModelIO(HasClassification):
 
 
 @with_accessors
-class EstimatorParams(HasModelIO):
-    """The training parameters of TorchEstimator."""
+class FitParams(HasModelIO):
+    """The params of a fit that do not depend on how the model trains: the data, how it
+    is materialized and read, the processes, the store and the run (shared by
+    TorchEstimator and LightningEstimator)."""
 
-    model = _param("model", "the torch.nn.Module to train")
-    optimizer = _param("optimizer", "a torch.optim.Optimizer built on the model's parameters")
-    learning_rate = _param(
-        "learning_rate",
-        "when set, the learning rate of every param group of the optimizer for this fit "
-        "(before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object "
-        "itself is left unchanged. Default: the optimizer's own rates",
-        _to_optional_float,
-    )
-    loss = _param(
-        "loss",
-        "a loss module or a function (output, label) -> scalar tensor, or a list of them, one "
-        "per label column; not needed with loss_constructors",
-    )
+    model = _param("model", "the module to train")
     label_cols = _param(
         "label_cols",
         "label columns; with several, the model returns one output per label",
@@ -274,7 +263,61 @@ class EstimatorParams(HasModelIO):
         "function applied to every training and validation batch on the executors: a dict "
         "column -> tensor (CPU) in, a dict with the same columns and rows out",
     )
+    keep_checkpoints = _param(
+        "keep_checkpoints",
+        "how many of the latest epochs' checkpoints to keep in the store (TorchEstimator "
+        "also keeps the best epoch's, with a BestModel callback); default all",
+        _to_optional_int,
+    )
 
+    def __init__(self):
+        super().__init__()
+        self._setDefault(
+            keep_checkpoints=None,
+            partitions_per_process=4,
+            row_group_size_mb=32.0,
+            compression="snappy",
+            dtype="float32",
+            reader="arrow",
+            shuffle=True,
+            shuffle_buffer_size=None,
+            reader_num_workers=2,
+            inmemory_cache_all=False,
+            train_steps_per_epoch=None,
+            validation_steps_per_epoch=None,
+            transformation_fn=None,
+            batch_size=32,
+            epochs=1,
+            num_proc=None,
+            validation=None,
+            random_seed=0,
+            store=None,
+            use_gpu=True,
+            run_id=None,
+            collective_timeout=600.0,
+            verbose=True,
+            mlflow_logging=False,
+        )
+
+
+@with_accessors
+class EstimatorParams(FitParams):
+    """The params of TorchEstimator's own training loop."""
+
+    model = _param("model", "the torch.nn.Module to train")
+    optimizer = _param("optimizer", "a torch.optim.Optimizer built on the model's parameters")
+    learning_rate = _param(
+        "learning_rate",
+        "when set, the learning rate of every param group of the optimizer for this fit "
+        "(before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object "
+        "itself is left unchanged. Default: the optimizer's own rates",
+        _to_optional_float,
+    )
+    loss = _param(
+        "loss",
+        "a loss module or a function (output, label) -> scalar tensor, or a list of them, one "
+        "per label column; not needed with loss_constructors",
+    )
     # -- the training loop ------------------------------------------------------------------
     lr_scaling = _param(
         "lr_scaling",
@@ -348,12 +391,6 @@ class EstimatorParams(HasModelIO):
         "list of functions () -> loss, called on each process (for losses that cannot be "
         "pickled): one for every label column, or one per label column",
     )
-    keep_checkpoints = _param(
-        "keep_checkpoints",
-        "how many of the latest epochs' checkpoints to keep in the store (the best epoch's, "
-        "with a BestModel callback, is kept too); default all",
-        _to_optional_int,
-    )
 
     def __init__(self):
         super().__init__()
@@ -372,32 +409,36 @@ class EstimatorParams(HasModelIO):
             terminate_on_nan=True,
             train_minibatch_fn=None,
             loss_constructors=None,
-            keep_checkpoints=None,
             loss=None,
-            partitions_per_process=4,
-            row_group_size_mb=32.0,
-            compression="snappy",
-            dtype="float32",
-            reader="arrow",
-            shuffle=True,
-            shuffle_buffer_size=None,
-            reader_num_workers=2,
-            inmemory_cache_all=False,
-            train_steps_per_epoch=None,
-            validation_steps_per_epoch=None,
-            transformation_fn=None,
-            batch_size=32,
-            epochs=1,
-            num_proc=None,
-            validation=None,
-            random_seed=0,
-            store=None,
-            use_gpu=True,
-            run_id=None,
-            collective_timeout=600.0,
-            verbose=True,
-            mlflow_logging=False,
         )
+
+
+@with_accessors
+class LightningParams(FitParams):
+    """The params of LightningEstimator that TorchEstimator does not have."""
+
+    model = _param(
+        "model",
+        "the lightning.pytorch.LightningModule (or pytorch_lightning.LightningModule) to "
+        "train: its training_step, validation_step and configure_optimizers",
+    )
+    callbacks = _param(
+        "callbacks",
+        "list of Lightning callbacks (EarlyStopping, ModelCheckpoint or your own), run on "
+        "every process; with a ModelCheckpoint that monitors a value, the fitted model has "
+        "the weights of its best checkpoint",
+    )
+    trainer_args = _param(
+        "trainer_args",
+        "dict of further lightning Trainer arguments, e.g. {'precision': 'bf16-mixed', "
+        "'gradient_clip_val': 1.0, 'accumulate_grad_batches': 2}; the ones the estimator "
+        "sets itself (accelerator, devices, strategy, num_nodes, max_epochs, callbacks, "
+        "plugins, ...) are refused",
+    )
+
+    def __init__(self):
+        super().__init__()
+        self._setDefault(callbacks=None, trainer_args=None)
 
 
 # Params whose values are Python objects: persisted by pickle, not in JSON metadata.
@@ -412,6 +453,7 @@ OBJECT_PARAMS = (
     "callbacks",
     "train_minibatch_fn",
     "loss_constructors",
+    "trainer_args",
 )
 
 

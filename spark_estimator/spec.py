@@ -159,3 +159,4 @@ class TrainSpec:
     loop: LoopSpec = field(default_factory=LoopSpec)
     collective_timeout: float = 600.0  # seconds any rank waits for the others
     launch_id: str = ""  # this fit call's id: names its failure record (failures.py)
+    trainer: str = "torch"  # the loop: "torch" (worker/train.py) or "lightning"

@@ -25,11 +25,16 @@ def test_parameters_md_is_up_to_date_with_the_code():
 
 
 def test_parameters_md_lists_every_param_with_its_default():
-    from spark_estimator import TorchEstimator, TorchModel
+    from spark_estimator import LightningEstimator, TorchEstimator, TorchModel
 
     text = load_generator().render()
-    estimator_part, model_part = text.split("\n## TorchModel\n")
-    for stage, part in ((TorchEstimator(), estimator_part), (TorchModel(), model_part)):
+    estimator_part, rest = text.split("\n## LightningEstimator\n")
+    lightning_part, model_part = rest.split("\n## TorchModel\n")
+    for stage, part in (
+        (TorchEstimator(), estimator_part),
+        (LightningEstimator(), lightning_part),
+        (TorchModel(), model_part),
+    ):
         rows = dict(re.findall(r"^\| `(\w+)` \| (.*?) \|", part, re.M))
         assert set(rows) == {p.name for p in stage.params}
         for param in stage.params:
@@ -41,6 +46,7 @@ def test_parameters_md_lists_every_param_with_its_default():
     "page",
     [
         "docs/gpu.md",
+        "docs/lightning.md",
         "docs/troubleshooting.md",
         "docs/parameters.md",
         "conf/README.md",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-import spark_estimator.estimator as estimator_module
+import spark_estimator.base_estimator as estimator_module
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
 from spark_estimator.serialization import state_from_bytes

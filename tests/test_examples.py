@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 VENV_BIN = Path(sys.executable).parent
@@ -76,6 +78,18 @@ def test_diabetes_regression_job(tmp_path):
     assert 60 <= rows <= 110  # about 20% of 442
     assert "same held-out RMSE: True" in out
     assert (tmp_path / "store" / "models" / "diabetes" / "objects.pkl").exists()
+
+
+def test_lightning_digits_job(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    out = run_example("lightning_digits.py", "--store", str(tmp_path / "store"))
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.9, out
+    epochs = [int(e) for e in re.findall(r"^epoch\s+(\d+)\s+train loss", out, re.M)]
+    assert epochs == list(range(1, len(epochs) + 1)) and len(epochs) >= 4, out
+    kept = int(re.search(r"weights of epoch (\d+)", out).group(1))
+    assert 1 <= kept <= len(epochs)
+    assert len(list((tmp_path / "store" / "models").glob("*/objects.pkl"))) == 1
 
 
 def test_horovod_style_job():

@@ -111,3 +111,49 @@ def test_run_pins_the_assigned_gpu_and_reduces_on_nccl(tmp_path):
         """,
     )
     assert result == {"device": "cuda:0", "current": 0, "sum": [1.0, 1.0, 1.0]}
+
+
+def test_a_lightning_module_trains_on_the_assigned_gpu_over_nccl(tmp_path):
+    pytest.importorskip("lightning.pytorch")
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        import lightning.pytorch as pl
+        from spark_estimator import LightningEstimator
+
+        class Regression(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(),
+                                               torch.nn.Linear(16, 1))
+
+            def forward(self, x):
+                return self.net(x).squeeze(-1)
+
+            def training_step(self, batch, batch_idx):
+                self.log("device_is_cuda", float(batch["x"].is_cuda), on_epoch=True)
+                return torch.nn.functional.mse_loss(self(batch["x"]), batch["y"])
+
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=0.01)
+
+        est = LightningEstimator(model=Regression(), feature_cols=["x"], label_cols=["y"],
+                                 epochs=4, num_proc=1, store=store, use_gpu=True,
+                                 trainer_args={"precision": "bf16-mixed"})
+        model = est.fit(df)
+        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+        history = model.getHistory()
+        print(json.dumps({"device": ranks[0]["device"],
+                          "on_cuda": history[0]["train"]["device_is_cuda"],
+                          "precision": model.getTrainingSummary()["precision"],
+                          "improved": history[-1]["train"]["loss"] < history[0]["train"]["loss"],
+                          "rows": model.transform(df).count()}))
+        """,
+    )
+    assert result == {
+        "device": "cuda:0",
+        "on_cuda": 1.0,
+        "precision": "bf16-mixed",
+        "improved": True,
+        "rows": 256,
+    }

@@ -26,15 +26,15 @@ MANIFEST = "run.json"
 
 def run_manifest(model, optimizer, fields: dict[str, Any]) -> dict:
     """The description of a fit that its checkpoints depend on, without the data (known
-    only after materialization, see ``data_fields``); ``fields`` holds params by name."""
-    return {
-        "model": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()},
-        "optimizer": {
+    only after materialization, see ``data_fields``); ``fields`` holds params by name.
+    ``optimizer`` is None where the model makes its own (a LightningModule)."""
+    manifest = {"model": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()}}
+    if optimizer is not None:
+        manifest["optimizer"] = {
             "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
             "param_groups": [len(g["params"]) for g in optimizer.param_groups],
-        },
-        **fields,
-    }
+        }
+    return {**manifest, **fields}
 
 
 def data_fields(data: DatasetInfo) -> dict:

@@ -25,6 +25,10 @@ class Checkpoints:
 
     def write(self, epoch: int, state: dict, protected: set[int] = frozenset()) -> None:
         self.store.write_bytes(self.path(epoch), state_to_bytes({"epoch": epoch, **state}))
+        self.prune(protected)
+
+    def prune(self, protected: set[int] = frozenset()) -> None:
+        """Remove all but the last ``keep`` epochs' checkpoints, and those ``protected``."""
         if self.keep is None:
             return
         for old in self.epochs()[: -self.keep]:

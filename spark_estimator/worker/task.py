@@ -30,4 +30,8 @@ def training_task(spec: TrainSpec) -> dict:
     rank, attempt = ctx.partitionId(), ctx.taskAttemptId()  # unique, rising over retries
     with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
         with process_group(ctx, spec.use_gpu, spec.collective_timeout, on_failure) as info:
+            if spec.trainer == "lightning":  # imported here: lightning is an optional extra
+                from .lightning_train import train_lightning
+
+                return train_lightning(spec, info, log.report)
             return train(spec, info, log.report)

@@ -1,0 +1,326 @@
+"""Driver: the fit shared by TorchEstimator and LightningEstimator.
+
+``fit(df)`` runs four steps: validate every input (no Spark job yet) -> materialize the
+selected columns to Parquet in the store (reused when already there) -> run one barrier
+job of ``num_proc`` training tasks -> build a TorchModel from rank 0's result in the store.
+Subclasses say what their executors train with: the objects pickled for them
+(``_check_training``), the callbacks they accept, and the executor loop (``_TRAINER``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+import warnings
+from typing import NamedTuple
+
+from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+from pyspark.sql import DataFrame, SparkSession
+
+from .driver import mlflow_log, run_manifest, validate
+from .driver.launch import available_slots, run_barrier_job
+from .driver.materialize import COMPRESSIONS, WriteOptions, materialize
+from .driver.monitor import FitMonitor
+from .driver.parquet_dataset import parquet_dataset
+from .failures import TrainingError, failure_path, read_failure
+from .model import TorchModel
+from .persistence import ObjectParamsReader, ObjectParamsWriter
+from .serialization import loads, state_from_bytes
+from .spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
+from .store import Store
+from .worker.task import training_task
+
+
+class Training(NamedTuple):
+    """What a subclass's ``_check_training`` hands back: the executors' objects."""
+
+    bundle: bytes  # the one cloudpickle the executors rebuild the objects from
+    loop: LoopSpec
+    manifest: dict  # what checkpoints depend on besides the data (driver/run_manifest.py)
+
+
+class _Checked(NamedTuple):
+    """What ``_validate`` hands to the rest of a fit."""
+
+    features: list[ColumnSpec] | None  # None for fit_on_parquet: read from the Parquet
+    labels: list[ColumnSpec] | None
+    sample_weight: ColumnSpec | None
+    training: Training
+    num_proc: int
+    store: Store
+    loader: LoaderSpec
+
+
+class StoreEstimator(Estimator, MLReadable, MLWritable):
+    """Base of the estimators that train through a Store; not used directly."""
+
+    _BUNDLED: tuple[str, ...] = ()  # object params pickled together for the executors
+    _REQUIRED: tuple[str, ...] = ("model", "feature_cols", "label_cols", "store")
+    _TRAINER = "torch"  # the executor loop (worker/task.py)
+
+    def setParams(self, **params):
+        """Set several params at once by name, e.g. ``setParams(epochs=5, batch_size=64)``."""
+        return self._set(**params)
+
+    # -- what subclasses define ------------------------------------------------------------
+    def _check_training(self, num_proc: int, dataset: DataFrame | None) -> Training:
+        """Check the training objects and params; return what the executors get."""
+        raise NotImplementedError
+
+    def _check_callbacks(self, has_validation: bool) -> None:
+        """Check the callbacks, once it is known whether there is validation data."""
+        raise NotImplementedError
+
+    def _sample_weight_col(self) -> str | None:
+        return None
+
+    # -- fit -----------------------------------------------------------------------------
+    def _fit(self, dataset: DataFrame) -> TorchModel:
+        checked = self._validate(dataset.sparkSession, dataset)
+        data = self._materialize(dataset, checked)
+        return self._train(dataset.sparkSession, data, checked)
+
+    def materialize(self, dataset: DataFrame) -> str:
+        """Write ``dataset``'s selected columns to Parquet in the store (or find them there)
+        and return the dataset folder, for ``fit_on_parquet``; the same as ``fit`` does first.
+        """
+        checked = self._validate(dataset.sparkSession, dataset)
+        return self._materialize(dataset, checked).path
+
+    def fit_on_parquet(self, path: str, validation_path: str | None = None, params=None):
+        """Train on Parquet already in the store, without a DataFrame or materialization.
+
+        ``path`` is a dataset folder returned by ``materialize`` (with the validation split
+        made there), or a folder or file of Parquet rows, absolute in the store's filesystem
+        or relative to its root; ``validation_path`` then optionally names validation rows
+        (the ``validation`` param, which splits DataFrames, must be unset).
+        Columns need numbers, lists of numbers or ML vector structs. ``params`` overrides
+        this estimator's params for this call, as in ``fit``.
+        """
+        if params:
+            return self.copy(params).fit_on_parquet(path, validation_path)
+        spark = SparkSession.active()
+        checked = self._validate(spark, None)
+        data = parquet_dataset(
+            checked.store,
+            path,
+            validation_path,
+            self.getFeatureCols(),
+            self.getLabelCols(),
+            self.getDtype(),
+            self.getValidation(),
+            self._sample_weight_col(),
+            self.getInputShapes(),
+        )
+        self._check_callbacks(has_validation=data.rows("validation") > 0)
+        return self._train(spark, data, checked)
+
+    def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
+        options = WriteOptions(
+            num_files=self.getPartitionsPerProcess() * checked.num_proc,
+            row_group_bytes=int(self.getRowGroupSizeMb() * 2**20),
+            compression=self.getCompression(),
+        )
+        return materialize(
+            dataset,
+            checked.store,
+            checked.features,
+            checked.labels,
+            self.getValidation(),
+            self.getRandomSeed(),
+            options,
+            checked.sample_weight,
+            self.getInputShapes(),
+        )
+
+    def _train(self, spark, data: DatasetInfo, checked: _Checked) -> TorchModel:
+        store, training = checked.store, checked.training
+        run_id = self.getRunId() or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        manifest = {**training.manifest, **run_manifest.data_fields(data)}
+        run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
+        run_manifest.write_manifest(store, run_id, manifest)
+        spec = TrainSpec(
+            bundle=training.bundle,
+            data=data,
+            store=store,
+            run_id=run_id,
+            batch_size=self.getBatchSize(),
+            epochs=self.getEpochs(),
+            seed=self.getRandomSeed(),
+            use_gpu=self.getUseGpu(),
+            input_shapes=self.getInputShapes(),
+            loader=checked.loader,
+            loop=training.loop,
+            collective_timeout=self.getCollectiveTimeout(),
+            launch_id=uuid.uuid4().hex,
+            trainer=self._TRAINER,
+        )
+        summaries = self._launch(spark, spec, checked.num_proc)
+        store.write_json(store.join("runs", run_id, "ranks.json"), summaries)
+        digests = {s["weights_digest"] for s in summaries}
+        if len(digests) != 1:
+            raise RuntimeError(
+                f"run {run_id}: ranks finished with different weights ({summaries}); "
+                "the model is not the same on every rank"
+            )
+        notes = sorted({s["device_note"] for s in summaries if s.get("device_note")})
+        for note in notes:
+            warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=4)
+        result = state_from_bytes(store.read_bytes(store.result_path(run_id)))
+        model = loads(training.bundle)["model"]
+        model.load_state_dict(result["model"])
+        fitted = TorchModel(
+            model=model.cpu().eval(),
+            feature_cols=self.getFeatureCols(),
+            input_shapes=self.getInputShapes(),
+            output_cols=self.getOutputCols(),
+            classification=self.getClassification(),
+            probabilityCol=self.getProbabilityCol(),
+            rawPredictionCol=self.getRawPredictionCol(),
+            history=result["history"],
+            output_shapes=result["output_shapes"],
+            run_id=run_id,
+            training_summary=result["summary"],
+        )
+        if self.getMlflowLogging():
+            mlflow_log.log_fit(self, fitted)
+        return fitted
+
+    def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[dict]:
+        """Run the training job (retried by Spark after a lost task, resuming from the last
+        checkpoint), following it from the driver (driver/monitor.py); raise the training
+        code's own error as a TrainingError, with the failing rank's last output lines."""
+        store, run_id = spec.store, spec.run_id
+        failure = failure_path(store, run_id, spec.launch_id)
+        monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose())
+        try:
+            with monitor:
+                summaries = run_barrier_job(
+                    spark,
+                    num_proc,
+                    functools.partial(training_task, spec),
+                    f"spark-estimator {run_id}",
+                    retry=True,
+                )
+        except Exception as e:
+            if (record := read_failure(failure, store)) is not None:
+                raise TrainingError(run_id, record, monitor.tail(record["rank"])) from e
+            if hasattr(e, "add_note") and monitor.tail():
+                e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
+            raise
+        if any(s.get("aborted") for s in summaries):
+            record = read_failure(failure, store)
+            raise TrainingError(run_id, record, monitor.tail(record["rank"]))
+        return summaries
+
+    def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
+        """Check every input on the driver; return what fit needs. No Spark job runs here.
+
+        Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet.
+        """
+        for name in self._REQUIRED:
+            if not self.isDefined(name) or self.getOrDefault(name) is None:
+                raise ValueError(f"{name}: is required")
+        store = self.getStore()
+        if not isinstance(store, Store):
+            # the type only: the value may be a dict of credentials
+            raise TypeError(f"store: expected a spark_estimator.Store, got {type(store).__name__}")
+        feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
+        validate.check_choice("dtype", self.getDtype(), FLOAT_DTYPES)
+        features = labels = schema = None
+        if dataset is not None:
+            schema = dataset.schema
+            features, labels = validate.check_columns(
+                schema, feature_cols, label_cols, self.getDtype()
+            )
+            validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
+        else:
+            validate.check_column_names(feature_cols, label_cols)
+        sample_weight = validate.check_sample_weight_col(
+            schema, self._sample_weight_col(), feature_cols + label_cols, self.getDtype()
+        )
+        validate.check_input_shapes(self.getInputShapes(), feature_cols)
+        validate.check_output_cols(self.getOutputCols(), [])
+        if self.getClassification():
+            validate.classification_cols(
+                self.getOutputCols(),
+                self.getProbabilityCol(),
+                self.getRawPredictionCol(),
+                label_cols,
+            )
+        for name in (
+            "batch_size",
+            "epochs",
+            "partitions_per_process",
+            "reader_num_workers",
+            "row_group_size_mb",
+            "collective_timeout",
+        ):
+            validate.check_positive(name, self.getOrDefault(name))
+        for name in ("shuffle_buffer_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
+            validate.check_positive(name, self.getOrDefault(name), optional=True)
+        validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
+        validate.check_reader(self.getReader())
+        transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
+        validate.check_no_dynamic_allocation(spark)
+        if self.getMlflowLogging():
+            mlflow_log.check_installed()
+        slots = available_slots(spark, self.getNumProc())
+        num_proc = self.getNumProc() if self.getNumProc() is not None else slots
+        validate.check_num_proc(num_proc, slots)
+        training = self._check_training(num_proc, dataset)
+        if dataset is not None:
+            self._check_callbacks(has_validation=self.getValidation() is not None)
+        if (run_id := self.getRunId()) is not None:
+            if store.exists(store.result_path(run_id)):
+                raise ValueError(
+                    f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
+                )
+            run_manifest.check_resume(store, run_id, training.manifest, self.getEpochs())
+        loader = LoaderSpec(
+            reader=self.getReader(),
+            shuffle=self.getShuffle(),
+            shuffle_buffer_size=self.getShuffleBufferSize(),
+            num_workers=self.getReaderNumWorkers(),
+            inmemory_cache_all=self.getInmemoryCacheAll(),
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
+            transformation_fn=transformation_fn,
+        )
+        return _Checked(features, labels, sample_weight, training, num_proc, store, loader)
+
+    def _run_fields(self, num_proc: int) -> dict:
+        """The params every run's checkpoints depend on (see driver/run_manifest.py)."""
+        return {
+            "num_proc": num_proc,
+            "batch_size": self.getBatchSize(),
+            "random_seed": self.getRandomSeed(),
+            "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
+        }
+
+    # -- persistence ---------------------------------------------------------------------
+    def write(self) -> ObjectParamsWriter:
+        return ObjectParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ObjectParamsReader:
+        return ObjectParamsReader(cls)
+
+    def _objects(self) -> dict:
+        # one pickle, so the optimizer still refers to the model's parameters when loaded
+        return {
+            name: self.getOrDefault(name)
+            for name in (*self._BUNDLED, "transformation_fn")
+            if self.isDefined(name)
+        }
+
+    def _extra_metadata(self) -> dict:
+        store = self.getStore()
+        return {"store_url": store.url if store is not None else None}
+
+    def _restore(self, objects: dict, metadata: dict) -> None:
+        self._set(**objects)
+        if metadata.get("store_url"):
+            self._set(store=Store(metadata["store_url"]))

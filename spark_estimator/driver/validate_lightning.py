@@ -1,0 +1,84 @@
+"""Driver: checks of LightningEstimator's training inputs (module, callbacks, trainer_args).
+
+Like ``validate_training.py``: errors name the parameter at fault, before any Spark job.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from ..serialization import dumps
+from ..worker.lightning_hooks import PACKAGES, lightning_package
+
+# Trainer arguments the estimator sets itself, and the param to use instead
+RESERVED = {
+    "accelerator": "use_gpu",
+    "devices": "num_proc and use_gpu",
+    "num_nodes": "num_proc",
+    "strategy": "num_proc (DDP over the barrier tasks)",
+    "max_epochs": "epochs",
+    "max_steps": "epochs and train_steps_per_epoch",
+    "limit_train_batches": "train_steps_per_epoch",
+    "limit_val_batches": "validation_steps_per_epoch",
+    "callbacks": "callbacks",
+    "plugins": "store (checkpoints go through it)",
+    "default_root_dir": "store and run_id",
+    "enable_checkpointing": "callbacks (a ModelCheckpoint)",
+    "use_distributed_sampler": "the estimator's data path (each rank reads its own shard)",
+    "fast_dev_run": "epochs, train_steps_per_epoch and validation_steps_per_epoch",
+    "overfit_batches": "train_steps_per_epoch",
+    "reload_dataloaders_every_n_epochs": "the estimator's data path",
+}
+
+
+def check_module(model):
+    """The Lightning package of ``model``; ImportError without Lightning, TypeError when
+    ``model`` is not a LightningModule."""
+    pl = lightning_package(model)
+    if pl is None:
+        raise TypeError(
+            f"model: expected a LightningModule ({' or '.join(PACKAGES)}), got "
+            f"{type(model).__name__}; for a plain torch.nn.Module use TorchEstimator"
+        )
+    return pl
+
+
+def check_callbacks(pl, callbacks) -> None:
+    if callbacks is None:
+        return
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(
+            f"callbacks: expected a list of Lightning callbacks, got {type(callbacks).__name__}"
+        )
+    for cb in callbacks:
+        if not isinstance(cb, pl.Callback):
+            raise TypeError(
+                f"callbacks: {cb!r} is not a {pl.__name__}.Callback (the package of the "
+                "model); spark_estimator.callbacks are for TorchEstimator"
+            )
+
+
+def check_trainer_args(pl, trainer_args) -> dict:
+    """``trainer_args`` as a dict of Trainer arguments the estimator does not set."""
+    if trainer_args is None:
+        return {}
+    if not isinstance(trainer_args, dict):
+        raise TypeError(f"trainer_args: expected a dict, got {type(trainer_args).__name__}")
+    accepted = inspect.signature(pl.Trainer.__init__).parameters
+    for name in trainer_args:
+        if name in RESERVED:
+            raise ValueError(
+                f"trainer_args: '{name}' is set by the estimator; use {RESERVED[name]} instead"
+            )
+        if name not in accepted:
+            raise ValueError(f"trainer_args: '{name}' is not an argument of {pl.__name__}.Trainer")
+    return dict(trainer_args)
+
+
+def lightning_bundle(model, callbacks, trainer_args: dict) -> bytes:
+    """The one cloudpickle of what the executors train with; each part is pickled on its
+    own first, so a failure names its parameter."""
+    objects = {"model": model, "callbacks": callbacks, "trainer_args": trainer_args}
+    for name, value in objects.items():
+        dumps(value, name)
+    return dumps(objects, "model")

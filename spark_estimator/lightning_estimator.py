@@ -1,0 +1,98 @@
+"""Driver: LightningEstimator, the Spark ML Estimator that trains a Lightning module.
+
+The module's own ``training_step``, ``validation_step`` and ``configure_optimizers`` run in
+a Lightning Trainer on every barrier task, with DDP over the job's process group, fed by
+the same data path as TorchEstimator (``worker/lightning_train.py``). The fit itself
+(validate, materialize, launch, build the TorchModel) is in ``base_estimator.py``.
+Lightning is an optional extra: ``pip install 'spark-estimator[lightning]'``.
+"""
+
+from __future__ import annotations
+
+from pyspark import keyword_only
+from pyspark.sql import DataFrame
+
+from .base_estimator import StoreEstimator, Training
+from .driver import run_manifest, validate, validate_lightning
+from .params import LightningParams
+from .spec import LoopSpec
+
+
+class LightningEstimator(StoreEstimator, LightningParams):
+    """Trains a ``LightningModule`` (lightning 2.x) on a Spark DataFrame.
+
+    Every batch the module sees is a dict column name -> tensor on its device: the feature
+    columns (shaped by ``input_shapes``) and the label columns, so ``training_step`` reads
+    e.g. ``batch["features"]`` and ``batch["label"]``. What it logs per epoch with
+    ``self.log`` goes into the model's history (``train`` or ``validation``, by the loop
+    that logged it, averaged over processes), with ``train.loss``, the mean of
+    ``training_step``'s loss. Lightning callbacks run on every process. The fitted
+    TorchModel's ``transform`` calls the module's ``forward`` with the feature columns.
+
+    >>> est = LightningEstimator(model=MyModule(), feature_cols=["features"],
+    ...                          label_cols=["label"], store=Store.create(path), epochs=5)
+    >>> model = est.fit(df)   # a TorchModel
+    """
+
+    _BUNDLED = ("model", "callbacks", "trainer_args")
+    _TRAINER = "lightning"
+
+    @keyword_only
+    def __init__(
+        self,
+        *,
+        model=None,
+        feature_cols=None,
+        label_cols=None,
+        input_shapes=None,
+        output_cols=None,
+        classification=False,
+        probabilityCol="probability",
+        rawPredictionCol="rawPrediction",
+        batch_size=32,
+        epochs=1,
+        num_proc=None,
+        validation=None,
+        random_seed=0,
+        store=None,
+        use_gpu=True,
+        run_id=None,
+        callbacks=None,
+        trainer_args=None,
+        partitions_per_process=4,
+        row_group_size_mb=32.0,
+        compression="snappy",
+        dtype="float32",
+        reader="arrow",
+        shuffle=True,
+        shuffle_buffer_size=None,
+        reader_num_workers=2,
+        inmemory_cache_all=False,
+        train_steps_per_epoch=None,
+        validation_steps_per_epoch=None,
+        transformation_fn=None,
+        keep_checkpoints=None,
+        collective_timeout=600.0,
+        verbose=True,
+        mlflow_logging=False,
+    ):
+        super().__init__()
+        self._set(**self._input_kwargs)
+
+    def _check_training(self, num_proc: int, dataset: DataFrame | None) -> Training:
+        model = self.getModel()
+        pl = validate_lightning.check_module(model)
+        validate_lightning.check_callbacks(pl, self.getCallbacks())
+        trainer_args = validate_lightning.check_trainer_args(pl, self.getTrainerArgs())
+        validate.check_positive("keep_checkpoints", self.getKeepCheckpoints(), optional=True)
+        bundle = validate_lightning.lightning_bundle(model, self.getCallbacks(), trainer_args)
+        fields = {
+            **self._run_fields(num_proc),
+            "accumulate_grad_batches": trainer_args.get("accumulate_grad_batches", 1),
+        }
+        manifest = run_manifest.run_manifest(model, None, fields)
+        return Training(bundle, LoopSpec(keep_checkpoints=self.getKeepCheckpoints()), manifest)
+
+    def _check_callbacks(self, has_validation: bool) -> None:
+        pl = validate_lightning.check_module(self.getModel())
+        validate_lightning.check_callbacks(pl, self.getCallbacks())

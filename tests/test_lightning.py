@@ -1,0 +1,248 @@
+"""LightningEstimator end to end on a real local[4] Spark session (2 training processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pyspark.sql import functions as F
+
+from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel, TrainingError
+from spark_estimator.serialization import state_from_bytes
+from spark_estimator.worker import lightning_hooks
+from tests.conftest import LOCAL, cnn, digits_rows, spark_session
+
+pl = pytest.importorskip("lightning.pytorch")
+EarlyStopping, ModelCheckpoint = pl.callbacks.EarlyStopping, pl.callbacks.ModelCheckpoint
+
+
+class DigitsModule(pl.LightningModule):
+    """The conftest CNN on digits, trained the Lightning way."""
+
+    def __init__(self, lr: float = 3e-3, seed: int = 0):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = cnn(seed)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["features"])
+        loss = torch.nn.functional.cross_entropy(logits, batch["label"])
+        self.log("train_acc", (logits.argmax(1) == batch["label"]).float().mean(), on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        logits = self(batch["features"])
+        self.log("val_loss", torch.nn.functional.cross_entropy(logits, batch["label"]))
+        self.log("val_acc", (logits.argmax(1) == batch["label"]).float().mean())
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+
+def accuracy(model, df) -> float:
+    predicted = F.expr("array_position(prediction, array_max(prediction)) - 1")
+    out = model.transform(df)
+    return out.select(F.avg((predicted == F.col("label")).cast("double"))).first()[0]
+
+
+def lightning_estimator(store, **params) -> LightningEstimator:
+    defaults = dict(
+        model=DigitsModule(),
+        feature_cols=["features"],
+        label_cols=["label"],
+        input_shapes=[[-1, 1, 8, 8]],
+        batch_size=32,
+        epochs=6,
+        num_proc=2,
+        validation=0.2,
+        random_seed=42,
+        store=store,
+        use_gpu=False,
+    )
+    return LightningEstimator(**{**defaults, **params})
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    spark = spark_session(LOCAL)
+    store = Store.create(str(tmp_path_factory.mktemp("lightning") / "store"))
+    train, test = spark.createDataFrame(digits_rows(), ["features", "label"]).randomSplit(
+        [0.8, 0.2], seed=7
+    )
+    return store, train, test
+
+
+@pytest.fixture(scope="module")
+def lightning_fit(digits):
+    store, train, test = digits
+    est = lightning_estimator(store, run_id="lightning-digits")
+    return est, est.fit(train)
+
+
+def test_a_lightning_module_reaches_the_plain_estimators_accuracy_on_two_ranks(
+    digits, lightning_fit
+):
+    store, train, test = digits
+    _, model = lightning_fit
+    net = cnn()
+    plain = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
+        loss=torch.nn.CrossEntropyLoss(),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
+        feature_cols=["features"],
+        label_cols=["label"],
+        input_shapes=[[-1, 1, 8, 8]],
+        batch_size=32,
+        epochs=6,
+        num_proc=2,
+        validation=0.2,
+        random_seed=42,
+        store=store,
+        use_gpu=False,
+    ).fit(train)
+    ours, theirs = accuracy(model, test), accuracy(plain, test)
+    assert ours >= 0.9
+    assert ours >= theirs - 0.03, (ours, theirs)
+
+
+def test_history_holds_the_loss_and_what_the_module_logged_per_epoch(lightning_fit):
+    _, model = lightning_fit
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert set(history[0]["train"]) == {"loss", "train_acc"}
+    assert set(history[0]["validation"]) == {"val_loss", "val_acc"}
+    assert history[-1]["validation"]["val_loss"] < history[0]["validation"]["val_loss"] / 2
+    assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2
+    # configure_optimizers' StepLR(step_size=3, gamma=0.5) stepped once per epoch
+    assert [h["lr"] for h in history] == [[3e-3]] * 3 + [[1.5e-3]] * 3
+    summary = model.getTrainingSummary()
+    assert summary["trainer"] == "lightning" and summary["world_size"] == 2
+    assert summary["epochs_run"] == 6 and not summary["stopped_early"]
+
+
+def test_both_ranks_trained_their_shards_and_rank_zero_checkpointed_every_epoch(
+    digits, lightning_fit
+):
+    store, train, _ = digits
+    _, model = lightning_fit
+    ranks = store.read_json(store.join("runs", "lightning-digits", "ranks.json"))
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    assert len({r["weights_digest"] for r in ranks}) == 1
+    assert len({r["pid"] for r in ranks}) == 2
+    assert abs(ranks[0]["train_rows"] - ranks[1]["train_rows"]) <= 1
+    assert store.checkpoint_epochs("lightning-digits") == [1, 2, 3, 4, 5, 6]
+    saved = state_from_bytes(store.read_bytes(store.checkpoint_path("lightning-digits", 6)))
+    assert saved["epoch"] == 5  # Lightning counts from 0
+    assert set(saved["state_dict"]) == set(model.getModel().state_dict())
+    assert len(saved["callbacks"]["spark_estimator"]["history"]) == 6
+    tensorboard = store.join("runs", "lightning-digits", "tensorboard")
+    assert store.exists(tensorboard)
+
+
+def test_the_fitted_model_transforms_with_forward_and_saves_and_loads(
+    digits, lightning_fit, tmp_path
+):
+    _, _, test = digits
+    _, model = lightning_fit
+    assert isinstance(model.getModel(), DigitsModule)
+    path = str(tmp_path / "model")
+    model.save(path)
+    loaded = TorchModel.load(path)
+    assert isinstance(loaded.getModel(), DigitsModule)
+    assert accuracy(loaded, test) == accuracy(model, test)
+
+
+def test_early_stopping_ends_the_fit_on_every_rank(digits):
+    store, train, _ = digits
+    # an improvement of 10 in val_loss never comes: stop after patience=1 epoch
+    stop = EarlyStopping(monitor="val_loss", min_delta=10.0, patience=1)
+    est = lightning_estimator(
+        store, callbacks=[stop], epochs=6, trainer_args={"accumulate_grad_batches": 2}
+    )
+    summary = est.fit(train).getTrainingSummary()
+    assert summary["epochs_run"] == 2
+    assert summary["stopped_early"] and summary["early_stopping_epoch"] == 2
+    assert summary["accumulate_grad_batches"] == 2
+
+
+def test_model_checkpoint_keeps_its_best_file_and_the_model_takes_its_weights(digits):
+    store, train, _ = digits
+    best = ModelCheckpoint(monitor="val_acc", mode="max", save_top_k=1)
+    est = lightning_estimator(store, callbacks=[best], epochs=4, run_id="best", keep_checkpoints=1)
+    model = est.fit(train)
+    summary = model.getTrainingSummary()
+    assert store.checkpoint_epochs("best") == [4]
+    accuracies = [h["validation"]["val_acc"] for h in model.getHistory()]
+    assert summary["selection"]["monitor"] == "val_acc"
+    assert summary["selected_epoch"] == 1 + max(range(4), key=lambda i: (accuracies[i], -i))
+    path = summary["selection"]["path"]
+    assert path.startswith(store.join("runs", "best", "lightning")) and store.exists(path)
+    saved = state_from_bytes(store.read_bytes(path))
+    for name, value in model.getModel().state_dict().items():
+        assert torch.equal(value, saved["state_dict"][name])
+
+
+class FailAt(pl.Callback):
+    """Raises on ``rank`` when ``epoch`` (1-based) starts."""
+
+    def __init__(self, rank: int, epoch: int):
+        self.rank, self.epoch = rank, epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.global_rank == self.rank and trainer.current_epoch + 1 == self.epoch:
+            raise ValueError(f"injected fault at epoch {self.epoch}")
+
+
+def test_a_failed_fit_resumes_from_its_last_checkpoint_as_if_it_had_not_failed(digits):
+    store, train, _ = digits
+    small = dict(epochs=3, validation=None, train_steps_per_epoch=10)
+    straight = lightning_estimator(store, run_id="straight", **small).fit(train)
+    failing = lightning_estimator(store, run_id="resumed", callbacks=[FailAt(1, 3)], **small)
+    with pytest.raises(TrainingError, match="injected fault at epoch 3"):
+        failing.fit(train)
+    assert store.checkpoint_epochs("resumed") == [1, 2]
+    resumed = lightning_estimator(store, run_id="resumed", **small).fit(train)
+    assert resumed.getTrainingSummary()["resumed_from_epoch"] == 2
+    assert [h["epoch"] for h in resumed.getHistory()] == [1, 2, 3]
+    assert resumed.getHistory() == straight.getHistory()
+    expected = straight.getModel().state_dict()
+    for name, value in resumed.getModel().state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, monkeypatch):
+    store, train, _ = digits
+    before = sorted(p for p in store.fs.find(store.root))
+    cases = [
+        (dict(model=cnn()), TypeError, "model: expected a LightningModule"),
+        (dict(callbacks=[object()]), TypeError, "callbacks: .* is not a lightning.pytorch"),
+        (dict(trainer_args={"max_epochs": 3}), ValueError, "'max_epochs' is set by the .* epochs"),
+        (dict(trainer_args={"max_epoch": 3}), ValueError, "'max_epoch' is not an argument"),
+        (dict(trainer_args=["precision"]), TypeError, "trainer_args: expected a dict"),
+        (dict(keep_checkpoints=0), ValueError, "keep_checkpoints: must be >= 1"),
+    ]
+    for params, error, message in cases:
+        with pytest.raises(error, match=message):
+            lightning_estimator(store, **params).fit(train)
+    monkeypatch.setattr(lightning_hooks, "PACKAGES", ("no_such_lightning",))
+    with pytest.raises(ImportError, match=r"spark-estimator\[lightning\]"):
+        lightning_estimator(store).fit(train)
+    assert sorted(p for p in store.fs.find(store.root)) == before
+
+
+def test_the_estimator_saves_and_loads_with_its_module_callbacks_and_trainer_args(tmp_path):
+    store = Store.create(str(tmp_path / "store"))
+    est = lightning_estimator(
+        store, callbacks=[EarlyStopping(monitor="val_loss")], trainer_args={"precision": "bf16"}
+    )
+    est.save(str(tmp_path / "est"))
+    loaded = LightningEstimator.load(str(tmp_path / "est"))
+    assert isinstance(loaded.getModel(), DigitsModule)
+    assert isinstance(loaded.getCallbacks()[0], EarlyStopping)
+    assert loaded.getTrainerArgs() == {"precision": "bf16"}
+    assert loaded.getEpochs() == 6 and loaded.getStore().url == store.url
