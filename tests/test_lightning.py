@@ -246,3 +246,35 @@ def test_the_estimator_saves_and_loads_with_its_module_callbacks_and_trainer_arg
     assert isinstance(loaded.getCallbacks()[0], EarlyStopping)
     assert loaded.getTrainerArgs() == {"precision": "bf16"}
     assert loaded.getEpochs() == 6 and loaded.getStore().url == store.url
+
+
+class CountingModule(DigitsModule):
+    """Logs how many batches each epoch had and the largest feature value it saw."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("batches", 1.0, reduce_fx="sum", on_step=False, on_epoch=True)
+        self.log("max_x", batch["features"].max(), reduce_fx="max", on_step=False, on_epoch=True)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("batches", 1.0, reduce_fx="sum", on_step=False, on_epoch=True)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_steps_per_epoch_and_the_transformation_reach_the_module(digits):
+    store, train, _ = digits
+
+    def double(batch):
+        return {**batch, "features": batch["features"] * 2}
+
+    model = lightning_estimator(
+        store,
+        model=CountingModule(),
+        epochs=2,
+        train_steps_per_epoch=7,
+        validation_steps_per_epoch=3,
+        transformation_fn=double,
+    ).fit(train)
+    for record in model.getHistory():
+        assert record["train"]["batches"] == 7 and record["validation"]["batches"] == 3
+        assert 1.0 < record["train"]["max_x"] <= 2.0  # digits are scaled to [0, 1]
