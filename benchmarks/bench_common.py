@@ -284,14 +284,16 @@ def wait_quiet(limit_s: float, threshold: float = 0.3) -> bool:
     """Wait up to ``limit_s`` until other processes leave the CPUs idle (less than
     ``threshold`` CPUs busy over half a second); False if they stayed busy."""
     deadline = time.monotonic() + limit_s
-    while _busy_cpus() > threshold:
+    while busy_cpus() > threshold:
         if time.monotonic() > deadline:
             return False
         time.sleep(2)
     return True
 
 
-def _busy_cpus(seconds: float = 0.5) -> float:
+def busy_cpus(seconds: float = 0.5) -> float:
+    """How many CPUs' worth of work the whole machine did over ``seconds`` (/proc/stat)."""
+
     def sample() -> tuple[int, int]:
         with open("/proc/stat") as f:
             values = [int(v) for v in f.readline().split()[1:]]

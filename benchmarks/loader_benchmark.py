@@ -36,10 +36,8 @@ import datetime
 import io
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -50,6 +48,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
 
 from spark_estimator.spec import ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
 from spark_estimator.store import Store
@@ -187,29 +189,6 @@ def petastorm_pass(info: DatasetInfo, shuffle: bool, capacity: int) -> Callable[
     return run
 
 
-def busy_cpus(seconds: float = 0.5) -> float:
-    """How many CPUs' worth of work the whole machine did over ``seconds`` (from /proc/stat)."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        return sum(values), values[3] + values[4]  # total, idle + iowait
-
-    (total0, idle0), _, (total1, idle1) = sample(), time.sleep(seconds), sample()
-    return (os.cpu_count() or 1) * (1 - (idle1 - idle0) / max(1, total1 - total0))
-
-
-def wait_quiet(limit_s: float, threshold: float = 0.3) -> bool:
-    """Wait until other processes leave the CPUs idle (this one is idle between passes);
-    False if they were still busy after ``limit_s`` seconds."""
-    deadline = time.monotonic() + limit_s
-    while busy_cpus() > threshold:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(2)
-    return True
-
-
 def silenced(run: Callable[[int], int]) -> Callable[[int], int]:
     """``run`` with its prints dropped (petastorm's reader prints "Cache cleanup complete.")."""
 
@@ -224,7 +203,7 @@ def measure(run: Callable[[int], int], expect: int, repeats: int, quiet_s: float
     run(0)  # untimed warm-up pass
     rates, contended = [], 0
     for r in range(repeats):
-        contended += not wait_quiet(quiet_s)
+        contended += not bc.wait_quiet(quiet_s)
         start = time.perf_counter()
         rows = run(r + 1)
         elapsed = time.perf_counter() - start
@@ -241,46 +220,7 @@ def measure(run: Callable[[int], int], expect: int, repeats: int, quiet_s: float
 
 # -- the machine ---------------------------------------------------------------------------
 def machine() -> dict:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        kib = int(re.search(r"MemTotal:\s+(\d+)", f.read()).group(1))
-    versions = {"pyarrow": pa.__version__, "torch": torch.__version__, "numpy": np.__version__}
-    for name in ("pyspark", "petastorm"):
-        try:
-            versions[name] = __import__(name).__version__
-        except Exception as e:  # petastorm fails to import on new pyarrow
-            versions[name] = f"not importable ({type(e).__name__})"
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "spark_estimator"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        commit = f"{head}{' + uncommitted changes in spark_estimator/' if dirty else ''}"
-    except OSError:
-        commit = "unknown"
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "ram_gib": kib / 2**20,
-        "python": platform.python_version(),
-        "venv": os.path.relpath(sys.prefix, root)
-        if sys.prefix.startswith(str(root))
-        else sys.prefix,
-        "torch_threads": torch.get_num_threads(),
-        "commit": commit,
-        "load": os.getloadavg()[0],
-        **versions,
-    }
+    return {**bc.machine(("petastorm",)), "torch_threads": torch.get_num_threads()}
 
 
 # -- the report ----------------------------------------------------------------------------

@@ -49,20 +49,22 @@ def accuracy(model, df) -> float:
     return out.select(F.avg((predicted == F.col("label")).cast("double"))).first()[0]
 
 
+# what the Lightning fits and the plain estimator they are compared with share
+DIGITS_PARAMS = dict(
+    feature_cols=["features"],
+    label_cols=["label"],
+    input_shapes=[[-1, 1, 8, 8]],
+    batch_size=32,
+    epochs=6,
+    num_proc=2,
+    validation=0.2,
+    random_seed=42,
+    use_gpu=False,
+)
+
+
 def lightning_estimator(store, **params) -> LightningEstimator:
-    defaults = dict(
-        model=DigitsModule(),
-        feature_cols=["features"],
-        label_cols=["label"],
-        input_shapes=[[-1, 1, 8, 8]],
-        batch_size=32,
-        epochs=6,
-        num_proc=2,
-        validation=0.2,
-        random_seed=42,
-        store=store,
-        use_gpu=False,
-    )
+    defaults = dict(DIGITS_PARAMS, model=DigitsModule(), store=store)
     return LightningEstimator(**{**defaults, **params})
 
 
@@ -94,16 +96,8 @@ def test_a_lightning_module_reaches_the_plain_estimators_accuracy_on_two_ranks(
         optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
         loss=torch.nn.CrossEntropyLoss(),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5),
-        feature_cols=["features"],
-        label_cols=["label"],
-        input_shapes=[[-1, 1, 8, 8]],
-        batch_size=32,
-        epochs=6,
-        num_proc=2,
-        validation=0.2,
-        random_seed=42,
         store=store,
-        use_gpu=False,
+        **DIGITS_PARAMS,
     ).fit(train)
     ours, theirs = accuracy(model, test), accuracy(plain, test)
     assert ours >= 0.9

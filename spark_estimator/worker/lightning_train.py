@@ -27,7 +27,6 @@ import torch
 from ..serialization import loads, state_dict_digest, state_to_bytes
 from ..spec import TrainSpec
 from .batch import Batch
-from .checkpoints import Checkpoints
 from .lightning_hooks import fsspec_defaults, lightning_package, lightning_parts, url
 from .loader import open_loader
 from .loss import as_outputs
@@ -70,16 +69,19 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
     TaskEnvironment, StoreCheckpointIO, EpochRecorder = lightning_parts(pl)
     rank, world, device = info.rank, info.world_size, info.device
     store, run_id = spec.store, spec.run_id
-    keep = spec.loop.keep_checkpoints
-    recorder = EpochRecorder(store, run_id, spec.seed, keep, report if rank == 0 else None)
+    recorder = EpochRecorder(
+        store, run_id, spec.seed, spec.loop.keep_checkpoints, report if rank == 0 else None
+    )
+    checkpoints = recorder.checkpoints
 
     transform = loads(spec.loader.transformation_fn) if spec.loader.transformation_fn else None
+
+    names = [c.name for c in spec.data.features + spec.data.labels]
 
     def to_dict(chunk) -> dict:
         batch = Batch(chunk, spec, device, transform)
         if recorder.output_shapes is None and recorder.first_inputs is None:
             recorder.first_inputs = [t[:1].detach().to("cpu") for t in batch.inputs]
-        names = [c.name for c in spec.data.features + spec.data.labels]
         values = dict(zip(names, batch.inputs + batch.labels))
         if batch.sample_weight is not None:
             values[spec.data.sample_weight.name] = batch.sample_weight
@@ -109,7 +111,6 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
         # the same count on every rank; in order, so every pass is the same (pass index 1)
         val_data = _Batches(len(sizes), lambda: val_loader.batches(sizes, 1), to_dict)
 
-    checkpoints = Checkpoints(store, run_id, keep)
     resume_epoch = agree_on_checkpoint(checkpoints, rank, device)
     callbacks = list(objects.get("callbacks") or [])
     trainer = pl.Trainer(
@@ -206,5 +207,5 @@ def _summary(pl, trainer, recorder, world: int, resume_epoch: int, selection) ->
         "early_stopping_epoch": stopped_by[0] if stopped_by else None,
         "selected_epoch": selection["epoch"] if selection else len(history),
         "selection": selection,
-        "checkpoints": Checkpoints(recorder.store, recorder.run_id, None).epochs(),
+        "checkpoints": recorder.checkpoints.epochs(),
     }
