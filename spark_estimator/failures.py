@@ -9,8 +9,9 @@ the retried attempt find the record and end at once without training, and the dr
 raises it as a ``TrainingError``.
 
 Two kinds of exception are retried (not recorded), and the retry resumes:
-- those that only say a peer went away (gloo's "connection reset" or "timed out", or
-  torch.distributed's ``DistError``): the rank that died is the failure;
+- those that only say a peer went away (gloo's "connection reset" or "timed out", the
+  shared-memory allreduce's ``SHM_TAG`` errors, or torch.distributed's ``DistError``):
+  the rank that died is the failure;
 - I/O errors (``OSError``: a store or a network that failed for a moment). One that
   persists fails every attempt, and Spark's error after the last attempt carries it.
 
@@ -24,6 +25,10 @@ import traceback
 import torch.distributed as dist
 
 from .store import Store
+
+# the tag of the errors of a peer that died or hung during a shared-memory gradient
+# allreduce (worker/shm_allreduce.py), which stands in for gloo's on one host
+SHM_TAG = "shm-allreduce/"
 
 
 class TrainingError(RuntimeError):
@@ -58,8 +63,10 @@ def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` only reports that another rank failed, died or hung."""
     if isinstance(error, dist.DistError):
         return True
-    # gloo raises plain RuntimeErrors tagged with its source path
-    return isinstance(error, RuntimeError) and "gloo/" in str(error)
+    # gloo raises plain RuntimeErrors tagged with its source path; the shared-memory
+    # allreduce tags its own, which reach here through DDP as RuntimeErrors too
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("gloo/" in text or SHM_TAG in text)
 
 
 def failure_path(store: Store, run_id: str, launch_id: str) -> str:

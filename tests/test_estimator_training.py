@@ -82,6 +82,11 @@ def test_gradient_compression_communicates_in_the_chosen_dtype(df, store, dtype)
     assert {r["gradient_allreduces"] for r in summaries} == {4 * 3}
     exact = fit(df, store, backward_passes_per_step=2, batch_size=8)
     assert ranks(store, exact)[0]["communicated_dtypes"] is None
+    assert {r["gradient_path"] for r in summaries} == {"gloo compressed"}
+    # two CPU ranks on one host: gradients go through shared memory, also once per step
+    assert {(r["gradient_path"], r["gradient_allreduces"]) for r in ranks(store, exact)} == {
+        ("shared memory", 4 * 3)
+    }
     assert not torch.equal(weights(compressed), weights(exact))
     assert torch.allclose(weights(compressed), weights(exact), atol=0.05)
 

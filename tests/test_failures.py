@@ -2,6 +2,7 @@ import pytest
 import torch.distributed as dist
 
 from spark_estimator.failures import (
+    SHM_TAG,
     TrainingError,
     failure_path,
     is_peer_failure,
@@ -17,6 +18,8 @@ def test_only_errors_about_a_peer_count_as_peer_failures():
     )
     assert is_peer_failure(gloo)
     assert is_peer_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    # the shared-memory allreduce's error, as DDP re-raises it from its communication hook
+    assert is_peer_failure(RuntimeError(f"{SHM_TAG} rank 0: the process of rank 1 ended"))
     assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_peer_failure(ValueError("gloo/ in a user's message is not a peer failure"))
 

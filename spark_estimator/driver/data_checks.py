@@ -1,9 +1,10 @@
-"""Driver: the checks of a dataset's values, computed by the materialization's own write.
+"""Driver: the checks of a dataset's values, counted by the materialization's own write.
 
-``observed_metrics`` are aggregates that ``DataFrame.observe`` collects while the write
-runs, so the data is not read twice: per column its null rows; per array column its null
-elements and min/max length; per feature and float label its NaN and infinite values.
-``check_observed`` turns them into the error naming the column, and ``check_row_lengths``
+``counted_columns`` tells the executors' writer what to count in the batches it writes
+(``worker/column_stats.py``), so the data is not read twice: per column its null rows;
+per array column its null elements and min/max length; per feature and float label its
+NaN and infinite values. ``check_observed`` turns the merged counts into the error naming
+the column, and ``check_row_lengths``
 checks ``input_shapes`` against the row lengths (also for a dataset reused from the store,
 whose ``_meta.json`` records them).
 """
@@ -12,10 +13,8 @@ from __future__ import annotations
 
 import math
 
-from pyspark.sql import Column
-from pyspark.sql import functions as F
-
 from ..spec import ColumnSpec, DatasetInfo, column_param
+from ..worker.column_stats import CheckedColumn
 
 
 def checked_columns(
@@ -30,48 +29,23 @@ def _finite_checked(role: str, spec: ColumnSpec) -> bool:
     return role == "feature" or (role == "label" and not spec.integral)
 
 
-def _count(condition: Column) -> Column:
-    return F.sum(condition.cast("long"))
-
-
-def _non_finite(value: Column) -> Column:
-    return F.isnan(value) | (F.abs(value) == F.lit(math.inf))
-
-
-def observed_metrics(columns: list[tuple[str, ColumnSpec]]) -> list[Column]:
-    """The aggregates observed on the converted columns during the write: per column its
-    null rows; per array column its null elements and min/max length; per feature and float
-    label its NaN and infinite values. Named ``c<i>_...`` by the column's position."""
-    exprs = []
-    for i, (role, spec) in enumerate(columns):
-        col = F.col(spec.name)
-        exprs.append(_count(col.isNull()).alias(f"c{i}_null_rows"))
-        if spec.kind == "scalar":
-            if _finite_checked(role, spec):
-                exprs.append(_count(_non_finite(col)).alias(f"c{i}_non_finite"))
-            continue
-        # per non-null row only: size() of a null array is -1 or null, depending on ANSI
-        null_elements = F.when(col.isNotNull(), F.size(F.filter(col, lambda v: v.isNull())))
-        exprs.append(F.sum(null_elements).alias(f"c{i}_null_elements"))
-        if _finite_checked(role, spec):
-            non_finite = F.when(col.isNotNull(), F.size(F.filter(col, _non_finite)))
-            exprs.append(F.sum(non_finite).alias(f"c{i}_non_finite"))
-        length = F.when(col.isNotNull(), F.size(col))
-        exprs.append(F.min(length).alias(f"c{i}_min_length"))
-        exprs.append(F.max(length).alias(f"c{i}_max_length"))
-    return exprs
+def counted_columns(columns: list[tuple[str, ColumnSpec]]) -> tuple[CheckedColumn, ...]:
+    """What the writer counts for each checked column, in order (see the module)."""
+    return tuple(
+        CheckedColumn(spec.name, spec.kind != "scalar", _finite_checked(role, spec))
+        for role, spec in columns
+    )
 
 
 def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, int]:
     """Raise for nulls, non-finite values or arrays of varying length found by the write's
     metrics (columns in order, nulls first); return each array column's row length.
 
-    Counts are of the rows written; a stage Spark re-ran may count some rows twice, which
-    can only raise a count, never make a clean column look bad.
+    Counts are of the files written, each counted once (by the task attempt that wrote it).
     """
 
     def get(name: str) -> int:
-        return metrics.get(name) or 0  # None (or absent on pyspark 3.5) for no rows
+        return metrics.get(name) or 0
 
     for i, (role, spec) in enumerate(columns):
         rows, elements = get(f"c{i}_null_rows"), get(f"c{i}_null_elements")

@@ -12,11 +12,12 @@ works with its ``storage_options`` alone (no Hadoop connector or configuration),
 driver needs no SparkContext (Spark Connect). The executors return each file's row-group
 sizes, so no footer is read back.
 
-The same write checks the converted values, with Spark's ``DataFrame.observe`` (no extra
-pass over the data): nulls in every column (null rows, and null elements inside arrays),
-NaN and +-inf in features and float labels, and arrays of one length per column, whose
-lengths are also checked against ``input_shapes`` (see ``data_checks.py``). A failed check
-raises on the driver before the training job starts.
+The same write checks the converted values: each executor counts them in the Arrow
+batches it writes (``worker/column_stats.py``; no extra pass over the data) and returns
+the counts with its files: nulls in every column (null rows, and null elements inside
+arrays), NaN and +-inf in features and float labels, and arrays of one length per column,
+whose lengths are also checked against ``input_shapes`` (see ``data_checks.py``). A failed
+check raises on the driver before the training job starts.
 
 Each write goes to its own folder, ``datasets/<key>/<write-id>``, which no other fit ever
 writes or removes. ``datasets/<key>/_meta.json`` (row counts and row-group sizes per file,
@@ -31,20 +32,21 @@ wins and the other write stays, unnamed but intact, for the fit that is reading 
 from __future__ import annotations
 
 import functools
+import json
 import posixpath
 import uuid
-import warnings
 from dataclasses import asdict, dataclass
 
 from pyspark.ml.functions import vector_to_array
-from pyspark.sql import Column, DataFrame, Observation
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from ..spec import SPLITS, ColumnSpec, DatasetInfo
 from ..store import Store
+from ..worker.column_stats import merge_stats
 from ..worker.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
-from .data_checks import check_observed, check_row_lengths, checked_columns, observed_metrics
+from .data_checks import check_observed, check_row_lengths, checked_columns, counted_columns
 
 SPLIT_COL = "__spark_estimator_split"
 COMPRESSIONS = ("uncompressed", "snappy", "gzip", "zstd")
@@ -109,17 +111,23 @@ def materialize(
             *[_select_expr(c) for _, c in columns],
             _split_expr(validation, seed).alias(SPLIT_COL),
         )
-        observation = Observation(f"spark_estimator_checks_{uuid.uuid4().hex}")
         target = ParquetTarget(
-            store, tmp, final, SPLIT_COL, options.row_group_bytes, options.compression
+            store,
+            tmp,
+            final,
+            SPLIT_COL,
+            options.row_group_bytes,
+            options.compression,
+            counted_columns(columns),
         )
         written = (
-            selected.observe(observation, *observed_metrics(columns))
-            .repartition(options.num_files)
+            selected.repartition(options.num_files)
             .mapInArrow(functools.partial(write_partition, target=target), WRITTEN_SCHEMA)
             .collect()
         )
-        metrics = _observed(observation)
+        metrics: dict[str, int] = {}
+        for row in written:
+            metrics = merge_stats(metrics, json.loads(row.stats))
         row_lengths = check_observed(metrics, columns)
         data = DatasetInfo(
             path=final,
@@ -131,13 +139,6 @@ def materialize(
             row_lengths=row_lengths,
             write_id=write_id,
         )
-        if not metrics and data.rows("train") + data.rows("validation"):
-            warnings.warn(
-                "spark-estimator: Spark reported no observed metrics for the write, so nulls, "
-                "NaN and array lengths were not checked on the driver",
-                RuntimeWarning,
-                stacklevel=2,
-            )
         check_not_empty(data, validation)
         check_row_lengths(data, input_shapes)
         published = store.exists(meta_path)  # another fit finished the same dataset first
@@ -158,15 +159,6 @@ def _files_by_split(written: list) -> dict[str, list[tuple[str, list[int]]]]:
         split: sorted((row.path, list(row.row_groups)) for row in written if row.split == split)
         for split in SPLITS
     }
-
-
-def _observed(observation: Observation) -> dict:
-    """The write's metrics; {} where Spark collected none, as for a write of no rows
-    (pyspark 3.5 then returns {}, pyspark 4 fails to convert the empty row)."""
-    try:
-        return dict(observation.get)
-    except Exception:
-        return {}
 
 
 def _discard(store: Store, write: str, dataset: str) -> None:

@@ -1,4 +1,8 @@
-"""Executor: the model wrapped in DistributedDataParallel, with optional gradient compression.
+"""Executor: the model wrapped in DistributedDataParallel, and how its gradients travel.
+
+When every rank is a CPU process on one host, gradient buckets are averaged through shared
+memory (``shm_allreduce.py``) rather than gloo's sockets. Otherwise DDP's own allreduce is
+used (gloo or NCCL), unless gradient compression is asked for.
 
 Compression is a DDP communication hook: each gradient bucket is cast to fp16 or bf16,
 divided by the world size, summed across ranks in that dtype and cast back, so half as
@@ -13,6 +17,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..spec import PRECISION_DTYPES, torch_dtype
+from .rendezvous import RankInfo
+from .shm_allreduce import SharedMemoryAllreduce
 
 
 class CompressionState:
@@ -39,15 +45,39 @@ def compressed_allreduce(state: CompressionState, bucket) -> torch.futures.Futur
     return future.then(decompress)
 
 
+def shared_memory_allreduce(
+    state: SharedMemoryAllreduce, bucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average a gradient bucket through shared memory."""
+    future = torch.futures.Future()
+    future.set_result(state.average_(bucket.buffer()))
+    return future
+
+
 def wrap_model(
-    model: torch.nn.Module, device: torch.device, compression: str
-) -> tuple[DistributedDataParallel, "CompressionState | None"]:
-    """DDP around ``model`` (which broadcasts rank 0's weights to every rank)."""
+    model: torch.nn.Module, info: RankInfo, compression: str, timeout_s: float
+) -> tuple[DistributedDataParallel, "CompressionState | SharedMemoryAllreduce | None"]:
+    """DDP around ``model`` (which broadcasts rank 0's weights to every rank) and the state
+    of its communication hook: a ``CompressionState``, a ``SharedMemoryAllreduce`` (every
+    rank a CPU process on one host; waits bounded by ``timeout_s``) or None (DDP's own)."""
+    device = info.device
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
-    if compression == "none":
+    if compression != "none":  # asked for: it is about the bytes on the network
+        state = CompressionState(torch_dtype(PRECISION_DTYPES[compression]))
+        ddp.register_comm_hook(state, compressed_allreduce)
+        return ddp, state
+    if device.type != "cpu" or not 1 < info.world_size == info.local_size:
         return ddp, None
-    state = CompressionState(torch_dtype(PRECISION_DTYPES[compression]))
-    ddp.register_comm_hook(state, compressed_allreduce)
-    return ddp, state
+    shared = SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
+    if shared is not None:
+        ddp.register_comm_hook(shared, shared_memory_allreduce)
+    return ddp, shared
+
+
+def gradient_path(state: "CompressionState | SharedMemoryAllreduce | None") -> str:
+    """How the gradients travelled, for the rank's summary."""
+    if isinstance(state, SharedMemoryAllreduce):
+        return "shared memory"
+    return f"{dist.get_backend()}{' compressed' if state is not None else ''}"

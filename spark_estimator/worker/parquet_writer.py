@@ -7,6 +7,7 @@ and writes each split's rows, in the order they arrive, to
 filesystem: any store works on every executor with its own ``storage_options``. A split
 with no rows in the partition gets no file.
 
+Float columns are written without dictionary encoding (``dictionary_columns``).
 Row groups hold about ``row_group_bytes`` of (uncompressed) Arrow data: a split's rows are
 buffered and cut into a row group whenever the buffer reaches that size. Each file is
 written under a hidden temporary name and moved to its name when complete
@@ -14,12 +15,14 @@ written under a hidden temporary name and moved to its name when complete
 partial file; every attempt of a partition writes the same names.
 
 It yields one row per file written (``WRITTEN_SCHEMA``): the split, the path relative to
-the dataset folder and the rows of each row group, which the driver records in
-``_meta.json`` without reading any footer back.
+the dataset folder, the rows of each row group, which the driver records in
+``_meta.json`` without reading any footer back, and the counts of the value checks over
+the file's rows (``column_stats.py``, as JSON), which the driver merges and checks.
 """
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -32,10 +35,16 @@ from pyspark import TaskContext
 
 from ..spec import SPLITS
 from ..store import Store
+from .column_stats import CheckedColumn, column_stats, merge_stats
 
-WRITTEN_SCHEMA = "split string, path string, row_groups array<bigint>"
+WRITTEN_SCHEMA = "split string, path string, row_groups array<bigint>, stats string"
 _WRITTEN = pa.schema(
-    [("split", pa.string()), ("path", pa.string()), ("row_groups", pa.list_(pa.int64()))]
+    [
+        ("split", pa.string()),
+        ("path", pa.string()),
+        ("row_groups", pa.list_(pa.int64())),
+        ("stats", pa.string()),
+    ]
 )
 
 
@@ -49,6 +58,7 @@ class ParquetTarget:
     split_col: str  # the column holding each row's split; not written
     row_group_bytes: int
     compression: str  # uncompressed, snappy, gzip or zstd
+    checked: tuple[CheckedColumn, ...] = ()  # the columns whose values are counted
 
     def path(self, split: str, partition: int) -> str:
         return posixpath.join(self.folder, split, f"part-{partition:05d}.parquet")
@@ -106,11 +116,14 @@ class PartitionWriter:
     def __init__(self, target: ParquetTarget, partition: int):
         self.target, self.partition = target, partition
 
-    def write(self, batches: Iterator[pa.RecordBatch]) -> list[tuple[str, str, list[int]]]:
-        """Every batch's rows; returns (split, path relative to the dataset, row groups)."""
+    def write(self, batches: Iterator[pa.RecordBatch]) -> list[tuple[str, str, list[int], dict]]:
+        """Every batch's rows; returns (split, path relative to the dataset, row groups,
+        the counts of the value checks) per file."""
         buffers = {s: RowGroupBuffer(self.target.row_group_bytes) for s in SPLITS}
         writers: dict[str, pq.ParquetWriter] = {}
         groups: dict[str, list[int]] = {s: [] for s in SPLITS}
+        stats: dict[str, dict[str, int]] = {s: {} for s in SPLITS}
+        checked = list(self.target.checked)
         with ExitStack() as files:  # closes every writer, then moves (or removes) its file
 
             def write_group(split: str, table: pa.Table) -> None:
@@ -122,6 +135,7 @@ class PartitionWriter:
             for batch in batches:
                 if batch.num_rows:
                     for split, table in _split_tables(batch, self.target.split_col):
+                        stats[split] = merge_stats(stats[split], column_stats(table, checked))
                         for group in buffers[split].add(table):
                             write_group(split, group)
             for split, buffer in buffers.items():
@@ -129,7 +143,7 @@ class PartitionWriter:
                     write_group(split, rest)
         root = self.target.relative_to
         return [
-            (s, posixpath.relpath(self.target.path(s, self.partition), root), g)
+            (s, posixpath.relpath(self.target.path(s, self.partition), root), g, stats[s])
             for s, g in groups.items()
             if g
         ]
@@ -140,7 +154,19 @@ class PartitionWriter:
         )
         codec = self.target.compression
         codec = "none" if codec == "uncompressed" else codec
-        return files.enter_context(pq.ParquetWriter(sink, schema, compression=codec))
+        writer = pq.ParquetWriter(
+            sink, schema, compression=codec, use_dictionary=dictionary_columns(schema)
+        )
+        return files.enter_context(writer)
+
+
+def dictionary_columns(schema: pa.Schema) -> list[str]:
+    """The columns worth dictionary encoding: the top-level non-float scalars (class
+    labels, weights stored as integers). Float values rarely repeat, so pyarrow would
+    build a dictionary only to drop it: twice the write time, and larger files."""
+    return [
+        f.name for f in schema if not (pa.types.is_floating(f.type) or pa.types.is_nested(f.type))
+    ]
 
 
 def write_partition(
@@ -149,6 +175,7 @@ def write_partition(
     """The ``mapInArrow`` function: writes this task's partition, yields ``WRITTEN_SCHEMA``
     rows (one per file)."""
     written = PartitionWriter(target, TaskContext.get().partitionId()).write(batches)
-    yield pa.RecordBatch.from_pylist(
-        [{"split": s, "path": p, "row_groups": g} for s, p, g in written], schema=_WRITTEN
-    )
+    rows = [
+        {"split": s, "path": p, "row_groups": g, "stats": json.dumps(c)} for s, p, g, c in written
+    ]
+    yield pa.RecordBatch.from_pylist(rows, schema=_WRITTEN)

@@ -28,7 +28,7 @@ from ..serialization import loads, state_dict_digest, state_to_bytes
 from ..spec import TrainSpec, metric_keys
 from .batch import Batch
 from .checkpoints import Checkpoints
-from .ddp import wrap_model
+from .ddp import CompressionState, gradient_path, wrap_model
 from .loader import ShardLoader, open_loader
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums
@@ -43,6 +43,7 @@ from .resume import (
 )
 from .run_log import FLUSH_S
 from .shards import StepPlan, eval_sizes
+from .shm_allreduce import SharedMemoryAllreduce
 from .step import Stepper
 from .tensorboard import TensorBoardLog
 
@@ -68,9 +69,11 @@ def train(spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None = 
     loop = _TrainingLoop(spec, info, report)
     try:
         loop.run()
+        return loop.finish()
     finally:
         loop.steps.close()
-    return loop.finish()
+        if isinstance(loop.hook, SharedMemoryAllreduce):
+            loop.hook.close()
 
 
 class _TrainingLoop:
@@ -86,8 +89,8 @@ class _TrainingLoop:
         self.objects = build_objects(spec, world, self.device)
         fn = spec.loader.transformation_fn
         self.transform = loads(fn) if fn else None
-        self.ddp, self.compression = wrap_model(
-            self.objects.model, self.device, spec.loop.gradient_compression
+        self.ddp, self.hook = wrap_model(
+            self.objects.model, info, spec.loop.gradient_compression, spec.collective_timeout
         )
         self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
 
@@ -284,7 +287,8 @@ class _TrainingLoop:
             store = self.spec.store
             store.write_bytes(store.result_path(self.spec.run_id), state_to_bytes(result))
         # process_group's closing barrier keeps every rank until rank 0 has written it
-        compression = self.compression
+        hook = self.hook
+        compression = hook if isinstance(hook, CompressionState) else None
         return {
             "rank": self.info.rank,
             "local_rank": self.info.local_rank,
@@ -292,8 +296,9 @@ class _TrainingLoop:
             "host": socket.gethostname(),
             "device": str(self.device),
             "device_note": self.info.device_note,
+            "gradient_path": gradient_path(hook),
             "communicated_dtypes": sorted(compression.sent) if compression else None,
-            "gradient_allreduces": compression.calls if compression else None,
+            "gradient_allreduces": hook.calls if hook else None,
             "train_rows": self.train_loader.rows,
             "validation_rows": self.val_loader.rows,
             "validation_batches_per_epoch": len(self.val_sizes) if self.has_validation else 0,

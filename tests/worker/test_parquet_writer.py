@@ -4,6 +4,7 @@ replaces), any fsspec store."""
 
 import posixpath
 import uuid
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,6 +12,7 @@ import pytest
 
 from spark_estimator import Store
 from spark_estimator.driver.parquet_dataset import list_row_groups
+from spark_estimator.worker.column_stats import CheckedColumn
 from spark_estimator.worker.parquet_writer import ParquetTarget, PartitionWriter, RowGroupBuffer
 
 SPLIT = "__split"
@@ -69,11 +71,11 @@ def test_each_split_goes_to_its_own_file_in_order_without_the_split_column(store
     splits = ["train", "validation", "train", "train", "validation"] * 6  # 30 rows
     t = target(store, row_group_bytes=64, compression="zstd")
     written = PartitionWriter(t, partition=3).write(iter(batches(splits)))
-    assert [(s, p) for s, p, _ in written] == [
+    assert [(s, p) for s, p, *_ in written] == [
         ("train", "write-1/train/part-00003.parquet"),
         ("validation", "write-1/validation/part-00003.parquet"),
     ]
-    for split, path, groups in written:
+    for split, path, groups, _ in written:
         parquet = pq.ParquetFile(posixpath.join(t.relative_to, path))
         rows = parquet.read().to_pylist()
         assert [r["i"] for r in rows] == [i for i, s in enumerate(splits) if s == split]
@@ -82,13 +84,18 @@ def test_each_split_goes_to_its_own_file_in_order_without_the_split_column(store
         meta = parquet.metadata
         assert groups == [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         assert len(groups) > 1 and meta.row_group(0).column(0).compression == "ZSTD"
-    assert list_row_groups(store, t.folder, t.relative_to) == sorted((p, g) for _, p, g in written)
+        # the int ids are dictionary encoded, the floats are not
+        encodings = [meta.row_group(0).column(c).encodings for c in range(2)]
+        assert "RLE_DICTIONARY" in encodings[0] and "RLE_DICTIONARY" not in encodings[1]
+    assert list_row_groups(store, t.folder, t.relative_to) == sorted(
+        (p, g) for _, p, g, _ in written
+    )
 
 
 def test_uncompressed_and_a_split_without_rows_get_no_codec_and_no_file(store):
     t = target(store, compression="uncompressed")
     written = PartitionWriter(t, partition=0).write(iter(batches(["train"] * 9)))
-    assert [(s, p, g) for s, p, g in written] == [
+    assert [(s, p, g) for s, p, g, _ in written] == [
         ("train", "write-1/train/part-00000.parquet", [9])
     ]
     meta = pq.ParquetFile(posixpath.join(t.relative_to, written[0][1])).metadata
@@ -96,6 +103,19 @@ def test_uncompressed_and_a_split_without_rows_get_no_codec_and_no_file(store):
     assert not store.exists(posixpath.join(t.folder, "validation"))
     assert PartitionWriter(t, partition=1).write(iter([])) == []
     assert store.fs.find(t.folder) == [posixpath.join(t.relative_to, written[0][1])]
+
+
+def test_each_file_reports_the_value_counts_of_its_own_rows(store):
+    splits = ["train"] * 7 + ["validation"] * 3
+    checked = (CheckedColumn("x", array=True, finite=True),)
+    t = replace(target(store), checked=checked)
+    written = PartitionWriter(t, partition=0).write(iter(batches(splits)))
+    lengths = {"c0_min_length": 2, "c0_max_length": 2}
+    clean = {"c0_null_rows": 0, "c0_null_elements": 0, "c0_non_finite": 0, **lengths}
+    assert {split: stats for split, _, _, stats in written} == {
+        "train": clean,
+        "validation": clean,
+    }
 
 
 def failing_after(items: list, count: int):
@@ -107,14 +127,14 @@ def test_a_failed_attempt_leaves_no_file_and_a_retry_replaces_the_old_one(store)
     t = target(store, row_group_bytes=32)  # row groups are written before the failure
     rows = batches(["train", "validation"] * 8)
     first = PartitionWriter(t, 0).write(iter(rows[:1]))
-    paths = [posixpath.join(t.relative_to, p) for _, p, _ in first]
+    paths = [posixpath.join(t.relative_to, p) for _, p, *_ in first]
     before = {p: store.read_bytes(p) for p in paths}
     with pytest.raises(OSError, match="lost its disk"):
         PartitionWriter(t, 0).write(failing_after(rows, 3))
     assert {p: store.read_bytes(p) for p in paths} == before  # the earlier complete files
     assert sorted(store.fs.find(t.folder)) == sorted(paths)  # no temporary file left
     retry = PartitionWriter(t, 0).write(iter(rows))
-    assert [posixpath.join(t.relative_to, p) for _, p, _ in retry] == paths
+    assert [posixpath.join(t.relative_to, p) for _, p, *_ in retry] == paths
     assert pq.read_table(paths[0]).column("i").to_pylist() == list(range(0, 16, 2))
     assert pq.read_table(paths[1]).column("i").to_pylist() == list(range(1, 16, 2))
 
@@ -135,7 +155,7 @@ def test_writes_through_any_fsspec_filesystem():
     try:
         t = target(store, row_group_bytes=16)
         written = PartitionWriter(t, 7).write(iter(batches(["validation"] * 6)))
-        assert [(s, p) for s, p, _ in written] == [
+        assert [(s, p) for s, p, *_ in written] == [
             ("validation", "write-1/validation/part-00007.parquet")
         ]
         with store.fs.open(posixpath.join(t.relative_to, written[0][1]), "rb") as f:

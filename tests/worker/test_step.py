@@ -9,6 +9,7 @@ from spark_estimator.spec import ColumnSpec, LoopSpec
 from spark_estimator.worker.ddp import wrap_model
 from spark_estimator.worker.loss import BatchLoss
 from spark_estimator.worker.objects import TrainingObjects
+from spark_estimator.worker.rendezvous import RankInfo
 from spark_estimator.worker.step import Stepper
 
 CPU = torch.device("cpu")
@@ -23,7 +24,7 @@ def batch(rows: slice):
 def stepper(loop: LoopSpec, compression="none", custom=None):
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 1)
-    ddp, state = wrap_model(net, CPU, compression)
+    ddp, state = wrap_model(net, RankInfo(0, 1, 0, 1, CPU), compression, 60.0)
     objects = TrainingObjects(
         model=net,
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
