@@ -3,6 +3,7 @@
 ``fit(df)`` runs four steps: validate every input (no Spark job yet) -> materialize the
 selected columns to Parquet in the store (reused when already there) -> run one barrier
 job of ``num_proc`` training tasks -> build a TorchModel from rank 0's result in the store.
+The seconds of each step go into the model's training summary (``fit_seconds``).
 Subclasses say what their executors train with: the objects pickled for them
 (``_check_training``), the callbacks they accept, and the executor loop (``_TRAINER``).
 """
@@ -13,6 +14,8 @@ import functools
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NamedTuple
 
 from pyspark.ml import Estimator
@@ -53,6 +56,35 @@ class _Checked(NamedTuple):
     loader: LoaderSpec
 
 
+class _Clock:
+    """The seconds of a fit's steps, as its training summary reports them."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = time.perf_counter() - start
+
+    def report(self, summaries: list[dict]) -> dict[str, float]:
+        """Seconds of: validation; dataset (materialized, found in the store, or described
+        from the given Parquet); launch (the training job less the ranks' training: Spark
+        scheduling, process group, the ranks' set-up and teardown); training (the longest
+        rank's loop); result (the rest: the run's manifest before the job, reading the
+        result and building the model after it); total. Rounded to ms."""
+        job = self.seconds.pop("job")
+        training = max((s.get("seconds", 0.0) for s in summaries), default=0.0)
+        out = {**self.seconds, "launch": max(0.0, job - training), "training": training}
+        out["result"] = time.perf_counter() - self.started - sum(out.values())
+        out["total"] = time.perf_counter() - self.started
+        return {k: round(v, 3) for k, v in out.items()}
+
+
 class StoreEstimator(Estimator, MLReadable, MLWritable):
     """Base of the estimators that train through a Store; not used directly."""
 
@@ -78,9 +110,12 @@ class StoreEstimator(Estimator, MLReadable, MLWritable):
 
     # -- fit -----------------------------------------------------------------------------
     def _fit(self, dataset: DataFrame) -> TorchModel:
-        checked = self._validate(dataset.sparkSession, dataset)
-        data = self._materialize(dataset, checked)
-        return self._train(dataset.sparkSession, data, checked)
+        clock = _Clock()
+        with clock("validation"):
+            checked = self._validate(dataset.sparkSession, dataset)
+        with clock("dataset"):
+            data = self._materialize(dataset, checked)
+        return self._train(dataset.sparkSession, data, checked, clock)
 
     def materialize(self, dataset: DataFrame) -> str:
         """Write ``dataset``'s selected columns to Parquet in the store (or find them there)
@@ -101,21 +136,23 @@ class StoreEstimator(Estimator, MLReadable, MLWritable):
         """
         if params:
             return self.copy(params).fit_on_parquet(path, validation_path)
-        spark = SparkSession.active()
-        checked = self._validate(spark, None)
-        data = parquet_dataset(
-            checked.store,
-            path,
-            validation_path,
-            self.getFeatureCols(),
-            self.getLabelCols(),
-            self.getDtype(),
-            self.getValidation(),
-            self._sample_weight_col(),
-            self.getInputShapes(),
-        )
+        spark, clock = SparkSession.active(), _Clock()
+        with clock("validation"):
+            checked = self._validate(spark, None)
+        with clock("dataset"):
+            data = parquet_dataset(
+                checked.store,
+                path,
+                validation_path,
+                self.getFeatureCols(),
+                self.getLabelCols(),
+                self.getDtype(),
+                self.getValidation(),
+                self._sample_weight_col(),
+                self.getInputShapes(),
+            )
         self._check_callbacks(has_validation=data.rows("validation") > 0)
-        return self._train(spark, data, checked)
+        return self._train(spark, data, checked, clock)
 
     def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
         options = WriteOptions(
@@ -135,7 +172,7 @@ class StoreEstimator(Estimator, MLReadable, MLWritable):
             self.getInputShapes(),
         )
 
-    def _train(self, spark, data: DatasetInfo, checked: _Checked) -> TorchModel:
+    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
         store, training = checked.store, checked.training
         run_id = self.getRunId() or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         manifest = {**training.manifest, **run_manifest.data_fields(data)}
@@ -157,7 +194,8 @@ class StoreEstimator(Estimator, MLReadable, MLWritable):
             launch_id=uuid.uuid4().hex,
             trainer=self._TRAINER,
         )
-        summaries = self._launch(spark, spec, checked.num_proc)
+        with clock("job"):
+            summaries = self._launch(spark, spec, checked.num_proc)
         store.write_json(store.join("runs", run_id, "ranks.json"), summaries)
         digests = {s["weights_digest"] for s in summaries}
         if len(digests) != 1:
@@ -182,7 +220,11 @@ class StoreEstimator(Estimator, MLReadable, MLWritable):
             history=result["history"],
             output_shapes=result["output_shapes"],
             run_id=run_id,
-            training_summary=result["summary"],
+            training_summary={
+                **result["summary"],
+                "dataset_reused": data.reused,
+                "fit_seconds": clock.report(summaries),
+            },
         )
         if self.getMlflowLogging():
             mlflow_log.log_fit(self, fitted)

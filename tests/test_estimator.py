@@ -108,6 +108,16 @@ def test_refit_reuses_the_materialized_data(digits_fit):
     assert store.fs.glob(store.join("datasets", "*", "_meta.json")) == meta
     assert store.fs.modified(meta[0]) == before
     assert len(again.getHistory()) == 1
+    # the fits' own account of their time: the steps add up to the total
+    first, second = model.getTrainingSummary(), again.getTrainingSummary()
+    assert (first["dataset_reused"], second["dataset_reused"]) == (False, True)
+    steps = ["validation", "dataset", "launch", "training", "result"]
+    for fitted in model, again:
+        seconds = fitted.getTrainingSummary()["fit_seconds"]
+        assert set(seconds) == {*steps, "total"} and min(seconds.values()) >= 0
+        assert sum(seconds[s] for s in steps) == pytest.approx(seconds["total"], abs=0.01)
+        assert seconds["training"] == max(r["seconds"] for r in ranks(store, fitted))
+    assert second["fit_seconds"]["dataset"] < first["fit_seconds"]["dataset"]
 
 
 def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, store):

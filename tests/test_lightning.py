@@ -129,6 +129,11 @@ def test_both_ranks_trained_their_shards_and_rank_zero_checkpointed_every_epoch(
     assert len({r["weights_digest"] for r in ranks}) == 1
     assert len({r["pid"] for r in ranks}) == 2
     assert abs(ranks[0]["train_rows"] - ranks[1]["train_rows"]) <= 1
+    # two CPU processes of one host: the gradients went through shared memory, every step
+    for r in ranks:
+        steps = 6 * r["steps_per_epoch"]
+        assert r["gradient_path"] == "shared memory"
+        assert r["gradient_allreduces"] and r["gradient_allreduces"] % steps == 0
     assert store.checkpoint_epochs("lightning-digits") == [1, 2, 3, 4, 5, 6]
     saved = state_from_bytes(store.read_bytes(store.checkpoint_path("lightning-digits", 6)))
     assert saved["epoch"] == 5  # Lightning counts from 0

@@ -68,12 +68,18 @@ def wrap_model(
         state = CompressionState(torch_dtype(PRECISION_DTYPES[compression]))
         ddp.register_comm_hook(state, compressed_allreduce)
         return ddp, state
-    if device.type != "cpu" or not 1 < info.world_size == info.local_size:
-        return ddp, None
-    shared = SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
+    shared = open_shared_memory(info, timeout_s)
     if shared is not None:
         ddp.register_comm_hook(shared, shared_memory_allreduce)
     return ddp, shared
+
+
+def open_shared_memory(info: RankInfo, timeout_s: float) -> SharedMemoryAllreduce | None:
+    """The shared-memory allreduce when every rank is a CPU process on this host and all
+    can map it, else None (on every rank: a collective whenever the ranks qualify)."""
+    if info.device.type != "cpu" or not 1 < info.world_size == info.local_size:
+        return None
+    return SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
 
 
 def gradient_path(state: "CompressionState | SharedMemoryAllreduce | None") -> str:

@@ -15,6 +15,9 @@ Lightning comes as two packages with separate class hierarchies, ``lightning.pyt
   epoch's record into the history (the training_step losses and everything logged per
   epoch, averaged over ranks), writes the epoch's checkpoint to the store, and carries the
   run's own state (history, data position) inside Lightning's checkpoint.
+- ``SharedMemoryGradients``: a callback that gives the DDP model the shared-memory
+  gradient allreduce (``ddp.py``) when every rank is a CPU process on one host. Lightning's
+  own ``ddp_comm_hook`` option registers hooks on CUDA only.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.distributed as dist
 from ..serialization import state_from_bytes, state_to_bytes
 from ..store import Store
 from .checkpoints import Checkpoints
+from .ddp import shared_memory_allreduce
 from .resume import seed_epoch
 from .run_log import FLUSH_S
 from .tensorboard import TensorBoardLog
@@ -273,7 +277,14 @@ def lightning_parts(pl):
                 last=last,
             )
 
-    return TaskEnvironment, StoreCheckpointIO, EpochRecorder
+    class SharedMemoryGradients(pl.Callback):
+        def __init__(self, shared):
+            self.shared = shared
+
+        def on_train_start(self, trainer, pl_module) -> None:  # DDP wraps the module by now
+            trainer.strategy.model.register_comm_hook(self.shared, shared_memory_allreduce)
+
+    return TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients
 
 
 def _batch_rows(batch) -> int:

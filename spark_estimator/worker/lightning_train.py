@@ -27,6 +27,7 @@ import torch
 from ..serialization import loads, state_dict_digest, state_to_bytes
 from ..spec import TrainSpec
 from .batch import Batch
+from .ddp import gradient_path, open_shared_memory
 from .lightning_hooks import fsspec_defaults, lightning_package, lightning_parts, url
 from .loader import open_loader
 from .loss import as_outputs
@@ -66,7 +67,7 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
     objects = loads(spec.bundle)
     module = objects["model"]
     pl = lightning_package(module)
-    TaskEnvironment, StoreCheckpointIO, EpochRecorder = lightning_parts(pl)
+    TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients = lightning_parts(pl)
     rank, world, device = info.rank, info.world_size, info.device
     store, run_id = spec.store, spec.run_id
     recorder = EpochRecorder(
@@ -113,6 +114,9 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
 
     resume_epoch = agree_on_checkpoint(checkpoints, rank, device)
     callbacks = list(objects.get("callbacks") or [])
+    shared = open_shared_memory(info, spec.collective_timeout)
+    if shared is not None:
+        callbacks.append(SharedMemoryGradients(shared))
     trainer = pl.Trainer(
         **{**DEFAULTS, **(objects.get("trainer_args") or {})},
         accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -133,6 +137,8 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
     finally:
         if stream is not None:
             stream.close()
+        if shared is not None:
+            shared.close()
     module = module.cpu()
     weights = {k: v.detach().to("cpu") for k, v in module.state_dict().items()}
     if rank == 0:
@@ -153,6 +159,8 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
         "host": socket.gethostname(),
         "device": str(device),
         "device_note": info.device_note,
+        "gradient_path": gradient_path(shared),
+        "gradient_allreduces": shared.calls if shared else None,
         "train_rows": train_loader.rows,
         "validation_rows": spec.data.rows("validation"),
         "steps_per_epoch": steps_per_epoch,
