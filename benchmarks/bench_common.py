@@ -8,8 +8,9 @@
   for the hand-written baselines.
 - ``spark_session``: a local Spark whose executors run this interpreter.
 - ``fit_phases``: times ``TorchEstimator``'s own steps (validate, materialize, the barrier
-  job, the fit's end) by wrapping its private methods for the duration of a ``with`` block;
-  the library has no phase timings of its own. ``rank_timings`` reads the ranks' training
+  job, the fit's end) by wrapping its private methods for the duration of a ``with`` block:
+  measured from the outside, independently of the ``fit_seconds`` the library reports in a
+  model's training summary (the same split, taken by the fit itself). ``rank_timings`` reads the ranks' training
   time (``runs/<run_id>/ranks.json``) and, from the checkpoint files' modification times,
   the end of each epoch.
 - ``machine`` and ``record``: the machine, library versions and date, and the results file,
