@@ -39,7 +39,8 @@ from ..failures import SHM_TAG
 
 SLOT_BYTES = 1 << 20  # per rank and set of slots: 2 x world x 1 MiB in all
 LIVENESS_S = 0.5  # how often a waiting rank checks that its peers still live
-_HEADER_WORDS = 4  # magic, world size, slot bytes, reserved; then arrive, done, pid per rank
+# the file: a header of int64 words, per rank its arrive and done sequence numbers and its
+# pid (padded to a page), then two sets of one slot per rank
 _SPIN = 200  # waits that only yield the CPU before sleeping between checks
 
 
@@ -57,10 +58,12 @@ class SharedMemoryAllreduce:
     def __init__(self, mapped: mmap.mmap, rank: int, world: int, timeout_s: float):
         self.mapped, self.rank, self.world, self.timeout_s = mapped, rank, world, timeout_s
         header_bytes = _header_bytes(world)
-        words = np.frombuffer(mapped, dtype=np.int64, count=header_bytes // 8)
-        self.arrive = words[_HEADER_WORDS : _HEADER_WORDS + world]
-        self.done = words[_HEADER_WORDS + world : _HEADER_WORDS + 2 * world]
-        self.pids = words[_HEADER_WORDS + 2 * world : _HEADER_WORDS + 3 * world]
+        words = np.frombuffer(mapped, dtype=np.int64, count=3 * world)
+        self.arrive, self.done, self.pids = (
+            words[:world],
+            words[world : 2 * world],
+            words[2 * world :],
+        )
         data = torch.frombuffer(mapped, dtype=torch.uint8, offset=header_bytes)
         self.slots = data.view(2, world, SLOT_BYTES)
         self.sequence = 0  # chunks exchanged so far, the same on every rank
@@ -161,7 +164,7 @@ class SharedMemoryAllreduce:
 
 
 def _header_bytes(world: int) -> int:
-    return -(-8 * (_HEADER_WORDS + 3 * world) // 4096) * 4096
+    return -(-8 * 3 * world // 4096) * 4096
 
 
 def _map(path: str, rank: int, world: int) -> mmap.mmap | None:
@@ -187,15 +190,15 @@ def _map(path: str, rank: int, world: int) -> mmap.mmap | None:
             os.close(fd)
     except OSError:
         return None
-    words = np.frombuffer(mapped, dtype=np.int64, count=_HEADER_WORDS + 3 * world)
-    words[_HEADER_WORDS + 2 * world + rank] = os.getpid()
+    words = np.frombuffer(mapped, dtype=np.int64, count=3 * world)
+    words[2 * world + rank] = os.getpid()
     del words
     return mapped
 
 
 def _peers_visible(mapped: mmap.mmap, world: int) -> bool:
-    words = np.frombuffer(mapped, dtype=np.int64, count=_HEADER_WORDS + 3 * world)
-    return all(_alive(int(pid)) for pid in words[_HEADER_WORDS + 2 * world :])
+    words = np.frombuffer(mapped, dtype=np.int64, count=3 * world)
+    return all(_alive(int(pid)) for pid in words[2 * world :])
 
 
 def _alive(pid: int) -> bool:
