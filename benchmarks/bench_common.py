@@ -10,9 +10,9 @@
 - ``fit_phases``: times ``TorchEstimator``'s own steps (validate, materialize, the barrier
   job, the fit's end) by wrapping its private methods for the duration of a ``with`` block:
   measured from the outside, independently of the ``fit_seconds`` the library reports in a
-  model's training summary (the same split, taken by the fit itself). ``rank_timings`` reads the ranks' training
-  time (``runs/<run_id>/ranks.json``) and, from the checkpoint files' modification times,
-  the end of each epoch.
+  model's training summary (the same split, taken by the fit itself). ``rank_timings``
+  reads the ranks' training time (``runs/<run_id>/ranks.json``) and, from the checkpoint
+  files' modification times, the end of each epoch.
 - ``machine`` and ``record``: the machine, library versions and date, and the results file,
   one section per stack (virtual environment), as ``loader_benchmark.py`` writes them.
 
