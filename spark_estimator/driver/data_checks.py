@@ -4,9 +4,8 @@
 (``worker/column_stats.py``), so the data is not read twice: per column its null rows;
 per array column its null elements and min/max length; per feature and float label its
 NaN and infinite values. ``check_observed`` turns the merged counts into the error naming
-the column, and ``check_row_lengths``
-checks ``input_shapes`` against the row lengths (also for a dataset reused from the store,
-whose ``_meta.json`` records them).
+the column, and ``check_row_lengths`` checks ``input_shapes`` against the row lengths (also
+for a dataset reused from the store, whose ``_meta.json`` records them).
 """
 
 from __future__ import annotations
