@@ -38,7 +38,8 @@ def _tensors(rank: int) -> list[torch.Tensor]:
 def _average(rank: int, folder: str) -> None:
     _join(rank, folder)
     shared = SharedMemoryAllreduce.open(rank, WORLD, timeout_s=60)
-    files = [f for f in os.listdir("/dev/shm") if f.startswith("spark-estimator-")]
+    mine = f"spark-estimator-{os.getpid()}-"  # rank 0 names the file after its pid
+    files = [f for f in os.listdir("/dev/shm") if f.startswith(mine)]
     averaged = [shared.average_(t) for t in _tensors(rank)]
     expected = []
     for t in _tensors(rank):
