@@ -13,6 +13,8 @@
   model's training summary (the same split, taken by the fit itself). ``rank_timings``
   reads the ranks' training time (``runs/<run_id>/ranks.json``) and, from the checkpoint
   files' modification times, the end of each epoch.
+- ``timed_fit``: one fit with its wall time, ``fit_phases`` and ``rank_timings``, as the
+  scripts that time fits take it.
 - ``machine`` and ``record``: the machine, library versions and date, and the results file,
   one section per stack (virtual environment), as ``loader_benchmark.py`` writes them.
 
@@ -246,6 +248,17 @@ def fit_phases() -> Iterator[dict]:
                 delattr(TorchEstimator, name)
 
 
+def timed_fit(est, df, store) -> dict:
+    """One ``est.fit(df)`` timed from the outside: the ``model``, its wall time ``total``,
+    the wrapped methods' seconds ``times`` (``fit_phases``), and ``train_s`` and
+    ``epoch_s`` from the store (``rank_timings``)."""
+    with fit_phases() as times:
+        start = time.perf_counter()
+        model = est.fit(df)
+        total = time.perf_counter() - start
+    return {"model": model, "total": total, "times": times, **rank_timings(store, model.getRunId())}
+
+
 def rank_timings(store, run_id: str) -> dict:
     """What a local store tells about a finished run's time: ``train_s``, the longest rank's
     training time (``seconds`` in ranks.json: from the end of the rank's setup, loaders
@@ -402,17 +415,23 @@ def record(
         folder = SMALL_RESULTS
         print(f"(a smaller job than the full one: results go to {folder}, not {RESULTS})")
     path = folder / f"{name}.md"
+    replace_section(path, header, venv, section)
+    for filename, data in dict(extra).items():
+        (folder / filename).write_bytes(data)
+    print(f"written to {path}")
+    return path
+
+
+def replace_section(path: Path, header: str, key: str, section: str) -> None:
+    """Write ``section`` as the ``key`` section of results file ``path`` under ``header``,
+    keeping the file's other sections."""
     sections: dict[str, str] = {}
     if path.exists():
         found = re.findall(
             r"<!-- section: (.+?) -->\n(.*?)<!-- end section -->\n", path.read_text(), re.S
         )
         sections = dict(found)
-    sections[venv] = section
+    sections[key] = section
     body = "".join(f"<!-- section: {k} -->\n{v}<!-- end section -->\n" for k, v in sections.items())
-    folder.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + "\n" + body)
-    for filename, data in dict(extra).items():
-        (folder / filename).write_bytes(data)
-    print(f"written to {path}")
-    return path

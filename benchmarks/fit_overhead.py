@@ -106,17 +106,13 @@ def phases(times: dict, total: float, train_s: float | None) -> dict:
 
 
 def timed_fit(est, df, store) -> dict:
-    with bc.fit_phases() as times:
-        start = time.perf_counter()
-        model = est.fit(df)
-        total = time.perf_counter() - start
-    ranks = bc.rank_timings(store, model.getRunId())
-    history = model.getHistory()
+    fit = bc.timed_fit(est, df, store)
+    history = fit["model"].getHistory()
     return {
-        "total": total,
-        "phases": phases(times, total, ranks["train_s"]),
-        "epoch_s": ranks["epoch_s"],
-        "reused": times.get("reused"),
+        "total": fit["total"],
+        "phases": phases(fit["times"], fit["total"], fit["train_s"]),
+        "epoch_s": fit["epoch_s"],
+        "reused": fit["times"].get("reused"),
         "loss": history[-1]["train"]["loss"] if history else None,
     }
 

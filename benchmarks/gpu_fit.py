@@ -163,10 +163,8 @@ def main() -> int:
         est.materialize(df)
         materialize_s = time.perf_counter() - start
         for r in range(args.repeats):
-            start = time.perf_counter()
-            model = est.fit(df)
-            total = time.perf_counter() - start
-            train_s = bc.rank_timings(store, model.getRunId())["train_s"]
+            fit = bc.timed_fit(est, df, store)
+            model, total, train_s = fit["model"], fit["total"], fit["train_s"]
             ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
             devices |= {r["device"] for r in ranks}
             fits.append({"total": total, "train_s": train_s})

@@ -36,7 +36,6 @@ import datetime
 import io
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -296,16 +295,7 @@ def section(env: dict, args, info: DatasetInfo, results: list[tuple[str, dict | 
 
 def write_results(text: str, venv: str) -> None:
     """Replace this stack's section in the results file, keep the others, refresh the header."""
-    sections: dict[str, str] = {}
-    if RESULTS.exists():
-        found = re.findall(
-            r"<!-- section: (.+?) -->\n(.*?)<!-- end section -->\n", RESULTS.read_text(), re.S
-        )
-        sections = dict(found)
-    sections[venv] = text
-    body = "".join(f"<!-- section: {k} -->\n{v}<!-- end section -->\n" for k, v in sections.items())
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(HEADER + "\n" + body)
+    bc.replace_section(RESULTS, HEADER, venv, text)
 
 
 def main() -> None:

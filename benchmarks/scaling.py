@@ -152,14 +152,10 @@ def main() -> None:
                 runs = []
                 for _ in range(args.repeats):
                     contended += not bc.wait_quiet(args.quiet_timeout)
-                    with bc.fit_phases() as times:
-                        start = time.perf_counter()
-                        model = est.fit(df)
-                        total = time.perf_counter() - start
-                    train_s = bc.rank_timings(store, model.getRunId())["train_s"]
-                    if not times.get("reused", True):
+                    fit = bc.timed_fit(est, df, store)
+                    if not fit["times"].get("reused", True):
                         print("note: this fit wrote its dataset again (expected to reuse it)")
-                    runs.append({"train_s": train_s, "total": total})
+                    runs.append({"train_s": fit["train_s"], "total": fit["total"]})
                 best = min(runs, key=lambda r: r["train_s"])
                 samples = args.rows * args.epochs
                 results[mode][n] = {

@@ -164,19 +164,15 @@ def ours(df, args, store_root: str, epochs: int) -> dict:
     try:
         store = Store.create(folder)
         est = bc.estimator(store, num_proc=2, batch_size=bc.GLOBAL_BATCH // 2, epochs=epochs)
-        with bc.fit_phases() as times:
-            start = time.perf_counter()
-            model = est.fit(df)
-            total = time.perf_counter() - start
-        train_s = bc.rank_timings(store, model.getRunId())["train_s"]
-        history = model.getHistory()
+        fit = bc.timed_fit(est, df, store)
+        history = fit["model"].getHistory()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {
-        "total": total,
-        "materialization": times.get("_materialize"),
-        "training job": times.get("_launch"),
-        "of which the loop": train_s,
+        "total": fit["total"],
+        "materialization": fit["times"].get("_materialize"),
+        "training job": fit["times"].get("_launch"),
+        "of which the loop": fit["train_s"],
         "loss": history[-1]["train"]["loss"] if history else None,
     }
 
