@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from pyspark.ml import Estimator
-from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame, SparkSession
 
 from .driver import mlflow_log, run_manifest, validate
@@ -29,7 +28,7 @@ from .driver.monitor import FitMonitor
 from .driver.parquet_dataset import parquet_dataset
 from .failures import TrainingError, failure_path, read_failure
 from .model import TorchModel
-from .persistence import ObjectParamsReader, ObjectParamsWriter
+from .persistence import ObjectParamsReadWrite
 from .serialization import loads, state_from_bytes
 from .spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
 from .store import Store
@@ -80,12 +79,13 @@ class _Clock:
         job = self.seconds.pop("job")
         training = max((s.get("seconds", 0.0) for s in summaries), default=0.0)
         out = {**self.seconds, "launch": max(0.0, job - training), "training": training}
-        out["result"] = time.perf_counter() - self.started - sum(out.values())
-        out["total"] = time.perf_counter() - self.started
+        total = time.perf_counter() - self.started
+        out["result"] = total - sum(out.values())
+        out["total"] = total
         return {k: round(v, 3) for k, v in out.items()}
 
 
-class StoreEstimator(Estimator, MLReadable, MLWritable):
+class StoreEstimator(Estimator, ObjectParamsReadWrite):
     """Base of the estimators that train through a Store; not used directly."""
 
     _BUNDLED: tuple[str, ...] = ()  # object params pickled together for the executors
@@ -342,14 +342,7 @@ class StoreEstimator(Estimator, MLReadable, MLWritable):
             "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
         }
 
-    # -- persistence ---------------------------------------------------------------------
-    def write(self) -> ObjectParamsWriter:
-        return ObjectParamsWriter(self)
-
-    @classmethod
-    def read(cls) -> ObjectParamsReader:
-        return ObjectParamsReader(cls)
-
+    # -- persistence (ObjectParamsReadWrite) -----------------------------------------------
     def _objects(self) -> dict:
         # one pickle, so the optimizer still refers to the model's parameters when loaded
         return {

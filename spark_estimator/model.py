@@ -21,20 +21,19 @@ import torch
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.util import MLReadable, MLWritable
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
 from .driver import validate
 from .params import HasModelIO, with_accessors
-from .persistence import ObjectParamsReader, ObjectParamsWriter
+from .persistence import ObjectParamsReadWrite
 from .serialization import dumps
 from .worker.predict import predict_batches
 
 
 @with_accessors
-class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
+class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
     """A trained torch module as a Spark ML Transformer, made by ``TorchEstimator.fit``.
 
     ``getHistory()`` has one dict per epoch, e.g. ``{"epoch": 1, "train": {"loss": 0.3},
@@ -175,14 +174,7 @@ class TorchModel(Model, HasModelIO, MLReadable, MLWritable):
         )
         return dataset.mapInArrow(predict, StructType(list(dataset.schema.fields) + fields))
 
-    # -- persistence ---------------------------------------------------------------------
-    def write(self) -> ObjectParamsWriter:
-        return ObjectParamsWriter(self)
-
-    @classmethod
-    def read(cls) -> ObjectParamsReader:
-        return ObjectParamsReader(cls)
-
+    # -- persistence (ObjectParamsReadWrite) -----------------------------------------------
     def _objects(self) -> dict:
         return {"model": self.getModel()} if self.isDefined("model") else {}
 

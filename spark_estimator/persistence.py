@@ -34,7 +34,7 @@ from typing import Any
 
 import fsspec
 import pyspark
-from pyspark.ml.util import DefaultParamsReader, MLReader, MLWriter
+from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
 from .params import json_params
 from .serialization import dumps_for_saving, loads_saved
@@ -153,3 +153,14 @@ class ObjectParamsReader(_FsspecOptions, MLReader):
         DefaultParamsReader.getAndSetParams(instance, metadata)
         instance._restore(objects, metadata)
         return instance
+
+
+class ObjectParamsReadWrite(MLReadable, MLWritable):
+    """Spark ML's ``write()`` and ``read()`` for a stage saved as above."""
+
+    def write(self) -> ObjectParamsWriter:
+        return ObjectParamsWriter(self)
+
+    @classmethod
+    def read(cls) -> ObjectParamsReader:
+        return ObjectParamsReader(cls)
