@@ -4,8 +4,10 @@
 #   ./dev.sh test   install and run the whole test suite: all tests on the default stack
 #                   (.venv), then the tests marked `legacy` on the petastorm stack
 #                   (.venv-legacy: pyspark 3.5, pyarrow 14, see requirements-legacy.txt)
-# With arguments, `./dev.sh test ARGS` runs pytest ARGS on the default stack only, and
-# `./dev.sh test-legacy ARGS` on the legacy stack only.
+# Without arguments the tests run in two pytest-xdist workers, each test file in one worker:
+# much of the suite's time is spent starting JVMs and Python processes, which overlap well.
+# With arguments, `./dev.sh test ARGS` runs pytest ARGS (in one process unless ARGS say
+# `-n N`) on the default stack only, and `./dev.sh test-legacy ARGS` on the legacy stack only.
 # Needs only Python 3.10+ and Java 17 on the machine.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -61,8 +63,8 @@ case "${1:-}" in
     if [[ $# -gt 0 ]]; then
       test_default "$@"
     else
-      test_default
-      test_legacy
+      test_default -n 2 --dist loadfile
+      test_legacy -n 2 --dist loadfile
     fi
     ;;
   test-legacy)

@@ -29,6 +29,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout",
+            "pytest-xdist",
             "scikit-learn",
             "ruff",
             "pyspark[connect]",
