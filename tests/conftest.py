@@ -42,6 +42,8 @@ def spark_session(master: str) -> SparkSession:
         .config("spark.driver.memory", "2g")
         .getOrCreate()
     )
+    # getOrCreate returns a running session whatever its master: none may run here
+    assert session.sparkContext.master == master, session.sparkContext.master
     session.sparkContext.setLogLevel("ERROR")
     _current[master] = session
     return session
