@@ -4,11 +4,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import write_id_dataset
 
 from spark_estimator import Store
 from spark_estimator.worker.arrow_reader import ArrowReader
 from spark_estimator.worker.shards import Piece, shard_pieces
+from tests.conftest import write_id_dataset
 
 
 def test_chunks_follow_the_piece_order_with_slices(tmp_path, store):

@@ -1,11 +1,11 @@
 import numpy as np
 import pytest
 import torch
-from conftest import write_id_dataset
 
 from spark_estimator.spec import LoaderSpec, TrainSpec
 from spark_estimator.worker.loader import buffered_batches, open_loader
 from spark_estimator.worker.shards import StepPlan
+from tests.conftest import write_id_dataset
 
 
 def train_spec(data, store, seed=0, **loader) -> TrainSpec:

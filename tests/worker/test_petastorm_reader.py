@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-from conftest import write_id_dataset
 
 from spark_estimator.worker.arrow_reader import ArrowReader
 from spark_estimator.worker.petastorm_reader import PetastormReader, require_petastorm
 from spark_estimator.worker.shards import StepPlan, shard_pieces
+from tests.conftest import write_id_dataset
 
 try:
     require_petastorm()
