@@ -1,3 +1,4 @@
+import itertools
 import threading
 
 import numpy as np
@@ -58,8 +59,16 @@ def test_reads_through_fsspec_for_non_local_stores():
 def test_reads_ahead_in_num_workers_threads(tmp_path, store):
     data = write_id_dataset(tmp_path, [64], row_group_size=2)
     reader = ArrowReader(store, data.path, data.columns, num_workers=3)
+    together = threading.Barrier(3, timeout=30)
+    started, threads, read = itertools.count(), set(), reader.read
+
+    def read_in_step(piece):
+        threads.add(threading.current_thread().name)
+        if next(started) < 3:  # the first three reads end only once all three have begun
+            together.wait()
+        return read(piece)
+
+    reader.read = read_in_step
     stream = reader.chunks(shard_pieces(data.files["train"], 1, 0))
-    next(stream)
-    readers = [t for t in threading.enumerate() if t.name.startswith("spark-estimator-read")]
-    assert len(readers) == 3
-    assert sum(len(c["y"]) for c in stream) == 62
+    assert sum(len(c["y"]) for c in stream) == 64
+    assert len(threads) == 3 and all(t.startswith("spark-estimator-read") for t in threads)
