@@ -50,7 +50,7 @@ def test_petastorm_reads_the_same_pieces_as_arrow(tmp_path, store):
 
 @needs_petastorm
 def test_petastorm_loader_gives_exact_seeded_epochs(tmp_path, store):
-    from test_loader import epoch_ids, train_spec
+    from tests.worker.test_loader import epoch_ids, train_spec
 
     data = write_id_dataset(tmp_path, [10, 1, 12], row_group_size=4)
     spec = train_spec(data, store, reader="petastorm", shuffle_buffer_size=6, seed=3)
