@@ -50,7 +50,8 @@ def spark_session(master: str) -> SparkSession:
 
 
 def pytest_collection_modifyitems(items):
-    """Run the local-cluster tests last, so the JVM is switched once; ship test code by value.
+    """Run the local-cluster tests last (in two xdist workers: each file's last), so the JVM
+    is switched rarely; ship test code by value.
 
     Test modules are not importable in Spark's Python workers, so functions and classes
     defined in them are pickled by value, as user code in ``__main__`` or a notebook is.
