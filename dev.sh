@@ -12,6 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
+WORKERS=(-n 2 --dist loadfile)  # the whole suite's pytest-xdist workers (see above)
 
 # install VENV RECIPE FILES...: (re)create VENV when the hash of FILES changed
 install() {
@@ -63,8 +64,8 @@ case "${1:-}" in
     if [[ $# -gt 0 ]]; then
       test_default "$@"
     else
-      test_default -n 2 --dist loadfile
-      test_legacy -n 2 --dist loadfile
+      test_default "${WORKERS[@]}"
+      test_legacy "${WORKERS[@]}"
     fi
     ;;
   test-legacy)

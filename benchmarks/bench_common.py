@@ -250,8 +250,8 @@ def fit_phases() -> Iterator[dict]:
 
 def timed_fit(est, df, store) -> dict:
     """One ``est.fit(df)`` timed from the outside: the ``model``, its wall time ``total``,
-    the wrapped methods' seconds ``times`` (``fit_phases``), and ``train_s`` and
-    ``epoch_s`` from the store (``rank_timings``)."""
+    the wrapped methods' seconds ``times`` (``fit_phases``), and ``train_s``, ``epoch_s``
+    and the ranks' summaries ``ranks`` from the store (``rank_timings``)."""
     with fit_phases() as times:
         start = time.perf_counter()
         model = est.fit(df)
@@ -265,11 +265,12 @@ def rank_timings(store, run_id: str) -> dict:
     opened, to its summary, after rank 0 wrote the result), and ``epoch_s``, each epoch's
     seconds on rank 0 (differences of the checkpoints' modification times, the first counted
     from the start of rank 0's training time, i.e. result.pt's time less its ``seconds``);
-    ``None`` where the store does not say."""
+    ``None`` where the store does not say; and ``ranks``, ranks.json itself."""
     ranks = store.read_json(store.join("runs", run_id, "ranks.json"))
     seconds = [r.get("seconds") for r in ranks]
     known = all(isinstance(s, (int, float)) for s in seconds)
-    out: dict = {"train_s": max(seconds) if known and seconds else None, "epoch_s": None}
+    train_s = max(seconds) if known and seconds else None
+    out: dict = {"train_s": train_s, "epoch_s": None, "ranks": ranks}
     rank0 = next((r for r in ranks if r.get("rank") == 0 and "seconds" in r), None)
     result = store.result_path(run_id)
     epochs = store.checkpoint_epochs(run_id)
