@@ -23,6 +23,10 @@ Credentials are never saved: a ``Store`` in the objects is pickled without its
 only the store's URL.
 
 ``save(path)`` refuses an existing path; ``write().overwrite().save(path)`` replaces it.
+Either way the stage is written whole into a hidden sibling folder first and then moved to
+``path``, and an existing stage is moved aside only once its replacement is complete, so a
+save that fails (an object that cannot be pickled, a full disk) or is killed never leaves a
+half-written stage at ``path`` and never loses the one that was there.
 """
 
 from __future__ import annotations
@@ -30,20 +34,24 @@ from __future__ import annotations
 import json
 import posixpath
 import time
+import uuid
 from typing import Any
 
 import fsspec
 import pyspark
+from fsspec.implementations.local import LocalFileSystem
 from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritable, MLWriter
 
 from .params import json_params
 from .serialization import dumps_for_saving, loads_saved
+from .store import TEMPORARY_PREFIX
 
 OBJECTS_FILE = "objects.pkl"
 WEIGHTS_FILE = "weights.pt"
 METADATA_DIR = "metadata"
 METADATA_FILE = "part-00000"  # Spark's text writer's name, as pyspark reads any part file
 SUCCESS_FILE = "_SUCCESS"
+REPLACED_PREFIX = ".replaced-"  # an overwritten stage, removed once its replacement is in place
 
 
 def metadata_json(instance, extra: dict) -> str:
@@ -103,20 +111,27 @@ class ObjectParamsWriter(_FsspecOptions, MLWriter):
         self.instance = instance
 
     def save(self, path: str) -> None:
-        """Refuse an existing ``path`` unless ``overwrite()``; then replace it (with
-        fsspec, not Spark's Hadoop filesystem)."""
+        """Refuse an existing ``path`` unless ``overwrite()``; write the stage beside it, then
+        move it into place (with fsspec, not Spark's Hadoop filesystem)."""
         fs, fs_path = self._fs(path)
-        if fs.exists(fs_path):
-            if not self.shouldOverwrite:
-                raise FileExistsError(
-                    f"path: '{path}' already exists; use stage.write().overwrite().save(path) "
-                    "to replace it"
-                )
-            fs.rm(fs_path, recursive=True)
-        self.saveImpl(path)
+        existed = fs.exists(fs_path)
+        if existed and not self.shouldOverwrite:
+            raise FileExistsError(
+                f"path: '{path}' already exists; use stage.write().overwrite().save(path) "
+                "to replace it"
+            )
+        staging = sibling(fs_path, TEMPORARY_PREFIX)
+        try:
+            self._write_stage(fs, staging)
+            move_into_place(fs, staging, fs_path, existed)
+        finally:
+            if fs.exists(staging):
+                fs.rm(staging, recursive=True)
 
     def saveImpl(self, path: str) -> None:
-        fs, fs_path = self._fs(path)
+        self._write_stage(*self._fs(path))
+
+    def _write_stage(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
         weights = self.instance._weights() if hasattr(self.instance, "_weights") else None
         objects, weights_file = dumps_for_saving(
             self.instance._objects(), type(self.instance).__name__, weights
@@ -127,6 +142,54 @@ class ObjectParamsWriter(_FsspecOptions, MLWriter):
             fs.pipe_file(posixpath.join(fs_path, WEIGHTS_FILE), weights_file)
         fs.pipe_file(posixpath.join(fs_path, OBJECTS_FILE), objects)
         write_metadata(fs, fs_path, line)  # last: a stage without it is refused by load
+
+
+def sibling(fs_path: str, prefix: str) -> str:
+    """A fresh hidden name beside ``fs_path``: ``<prefix><id>-<name>``."""
+    parent, name = posixpath.split(fs_path.rstrip("/"))
+    return posixpath.join(parent, f"{prefix}{uuid.uuid4().hex}-{name}")
+
+
+def move_into_place(
+    fs: fsspec.AbstractFileSystem, staging: str, fs_path: str, existed: bool
+) -> None:
+    """Move the complete stage ``staging`` to ``fs_path``. An existing stage there is moved
+    aside first and removed only after the move; if the move fails, it is moved back.
+
+    On a local filesystem each move is one rename. On an object store a move is a copy of
+    each file and a delete, so a stage being replaced there is briefly absent (or, if the
+    process dies in that moment, left complete at ``.replaced-<id>-<name>`` beside it).
+    """
+    replaced = sibling(fs_path, REPLACED_PREFIX) if existed else None
+    if replaced:
+        move_folder(fs, fs_path, replaced)
+    try:
+        move_folder(fs, staging, fs_path)
+    except BaseException:
+        if replaced:
+            if fs.exists(fs_path):  # part of the new stage, copied to an object store
+                fs.rm(fs_path, recursive=True)
+            move_folder(fs, replaced, fs_path)
+        raise
+    if replaced:
+        fs.rm(replaced, recursive=True)
+
+
+def move_folder(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
+    """Move the stage folder ``source`` to ``target``, which does not exist: one rename on a
+    local filesystem; elsewhere (object stores, where a folder is a key prefix and fsspec's
+    folder moves differ between implementations) a copy of each file, ``metadata/`` last,
+    then the removal of ``source``."""
+    if isinstance(fs, LocalFileSystem):
+        fs.mv(source, target)
+        return
+    names = sorted(
+        (posixpath.relpath(path, source) for path in fs.find(source)),
+        key=lambda name: name.startswith(METADATA_DIR + "/"),
+    )
+    for name in names:
+        fs.copy(posixpath.join(source, name), posixpath.join(target, name))
+    fs.rm(source, recursive=True)
 
 
 class ObjectParamsReader(_FsspecOptions, MLReader):

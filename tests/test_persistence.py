@@ -5,12 +5,15 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
+from pathlib import Path
 
+import fsspec
 import pytest
 import torch
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter
 
-from spark_estimator import TorchModel
+from spark_estimator import TorchModel, persistence
 from spark_estimator.params import json_params
 from spark_estimator.persistence import OBJECTS_FILE
 
@@ -61,6 +64,68 @@ def test_a_save_interrupted_before_its_metadata_is_refused(tmp_path):
     assert (path / OBJECTS_FILE).exists()
     with pytest.raises(FileNotFoundError, match="holds no saved Spark ML stage"):
         TorchModel.load(str(path))
+
+
+def saved_features(path) -> list[str]:
+    return TorchModel.load(str(path)).getFeatureCols()
+
+
+def test_an_overwrite_that_fails_keeps_the_saved_stage_and_leaves_nothing_beside_it(tmp_path):
+    path = tmp_path / "model"
+    small_model().save(str(path))
+    broken = TorchModel(model=torch.nn.Linear(3, 1), feature_cols=["other"])
+    broken.getModel().lock = threading.Lock()  # cannot be pickled
+    with pytest.raises(TypeError, match="TorchModel: cannot be serialized"):
+        broken.write().overwrite().save(str(path))
+    assert saved_features(path) == ["x"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_the_saved_stage_stays_until_its_replacement_is_complete(tmp_path, monkeypatch):
+    path = tmp_path / "model"
+    small_model().save(str(path))
+    seen_while_writing = []
+    write_metadata = persistence.write_metadata
+
+    def metadata_then_crash(fs, fs_path, line):
+        seen_while_writing.append(saved_features(path))
+        write_metadata(fs, fs_path, line)
+        raise KeyboardInterrupt  # the process stopped after the new stage's last file
+
+    monkeypatch.setattr(persistence, "write_metadata", metadata_then_crash)
+    replacement = TorchModel(model=torch.nn.Linear(3, 1), feature_cols=["new"])
+    with pytest.raises(KeyboardInterrupt):
+        replacement.write().overwrite().save(str(path))
+    assert seen_while_writing == [["x"]] and saved_features(path) == ["x"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+    monkeypatch.setattr(persistence, "write_metadata", write_metadata)
+    replacement.write().overwrite().save(str(path))
+    assert saved_features(path) == ["new"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_a_move_into_place_that_fails_puts_the_earlier_stage_back(tmp_path, monkeypatch):
+    path = tmp_path / "model"
+    small_model().save(str(path))
+    fs_type = type(fsspec.filesystem("file"))
+    mv = fs_type.mv
+    moves = []
+
+    def mv_failing_for_the_new_stage(self, path1, path2, **kwargs):
+        moves.append((Path(path1).name.split("-")[0], Path(path2).name.split("-")[0]))
+        if Path(path1).name.startswith(".tmp-"):
+            (Path(path2) / "metadata").mkdir(parents=True)  # what a partial copy could leave
+            raise OSError("injected: the move of the new stage failed")
+        return mv(self, path1, path2, **kwargs)
+
+    monkeypatch.setattr(fs_type, "mv", mv_failing_for_the_new_stage)
+    replacement = TorchModel(model=torch.nn.Linear(3, 1), feature_cols=["new"])
+    with pytest.raises(OSError, match="injected"):
+        replacement.write().overwrite().save(str(path))
+    assert moves == [("model", ".replaced"), (".tmp", "model"), (".replaced", "model")]
+    assert saved_features(path) == ["x"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
 NO_SPARK_SCRIPT = """

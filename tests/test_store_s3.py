@@ -143,6 +143,11 @@ def test_a_fit_on_an_s3_store_and_the_models_save_and_load(spark, s3, regression
     assert fs.exists(f"{bucket}/models/regression/metadata/_SUCCESS")
     with pytest.raises(FileExistsError, match="already exists"):
         with_options(model.write(), options).save(path)
+    model.getModel().weight.data += 1.0  # load below sees the new weights
+    with_options(model.write().overwrite(), options).save(path)  # staged beside, then moved
+    saved = {posixpath.relpath(p, f"{bucket}/models") for p in fs.find(f"{bucket}/models")}
+    stage = ["metadata/_SUCCESS", "metadata/part-00000", "objects.pkl", "weights.pt"]
+    assert saved == {f"regression/{name}" for name in stage}  # nothing left beside it
     loaded = with_options(TorchModel.read(), options).load(path)
     assert loaded.getHistory() == model.getHistory()
     # no options: fsspec's configuration (what FSSPEC_S3_* environment variables set)
