@@ -340,6 +340,11 @@ def _bad_inputs():
             super().__init__(3, 1)
             self.lock = threading.Lock()
 
+    class UnpicklableLoss(torch.nn.MSELoss):
+        def __init__(self):
+            super().__init__()
+            self.lock = threading.Lock()
+
     bad_net = Unpicklable()
     return {
         "missing feature column": (
@@ -392,6 +397,11 @@ def _bad_inputs():
             dict(model=bad_net, optimizer=torch.optim.SGD(bad_net.parameters(), lr=0.1)),
             TypeError,
             "model: cannot be serialized",
+        ),
+        "unpicklable loss": (
+            dict(loss=UnpicklableLoss()),
+            TypeError,
+            "loss: cannot be serialized",
         ),
         "no loss": (dict(loss=None), ValueError, "loss: set exactly one of loss and"),
         "no store": (dict(store=None), ValueError, "store: is required"),
