@@ -129,6 +129,7 @@ class ObjectParamsWriter(_FsspecOptions, MLWriter):
                 fs.rm(staging, recursive=True)
 
     def saveImpl(self, path: str) -> None:
+        """MLWriter's hook: the stage written straight to ``path`` (``save`` stages it)."""
         self._write_stage(*self._fs(path))
 
     def _write_stage(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> None:

@@ -70,6 +70,11 @@ def saved_features(path) -> list[str]:
     return TorchModel.load(str(path)).getFeatureCols()
 
 
+def saved_and_beside(folder) -> tuple[list[str], list[str]]:
+    """The feature columns of the stage saved at ``folder/model``, and what ``folder`` holds."""
+    return saved_features(folder / "model"), [p.name for p in folder.iterdir()]
+
+
 def test_an_overwrite_that_fails_keeps_the_saved_stage_and_leaves_nothing_beside_it(tmp_path):
     path = tmp_path / "model"
     small_model().save(str(path))
@@ -77,8 +82,7 @@ def test_an_overwrite_that_fails_keeps_the_saved_stage_and_leaves_nothing_beside
     broken.getModel().lock = threading.Lock()  # cannot be pickled
     with pytest.raises(TypeError, match="TorchModel: cannot be serialized"):
         broken.write().overwrite().save(str(path))
-    assert saved_features(path) == ["x"]
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert saved_and_beside(tmp_path) == (["x"], ["model"])
 
 
 def test_the_saved_stage_stays_until_its_replacement_is_complete(tmp_path, monkeypatch):
@@ -96,13 +100,12 @@ def test_the_saved_stage_stays_until_its_replacement_is_complete(tmp_path, monke
     replacement = TorchModel(model=torch.nn.Linear(3, 1), feature_cols=["new"])
     with pytest.raises(KeyboardInterrupt):
         replacement.write().overwrite().save(str(path))
-    assert seen_while_writing == [["x"]] and saved_features(path) == ["x"]
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert seen_while_writing == [["x"]]
+    assert saved_and_beside(tmp_path) == (["x"], ["model"])
 
     monkeypatch.setattr(persistence, "write_metadata", write_metadata)
     replacement.write().overwrite().save(str(path))
-    assert saved_features(path) == ["new"]
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert saved_and_beside(tmp_path) == (["new"], ["model"])
 
 
 def test_a_move_into_place_that_fails_puts_the_earlier_stage_back(tmp_path, monkeypatch):
@@ -124,8 +127,7 @@ def test_a_move_into_place_that_fails_puts_the_earlier_stage_back(tmp_path, monk
     with pytest.raises(OSError, match="injected"):
         replacement.write().overwrite().save(str(path))
     assert moves == [("model", ".replaced"), (".tmp", "model"), (".replaced", "model")]
-    assert saved_features(path) == ["x"]
-    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+    assert saved_and_beside(tmp_path) == (["x"], ["model"])
 
 
 NO_SPARK_SCRIPT = """
