@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import posixpath
 import time
-import uuid
 from typing import Any
 
 import fsspec
@@ -44,7 +43,7 @@ from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritabl
 
 from .params import json_params
 from .serialization import dumps_for_saving, loads_saved
-from .store import TEMPORARY_PREFIX
+from .store import hidden_sibling
 
 OBJECTS_FILE = "objects.pkl"
 WEIGHTS_FILE = "weights.pt"
@@ -120,13 +119,14 @@ class ObjectParamsWriter(_FsspecOptions, MLWriter):
                 f"path: '{path}' already exists; use stage.write().overwrite().save(path) "
                 "to replace it"
             )
-        staging = sibling(fs_path, TEMPORARY_PREFIX)
+        staging = hidden_sibling(fs_path)
         try:
             self._write_stage(fs, staging)
             move_into_place(fs, staging, fs_path, existed)
-        finally:
+        except BaseException:
             if fs.exists(staging):
                 fs.rm(staging, recursive=True)
+            raise
 
     def saveImpl(self, path: str) -> None:
         """MLWriter's hook: the stage written straight to ``path`` (``save`` stages it)."""
@@ -145,12 +145,6 @@ class ObjectParamsWriter(_FsspecOptions, MLWriter):
         write_metadata(fs, fs_path, line)  # last: a stage without it is refused by load
 
 
-def sibling(fs_path: str, prefix: str) -> str:
-    """A fresh hidden name beside ``fs_path``: ``<prefix><id>-<name>``."""
-    parent, name = posixpath.split(fs_path.rstrip("/"))
-    return posixpath.join(parent, f"{prefix}{uuid.uuid4().hex}-{name}")
-
-
 def move_into_place(
     fs: fsspec.AbstractFileSystem, staging: str, fs_path: str, existed: bool
 ) -> None:
@@ -161,7 +155,7 @@ def move_into_place(
     each file and a delete, so a stage being replaced there is briefly absent (or, if the
     process dies in that moment, left complete at ``.replaced-<id>-<name>`` beside it).
     """
-    replaced = sibling(fs_path, REPLACED_PREFIX) if existed else None
+    replaced = hidden_sibling(fs_path, REPLACED_PREFIX) if existed else None
     if replaced:
         move_folder(fs, fs_path, replaced)
     try:

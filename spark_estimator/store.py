@@ -38,6 +38,12 @@ _CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")
 TEMPORARY_PREFIX = ".tmp-"  # a file being written; moved to its real name when complete
 
 
+def hidden_sibling(path: str, prefix: str = TEMPORARY_PREFIX) -> str:
+    """A fresh hidden name beside ``path``: ``<prefix><id>-<name>``."""
+    parent, name = posixpath.split(path.rstrip("/"))
+    return posixpath.join(parent, f"{prefix}{uuid.uuid4().hex}-{name}")
+
+
 class Store:
     """A root folder, local or remote, addressed by a path or an fsspec URL.
 
@@ -135,10 +141,8 @@ class Store:
         """A binary file for writing that becomes ``path`` only when the block ends without
         an error: it is written as a hidden temporary sibling (``.tmp-<id>-<name>``, which
         Parquet readers skip), then moved into place; on an error it is removed."""
-        parent = posixpath.dirname(path)
-        self.fs.makedirs(parent, exist_ok=True)
-        name = f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}-{posixpath.basename(path)}"
-        tmp = posixpath.join(parent, name)
+        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        tmp = hidden_sibling(path)
         try:
             with self.fs.open(tmp, "wb") as f:
                 yield f
