@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The two entry points named in the README:
-#   ./dev.sh demo   install into .venv and run the digits demo (local Spark, local store)
+#   ./dev.sh demo   install the package and scikit-learn into .venv (nothing else) and run the
+#                   digits demo (local Spark, local store)
 #   ./dev.sh test   install and run the whole test suite: all tests on the default stack
 #                   (.venv), then the tests marked `legacy` on the petastorm stack
 #                   (.venv-legacy: pyspark 3.5, pyarrow 14, see requirements-legacy.txt)
@@ -14,20 +15,29 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
 WORKERS=(-n 2 --dist loadfile)  # the whole suite's pytest-xdist workers (see above)
 
-# install VENV RECIPE FILES...: (re)create VENV when the hash of FILES changed
+# installed VENV RECIPE FILES...: whether RECIPE was installed into VENV from these FILES
+installed() {
+  local venv=$1 recipe=$2
+  shift 2
+  [[ -f $venv/.installed-$recipe && $(cat "$venv/.installed-$recipe") == "$(cat "$@" | sha256sum | cut -c1-16)" ]]
+}
+
+# install VENV RECIPE FILES...: run RECIPE into VENV unless it was installed from these FILES
 install() {
   local venv=$1 recipe=$2
   shift 2
+  installed "$venv" "$recipe" "$@" && return
   if [[ ! -x $venv/bin/python ]]; then
     "$PYTHON" -m venv "$venv"
   fi
-  local stamp=$venv/.installed want
-  want=$(cat "$@" | sha256sum | cut -c1-16)
-  if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
-    "$venv/bin/pip" install --quiet --upgrade pip
-    "$recipe" "$venv/bin/pip"
-    echo "$want" > "$stamp"
-  fi
+  "$venv/bin/pip" install --quiet --upgrade pip
+  "$recipe" "$venv/bin/pip"
+  cat "$@" | sha256sum | cut -c1-16 > "$venv/.installed-$recipe"
+}
+
+# the demo needs the package and scikit-learn only; the test stack holds all of that too
+demo_stack() {
+  "$1" install --quiet -r requirements-dev.txt -e ".[examples]"
 }
 
 default_stack() {
@@ -55,7 +65,8 @@ test_legacy() {
 
 case "${1:-}" in
   demo)
-    install .venv default_stack setup.py requirements-dev.txt
+    installed .venv default_stack setup.py requirements-dev.txt ||
+      install .venv demo_stack setup.py requirements-dev.txt
     shift
     exec .venv/bin/python examples/digits_classifier.py "$@"
     ;;

@@ -148,7 +148,12 @@ class FitParams(HasModelIO):
         "label columns; with several, the model returns one output per label",
         TypeConverters.toListString,
     )
-    batch_size = _param("batch_size", "rows per step on each process", TypeConverters.toInt)
+    batch_size = _param(
+        "batch_size",
+        "the most rows in one step on each process: each pass over a shard is cut into "
+        "ceil(largest shard / batch_size) near-equal batches, the same count on every process",
+        TypeConverters.toInt,
+    )
     epochs = _param("epochs", "number of passes over the training data", TypeConverters.toInt)
     num_proc = _param(
         "num_proc",
