@@ -124,6 +124,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             {
                 **self._run_fields(num_proc),
                 "learning_rate": self.getLearningRate(),
+                "lr_scaling": self.getLrScaling(),
                 "backward_passes_per_step": self.getBackwardPassesPerStep(),
             },
         )

@@ -118,12 +118,13 @@ class _TrainingLoop:
         self.best = next((cb for cb in callbacks if isinstance(cb, BestModel)), None)
         self.state = TrainingState(rank, world, self.objects.model, self.objects.optimizer)
         self.output_shapes: list[list[int]] | None = None
-        self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         self.started = time.time()
         self.start_epoch, self.batches_drawn, self.stopped = 0, 0, False
         resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
         if resume_epoch:
             self._restore(resume_epoch)
+        # the rates training starts with: scaled and scheduled, or restored on resume
+        self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         group = spec.loop.backward_passes_per_step
         self.steps = training_steps(
             self.train_loader, plan, group, self.steps_per_epoch, self.batches_drawn
