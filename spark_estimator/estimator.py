@@ -107,7 +107,9 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         objects["optimizer"] = validate_training.with_learning_rate(
             objects["optimizer"], self.getLearningRate()
         )
-        bundle = validate_training.training_bundle(objects, self.getLabelCols())
+        bundle = validate_training.training_bundle(
+            objects, self.getLabelCols(), loop.lr_scheduler_interval
+        )
         return Training(bundle, loop, self._manifest(num_proc, objects["optimizer"]))
 
     def _sample_weight_col(self) -> str | None:
@@ -122,6 +124,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             {
                 **self._run_fields(num_proc),
                 "learning_rate": self.getLearningRate(),
+                "lr_scaling": self.getLrScaling(),
                 "backward_passes_per_step": self.getBackwardPassesPerStep(),
             },
         )

@@ -255,7 +255,8 @@ class FitParams(HasModelIO):
     )
     train_steps_per_epoch = _param(
         "train_steps_per_epoch",
-        "steps per epoch; default one exact pass over the training rows",
+        "batches (forward and backward passes) per epoch, with any backward_passes_per_step; "
+        "default one exact pass over the training rows",
         _to_optional_int,
     )
     validation_steps_per_epoch = _param(

@@ -86,7 +86,7 @@ def test_ranks_split_the_rows_and_end_with_identical_weights(digits_fit):
     val_rows = sum(s["validation_rows"] for s in summary)
     assert train_rows + val_rows == train.count()
     per_rank = math.ceil(train_rows / 2)
-    assert all(s["steps_per_epoch"] == math.ceil(per_rank / 32) for s in summary)
+    assert all(s["batches_per_epoch"] == [math.ceil(per_rank / 32)] * 6 for s in summary)
 
 
 def test_returned_model_is_a_cpu_module_and_fit_left_the_users_model_alone(digits_fit):
@@ -155,7 +155,7 @@ def test_default_num_proc_uses_every_slot_and_uneven_shards_do_not_hang(spark, s
     model = make_estimator(linear_net(1), store, num_proc=None, batch_size=1, epochs=2).fit(df)
     summary = ranks(store, model)
     assert [s["train_rows"] for s in summary] == [2, 2, 2, 1]
-    assert {s["steps_per_epoch"] for s in summary} == {2}
+    assert [s["batches_per_epoch"] for s in summary] == [[2, 2]] * 4
 
 
 def test_boolean_validation_column(regression_df, store):
@@ -460,6 +460,14 @@ def _bad_inputs():
             dict(mixed_precision="fp8"),
             ValueError,
             "mixed_precision: must be one of",
+        ),
+        "ReduceLROnPlateau per step": (
+            dict(
+                lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),
+                lr_scheduler_interval="step",
+            ),
+            ValueError,
+            "lr_scheduler_interval: 'step' cannot drive ReduceLROnPlateau",
         ),
         "backward_passes_per_step 0": (
             dict(backward_passes_per_step=0),

@@ -8,6 +8,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
+from spark_estimator.callbacks import Callback
 from spark_estimator.serialization import loads
 from spark_estimator.spec import LoaderSpec
 from spark_estimator.worker.petastorm_reader import require_petastorm
@@ -101,20 +102,59 @@ def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store):
     assert digest(store, unshuffled) != digest(store, streamed)
 
 
-def test_steps_per_epoch_bound_training_and_validation(regression_df, store):
+class CountWhatRan(Callback):
+    """Counts the training forward passes and optimizer steps of each epoch on its rank
+    (hooks on the model and the optimizer), and adds them to the epoch's record."""
+
+    def on_train_begin(self, state):
+        self.batches = self.steps = 0
+
+        def forward(module, args, output):
+            self.batches += module.training
+
+        def step(optimizer, args, kwargs):
+            self.steps += 1
+
+        state.model.register_forward_hook(forward)
+        state.optimizer.register_step_post_hook(step)
+
+    def on_epoch_begin(self, epoch, state):
+        self.batches = self.steps = 0
+
+    def on_epoch_end(self, epoch, logs, state):
+        logs["ran"] = {"batches": self.batches, "optimizer_steps": self.steps}
+
+
+@pytest.mark.parametrize(
+    "steps,group,batch_size",
+    [
+        (3, 2, 10),  # an epoch of 3 batches: groups of 2 and 1
+        (4, 2, 20),  # 5-batch passes: groups cross the pass boundaries
+    ],
+)
+def test_train_steps_per_epoch_counts_batches_with_gradient_accumulation(
+    regression_df, store, steps, group, batch_size
+):
     est = make_estimator(
         linear_net(),
         store,
-        validation=0.25,
-        train_steps_per_epoch=3,
+        validation=0.25 if steps == 3 else None,
+        batch_size=batch_size,
+        train_steps_per_epoch=steps,
+        backward_passes_per_step=group,
         validation_steps_per_epoch=1,
+        callbacks=[CountWhatRan()],
         epochs=4,
     )
     model = est.fit(regression_df)
+    optimizer_steps = -(-steps // group)
+    ran = {"batches": steps, "optimizer_steps": optimizer_steps}
+    assert [h["ran"] for h in model.getHistory()] == [ran] * 4
     summary = ranks(store, model)
-    assert {s["steps_per_epoch"] for s in summary} == {3}
-    assert {s["validation_batches_per_epoch"] for s in summary} == {1}
-    assert len(model.getHistory()) == 4
+    assert {tuple(s["batches_per_epoch"]) for s in summary} == {(steps,) * 4}
+    assert {tuple(s["optimizer_steps_per_epoch"]) for s in summary} == {(optimizer_steps,) * 4}
+    expected = 1 if steps == 3 else 0
+    assert {s["validation_batches_per_epoch"] for s in summary} == {expected}
 
 
 def test_transformation_fn_is_applied_to_every_batch(regression_df, store):

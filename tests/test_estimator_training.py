@@ -65,7 +65,7 @@ def test_accumulating_k_batches_equals_one_batch_k_times_bigger(df, store):
     small = fit(df, store, batch_size=8)
     assert torch.allclose(weights(accumulated), weights(big), atol=1e-6)
     assert not torch.allclose(weights(small), weights(big), atol=1e-3)
-    assert {r["optimizer_steps_per_epoch"] for r in ranks(store, accumulated)} == {4}
+    assert [r["optimizer_steps_per_epoch"] for r in ranks(store, accumulated)] == [[4] * 3] * 2
     assert accumulated.getTrainingSummary()["backward_passes_per_step"] == 2
 
 

@@ -59,16 +59,29 @@ def test_a_rank_that_raises_fails_the_fit_at_once_with_its_traceback(
     assert store.checkpoint_epochs("raises") == [1]
 
 
-def test_a_fit_with_the_run_id_of_a_failed_run_resumes_it_exactly(regression_df, store, tmp_path):
-    clean = momentum_estimator(store, run_id="clean").fit(regression_df)
+@pytest.mark.parametrize(
+    "params",
+    [
+        {},
+        # 5 batches per pass, epochs of 3 in groups of 2: epochs and groups cross passes
+        dict(train_steps_per_epoch=3, backward_passes_per_step=2),
+    ],
+)
+def test_a_fit_with_the_run_id_of_a_failed_run_resumes_it_exactly(
+    regression_df, store, tmp_path, params
+):
+    clean = momentum_estimator(store, run_id="clean", **params).fit(regression_df)
     fault = Fault("raise", rank=0, epoch=3, marker=tmp_path / "m", after_batches=1)
     with pytest.raises(TrainingError, match="injected fault on rank 0 at epoch 3"):
-        momentum_estimator(store, callbacks=[fault], run_id="again").fit(regression_df)
+        momentum_estimator(store, callbacks=[fault], run_id="again", **params).fit(regression_df)
     assert store.checkpoint_epochs("again") == [1, 2]
 
-    resumed = momentum_estimator(store, run_id="again").fit(regression_df)
+    resumed = momentum_estimator(store, run_id="again", **params).fit(regression_df)
     assert resumed.getTrainingSummary()["resumed_from_epoch"] == 2
     assert_same_training(resumed, clean)
+    # the rates it trained with: the checkpoint's (StepLR: 0.05 x 0.7^2), not the fit's 0.05
+    assert resumed.getTrainingSummary()["learning_rates"] == pytest.approx([0.05 * 0.7**2])
+    assert resumed.getHistory()[2]["lr"] == pytest.approx([0.05 * 0.7**2])
 
 
 def test_a_rank_that_hangs_is_left_after_collective_timeout_and_the_fit_resumes(
@@ -104,6 +117,7 @@ def test_resuming_refuses_another_model_or_fewer_epochs(regression_df, store, tm
         (make_estimator(linear_net(), store, run_id="r", epochs=4), "made with another model"),
         (momentum_estimator(store, run_id="r", epochs=1), "up to epoch 2, past epochs=1"),
         (momentum_estimator(store, run_id="r", num_proc=3), "made with another num_proc"),
+        (momentum_estimator(store, run_id="r", lr_scaling="linear"), r"another lr_scaling \("),
     ]
     spark.sparkContext.setJobGroup("refusals", "resume refusals")
     try:

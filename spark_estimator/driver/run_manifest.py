@@ -9,9 +9,9 @@ checkpoint means: weights that no longer fit, optimizer state of another kind, o
 or another position in the data. Anything else may change between the two fits (epochs,
 callbacks, metrics, ...); the optimizer's hyper-parameters, learning rates included, come
 back from the checkpoint. The optimizer described is the one the fit trains (the estimator's
-``learning_rate`` applied); ``learning_rate`` itself is in the manifest too, because a
-resumed run's rates come from its checkpoint: a fit asking for another rate is refused
-rather than silently trained with the old one.
+``learning_rate`` applied); ``learning_rate`` and ``lr_scaling`` are in the manifest too,
+because a resumed run's rates come from its checkpoint: a fit asking for other rates is
+refused rather than silently trained with the old ones.
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def with_learning_rate(optimizer, learning_rate: float | None):
     return effective
 
 
-def training_bundle(objects: dict, label_cols: list[str]) -> bytes:
+def training_bundle(objects: dict, label_cols: list[str], lr_scheduler_interval: str) -> bytes:
     """Check the user's objects and return their one cloudpickle for the executors.
 
     ``objects`` has the estimator's values of model, optimizer, loss, loss_constructors,
@@ -175,14 +175,15 @@ def training_bundle(objects: dict, label_cols: list[str]) -> bytes:
     for name, value in objects.items():
         if name != "optimizer":  # the one left unchecked: a failure of the last pickle
             dumps(value, name)
-    _check_scheduler(objects["lr_scheduler"], objects["optimizer"])
+    _check_scheduler(objects["lr_scheduler"], objects["optimizer"], lr_scheduler_interval)
     return dumps(objects, "optimizer")
 
 
-def _check_scheduler(make_scheduler, optimizer) -> None:
+def _check_scheduler(make_scheduler, optimizer, interval: str) -> None:
     """Build the scheduler once on a shallow copy of the optimizer with its own param group
     dicts (schedulers write ``initial_lr`` there), so a wrong function fails here rather
-    than on every executor, and the user's optimizer is left as it was."""
+    than on every executor, and the user's optimizer is left as it was. ReduceLROnPlateau
+    steps on an epoch's loss, so it is refused with ``lr_scheduler_interval="step"``."""
     if make_scheduler is None:
         return
     probe = copy.copy(optimizer)
@@ -196,4 +197,9 @@ def _check_scheduler(make_scheduler, optimizer) -> None:
     if not hasattr(scheduler, "step") or not hasattr(scheduler, "state_dict"):
         raise TypeError(
             f"lr_scheduler: must return a torch LR scheduler, got {type(scheduler).__name__}"
+        )
+    if interval == "step" and isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "lr_scheduler_interval: 'step' cannot drive ReduceLROnPlateau, which steps on the "
+            "epoch's validation (or training) loss; use lr_scheduler_interval='epoch'"
         )

@@ -98,7 +98,7 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
     def draw_training():
         nonlocal stream
         if stream is None:  # after Lightning restored the recorder: start where it was
-            stream = training_steps(train_loader, plan, 1, recorder.batches_drawn)
+            stream = training_steps(train_loader, plan, 1, steps_per_epoch, recorder.batches_drawn)
         for chunk, _weight, _last in stream:
             recorder.batches_drawn += 1
             yield chunk

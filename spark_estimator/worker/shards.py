@@ -10,13 +10,16 @@ all ranks take ``steps = ceil(max_shard / batch_size)`` steps per pass, each cut
 shard into ``steps`` near-equal batches. The rows in one step across all ranks are known
 too, which lets the loop weight each rank's loss so DDP's gradient average is the exact mean
 over the step's rows, even when batches differ in size (or are empty). With gradient
-accumulation, groups of consecutive steps share one optimizer step, and the weights make the
-group's gradient the exact mean over the group's rows.
+accumulation, groups of consecutive batches of an epoch share one optimizer step (a group
+may span two passes; an epoch's last group may be short), and the weights make the group's
+gradient the exact mean over the group's rows.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -78,22 +81,25 @@ class StepPlan:
         # rows of each step summed over ranks: the denominator of the exact mean
         self.step_rows = [sum(sizes[s] for sizes in per_rank) for s in range(self.steps)]
 
-    def weights(self, group: int = 1) -> list[float]:
-        """Per step, the factor that turns this rank's mean loss into its share of the exact
-        mean over the rows of the step's group (``group`` consecutive steps share one
-        optimizer step) once DDP averages gradients over ranks (1.0 for empty steps)."""
-        group_rows = []
-        for start in range(0, self.steps, group):
-            rows = self.step_rows[start : start + group]
-            group_rows += [sum(rows)] * len(rows)
-        return [
-            size * self.world_size / total if size else 1.0
-            for size, total in zip(self.batch_sizes, group_rows)
-        ]
-
-    def group_ends(self, group: int) -> list[bool]:
-        """Per step, whether it is the last of its group (the pass's last group may be short)."""
-        return [(s + 1) % group == 0 or s == self.steps - 1 for s in range(self.steps)]
+    def schedule(
+        self, group: int, epoch_steps: int, start: int = 0
+    ) -> Iterator[tuple[float, bool]]:
+        """Per batch, pass after pass, no end, from batch ``start`` on: (loss weight, last of
+        its group). Batches are cut into epochs of ``epoch_steps`` and each epoch into groups
+        of ``group`` consecutive batches (one optimizer step each), whatever the pass
+        boundaries; an epoch's last group may be short, so every epoch ends with an optimizer
+        step. The weight turns this rank's mean loss into its share of the exact mean over
+        the rows of the batch's group once DDP averages gradients over ranks (1.0 for empty
+        batches)."""
+        for epoch_start in itertools.count(start - start % epoch_steps, epoch_steps):
+            for group_start in range(epoch_start, epoch_start + epoch_steps, group):
+                group_end = min(group_start + group, epoch_start + epoch_steps)
+                positions = [b % self.steps for b in range(group_start, group_end)]
+                rows = sum(self.step_rows[p] for p in positions)
+                for b, p in zip(range(group_start, group_end), positions):
+                    if b >= start:
+                        size = self.batch_sizes[p]
+                        yield size * self.world_size / rows if size else 1.0, b == group_end - 1
 
 
 def eval_sizes(rows: int, batch_size: int, max_steps: int | None) -> list[int]:

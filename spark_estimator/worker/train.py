@@ -4,7 +4,10 @@ Each rank rebuilds the user's objects from the pickled bundle (``objects.py``), 
 model in DistributedDataParallel (``ddp.py``; DDP broadcasts rank 0's initial weights),
 streams its shard through the loader and trains ``epochs`` epochs. An epoch is one exact
 pass over the training rows, or ``train_steps_per_epoch`` batches of an endless sequence
-of passes; ``step.py`` does the work of one batch. Per epoch the ranks run exactly two
+of passes (a batch is one forward and backward pass). With ``backward_passes_per_step = k``
+an epoch's batches form groups of k, one optimizer step each, across pass boundaries; the
+epoch's last group may be short, so an epoch always ends with an optimizer step
+(``shards.py``). ``step.py`` does the work of one batch. Per epoch the ranks run exactly two
 collectives besides DDP's: one allreduce of the epoch's loss and metric sums
 (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks). Rank 0 then
 writes the epoch's checkpoint (``checkpoints.py``); at the end it writes the result.
@@ -14,7 +17,6 @@ A run that finds checkpoints of its ``run_id`` continues after the newest (``res
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import socket
 import time
@@ -51,15 +53,17 @@ _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
 
 def training_steps(
-    loader: ShardLoader, plan: StepPlan, group: int, start: int = 0
+    loader: ShardLoader, plan: StepPlan, group: int, epoch_steps: int, start: int = 0
 ) -> Iterator[tuple[dict, float, bool]]:
-    """(batch, loss weight, last of its group) for every step, pass after pass, no end,
-    beginning after the first ``start`` steps (those are read, not returned)."""
-    weights, ends = plan.weights(group), plan.group_ends(group)
+    """(batch, loss weight, last of its group) for every batch, pass after pass, no end,
+    beginning after the first ``start`` batches (those are read, not returned); groups of
+    ``group`` batches within epochs of ``epoch_steps`` (``StepPlan.schedule``)."""
+    schedule = plan.schedule(group, epoch_steps, start)
     first_pass, skip = divmod(start, plan.steps)
     for pass_index in itertools.count(first_pass + 1):
-        steps = zip(loader.batches(plan.batch_sizes, pass_index), weights, ends)
-        yield from itertools.islice(steps, skip, None)
+        chunks = itertools.islice(loader.batches(plan.batch_sizes, pass_index), skip, None)
+        for chunk, (weight, last) in zip(chunks, schedule):
+            yield chunk, weight, last
         skip = 0
 
 
@@ -97,9 +101,10 @@ class _TrainingLoop:
         pin = self.device.type == "cuda"
         self.train_loader = open_loader(spec, "train", world, rank, pin)
         plan = StepPlan(spec.data.rows("train"), world, rank, spec.batch_size)
-        group = spec.loop.backward_passes_per_step
         self.steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
-        self.optimizer_steps = math.ceil(self.steps_per_epoch / group)
+        # what each epoch of this attempt ran, counted: batches and optimizer steps
+        self.batches_run: list[int] = []
+        self.optimizer_steps_run: list[int] = []
         self.val_loader = open_loader(spec, "validation", world, rank, pin)
         self.val_sizes = eval_sizes(
             self.val_loader.rows, spec.batch_size, spec.loader.validation_steps_per_epoch
@@ -113,13 +118,17 @@ class _TrainingLoop:
         self.best = next((cb for cb in callbacks if isinstance(cb, BestModel)), None)
         self.state = TrainingState(rank, world, self.objects.model, self.objects.optimizer)
         self.output_shapes: list[list[int]] | None = None
-        self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         self.started = time.time()
         self.start_epoch, self.batches_drawn, self.stopped = 0, 0, False
         resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
         if resume_epoch:
             self._restore(resume_epoch)
-        self.steps = training_steps(self.train_loader, plan, group, self.batches_drawn)
+        # the rates training starts with: scaled and scheduled, or restored on resume
+        self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
+        group = spec.loop.backward_passes_per_step
+        self.steps = training_steps(
+            self.train_loader, plan, group, self.steps_per_epoch, self.batches_drawn
+        )
 
     def _restore(self, epoch: int) -> None:
         """Continue from the checkpoint of ``epoch`` (see resume.py)."""
@@ -191,25 +200,28 @@ class _TrainingLoop:
         )
 
     def _train_epoch(self, epoch: int, sums: EpochSums) -> None:
+        """Train on the epoch's ``steps_per_epoch`` batches; its last one ends a group, so
+        the epoch ends with an optimizer step."""
         self.ddp.train()
         objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
-        done = step = 0
-        for chunk, weight, last in self.steps:
-            step += 1
+        batches = optimizer_steps = 0
+        for chunk, weight, last in itertools.islice(self.steps, self.steps_per_epoch):
+            batches += 1
             self.batches_drawn += 1
             batch = Batch(chunk, self.spec, self.device, self.transform)
             outputs, loss = self.stepper(batch, weight, last)
+            optimizer_steps += last
             if self.output_shapes is None:
                 self.output_shapes = [list(o.shape[1:]) for o in outputs]
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
                 sums.add("train", loss, batch.size, metrics)
                 if check_nan:
-                    sums.check_finite(loss, step)
-            done += last
-            if done == self.optimizer_steps:
-                return
-            self._progress(epoch, step, sums)
+                    sums.check_finite(loss, batches)
+            if batches < self.steps_per_epoch:  # the epoch's end is reported by run()
+                self._progress(epoch, batches, sums)
+        self.batches_run.append(batches)
+        self.optimizer_steps_run.append(optimizer_steps)
 
     def _validate(self, epoch: int, sums: EpochSums) -> None:
         """Add this rank's validation batches to ``sums`` (no collectives: ranks may have
@@ -302,8 +314,8 @@ class _TrainingLoop:
             "train_rows": self.train_loader.rows,
             "validation_rows": self.val_loader.rows,
             "validation_batches_per_epoch": len(self.val_sizes) if self.has_validation else 0,
-            "steps_per_epoch": self.steps_per_epoch,
-            "optimizer_steps_per_epoch": self.optimizer_steps,
+            "batches_per_epoch": self.batches_run,
+            "optimizer_steps_per_epoch": self.optimizer_steps_run,
             "weights_digest": state_dict_digest(weights),
             "seconds": round(time.time() - self.started, 3),
         }

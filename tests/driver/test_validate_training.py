@@ -11,7 +11,7 @@ from spark_estimator.spec import LoopSpec
 Y = ["y"]
 
 
-def bundle(net=None, label_cols=Y, **objects):
+def bundle(net=None, label_cols=Y, interval="epoch", **objects):
     net = net or torch.nn.Linear(2, 1)
     values = dict(
         model=net,
@@ -24,7 +24,7 @@ def bundle(net=None, label_cols=Y, **objects):
         train_minibatch_fn=None,
     )
     values.update(objects)
-    return vt.training_bundle(values, label_cols)
+    return vt.training_bundle(values, label_cols, interval)
 
 
 def test_the_bundle_keeps_the_optimizer_on_the_models_parameters():
@@ -141,3 +141,13 @@ def test_lr_scheduler_is_tried_without_touching_the_optimizer():
         bundle(lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o))
     with pytest.raises(TypeError, match="lr_scheduler: must return a torch LR scheduler"):
         bundle(lr_scheduler=lambda o: 0.1)
+
+
+def test_reduce_lr_on_plateau_is_refused_per_step():
+    def plateau(o):
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(o)
+
+    bundle(lr_scheduler=plateau)  # per epoch: stepped with the epoch's loss
+    bundle(lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1), interval="step")
+    with pytest.raises(ValueError, match="lr_scheduler_interval: 'step' cannot drive Reduce"):
+        bundle(lr_scheduler=plateau, interval="step")

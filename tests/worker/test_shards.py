@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 
 from spark_estimator.worker.shards import (
@@ -48,32 +50,72 @@ def test_every_rank_takes_the_same_steps_and_every_row_is_in_one_batch(rows, wor
         assert len(plan.batch_sizes) == plan.steps and max(plan.batch_sizes) <= batch
 
 
+def schedule(plan, group, epoch_steps, batches, start=0):
+    return list(itertools.islice(plan.schedule(group, epoch_steps, start), batches))
+
+
 def test_loss_weights_make_the_ddp_average_an_exact_mean():
     rows, world = 9, 2
     plans = [StepPlan(rows, world, r, 4) for r in range(world)]
-    for step in range(plans[0].steps):
+    steps = plans[0].steps
+    for step in range(steps):
         sizes = [p.batch_sizes[step] for p in plans]
-        weights = [p.weights()[step] for p in plans]
+        weights = [schedule(p, 1, steps, steps)[step][0] for p in plans]
         # DDP averages over ranks: sum_r weight_r * mean_r / world is the rows-weighted mean
         for size, weight in zip(sizes, weights):
             assert weight * sum(sizes) / world == pytest.approx(size)
     empty = StepPlan(3, 4, 3, 1)  # rank 3 of 4 has no rows; its zero-loss steps weigh 1
-    assert empty.batch_sizes == [0] and empty.weights() == [1.0]
+    assert empty.batch_sizes == [0] and schedule(empty, 1, 1, 1) == [(1.0, True)]
+
+
+def assert_exact_group_means(plans, group, epoch_steps, batches):
+    """Every group's weights x rows / world sum to the group's rows over all ranks, each
+    batch weighing its share (``weight x group rows / world == its rows``)."""
+    world, steps = len(plans), plans[0].steps
+    ends = [last for _, last in schedule(plans[0], group, epoch_steps, batches)]
+    first = 0
+    for b, last in enumerate(ends):
+        if not last:
+            continue
+        members = range(first, b + 1)
+        group_rows = sum(p.batch_sizes[m % steps] for p in plans for m in members)
+        for p in plans:
+            weights = schedule(p, group, epoch_steps, batches)
+            for m in members:
+                size = p.batch_sizes[m % steps]
+                assert weights[m][0] * group_rows / world == pytest.approx(size)
+        first = b + 1
+    return ends
 
 
 def test_group_weights_make_an_accumulated_step_the_exact_mean_over_its_rows():
     rows, world, group = 23, 2, 3
     plans = [StepPlan(rows, world, r, 2) for r in range(world)]
     steps = plans[0].steps  # 12 rows on rank 0: 6 steps; rank 1 has 11 rows
-    ends = plans[0].group_ends(group)
-    assert ends == [False, False, True, False, False, True]
-    for start in range(0, steps, group):
-        group_rows = sum(p.batch_sizes[s] for p in plans for s in range(start, start + group))
-        for p in plans:
-            for s in range(start, start + group):
-                # weight x mean loss / world, summed over the group, is rows / group_rows
-                assert p.weights(group)[s] * group_rows / world == pytest.approx(p.batch_sizes[s])
-    assert StepPlan(10, 1, 0, 2).group_ends(4) == [False, False, False, True, True]
+    ends = assert_exact_group_means(plans, group, steps, 2 * steps)
+    assert ends == [False, False, True] * 4
+    short_last = schedule(StepPlan(10, 1, 0, 2), 4, 5, 10)  # an epoch = a pass of 5
+    assert [last for _, last in short_last] == [False, False, False, True, True] * 2
+
+
+@pytest.mark.parametrize(
+    "epoch_steps,group,ends",
+    [
+        (3, 2, [False, True, True]),  # an epoch of 3 batches: groups of 2 and 1
+        (4, 2, [False, True, False, True]),  # passes of 5: groups span their boundaries
+        (7, 3, [False, False, True, False, False, True, True]),
+    ],
+)
+def test_groups_cut_each_epoch_of_train_steps_per_epoch_batches(epoch_steps, group, ends):
+    plans = [StepPlan(19, 2, r, 2) for r in range(2)]  # 10 and 9 rows: 5 steps per pass
+    assert plans[0].steps == 5 and plans[1].batch_sizes == [2, 2, 2, 2, 1]
+    epochs = 5
+    got = assert_exact_group_means(plans, group, epoch_steps, epochs * epoch_steps)
+    assert got == ends * epochs
+    full = schedule(plans[1], group, epoch_steps, epochs * epoch_steps)
+    for start in (epoch_steps, 2 * epoch_steps, 3):  # a resume, and a start inside an epoch
+        resumed = schedule(plans[1], group, epoch_steps, len(full) - start, start)
+        assert resumed == full[start:]
 
 
 def test_eval_sizes():
