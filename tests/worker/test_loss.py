@@ -112,7 +112,9 @@ def test_integer_labels_a_loss_indexes_with_stay_integers():
     class_weight = torch.tensor([1.0, 3.0])
 
     def weighted_bce(out, y):  # y indexes class_weight: it must stay int64
-        per_row = torch.nn.functional.binary_cross_entropy(out.view(-1), y.float(), reduction="none")
+        per_row = torch.nn.functional.binary_cross_entropy(
+            out.view(-1), y.float(), reduction="none"
+        )
         return (class_weight[y] * per_row).mean()
 
     out, label = torch.tensor([[0.9], [0.2]]), torch.tensor([1, 0])
