@@ -193,9 +193,10 @@ def test_a_loss_function_taking_reduction_weights_rows_like_the_loss_module(df, 
 
 
 def test_integer_01_labels_train_a_bce_loss_like_float_labels(df, store):
-    bdf = binary(df)
-    ints = fit(bdf, store, net=sigmoid_net(), loss=torch.nn.BCELoss(), label_cols=["c"])
-    floats = fit(bdf, store, net=sigmoid_net(), loss=torch.nn.BCELoss(), label_cols=["b"])
+    # full batches (64 rows per process), so the row order of the two datasets cannot matter
+    bdf, bce = binary(df), torch.nn.BCELoss()
+    ints = fit(bdf, store, net=sigmoid_net(), loss=bce, label_cols=["c"], batch_size=64)
+    floats = fit(bdf, store, net=sigmoid_net(), loss=bce, label_cols=["b"], batch_size=64)
     assert torch.allclose(weights(ints), weights(floats), atol=1e-6)
 
 
