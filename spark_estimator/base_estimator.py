@@ -53,6 +53,7 @@ class _Checked(NamedTuple):
     num_proc: int
     store: Store
     loader: LoaderSpec
+    probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
 
 
 class _Clock:
@@ -107,6 +108,19 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
 
     def _sample_weight_col(self) -> str | None:
         return None
+
+    def _probe_loss(
+        self,
+        training: Training,
+        features: list[ColumnSpec],
+        labels: list[ColumnSpec],
+        sample_weight: ColumnSpec | None,
+        row_lengths: dict[str, int],
+        transformation_fn: bytes | None,
+    ) -> bool:
+        """Try the loss on a probe batch of these columns; False when their shapes are not
+        known yet. Estimators without a loss of their own have nothing to probe."""
+        return True
 
     # -- fit -----------------------------------------------------------------------------
     def _fit(self, dataset: DataFrame) -> TorchModel:
@@ -174,6 +188,15 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
 
     def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
         store, training = checked.store, checked.training
+        if not checked.probed:
+            self._probe_loss(
+                training,
+                data.features,
+                data.labels,
+                data.sample_weight,
+                data.row_lengths,
+                checked.loader.transformation_fn,
+            )
         run_id = self.getRunId() or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         manifest = {**training.manifest, **run_manifest.data_fields(data)}
         run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
@@ -331,7 +354,10 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
         )
-        return _Checked(features, labels, sample_weight, training, num_proc, store, loader)
+        probed = features is not None and self._probe_loss(
+            training, features, labels, sample_weight, {}, transformation_fn
+        )
+        return _Checked(features, labels, sample_weight, training, num_proc, store, loader, probed)
 
     def _run_fields(self, num_proc: int) -> dict:
         """The params every run's checkpoints depend on (see driver/run_manifest.py)."""

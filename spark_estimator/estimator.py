@@ -11,9 +11,9 @@ from pyspark import keyword_only
 from pyspark.sql import DataFrame
 
 from .base_estimator import StoreEstimator, Training
-from .driver import run_manifest, validate_training
+from .driver import loss_probe, run_manifest, validate_training
 from .params import EstimatorParams
-from .spec import LoopSpec, metric_keys
+from .spec import ColumnSpec, LoopSpec, metric_keys
 
 # the params whose objects the executors rebuild from one pickle (worker/objects.py)
 _BUNDLED = (
@@ -114,6 +114,26 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
 
     def _sample_weight_col(self) -> str | None:
         return self.getSampleWeightCol()
+
+    def _probe_loss(
+        self,
+        training: Training,
+        features: list[ColumnSpec],
+        labels: list[ColumnSpec],
+        sample_weight: ColumnSpec | None,
+        row_lengths: dict[str, int],
+        transformation_fn: bytes | None,
+    ) -> bool:
+        return loss_probe.check_loss(
+            training.bundle,
+            features,
+            labels,
+            sample_weight,
+            row_lengths=row_lengths,
+            input_shapes=self.getInputShapes(),
+            loss_weights=training.loop.loss_weights,
+            transformation_fn=transformation_fn,
+        )
 
     def _manifest(self, num_proc: int, optimizer) -> dict:
         """What this fit's checkpoints depend on (but the data), with the optimizer it

@@ -191,34 +191,53 @@ def test_two_label_columns_with_two_model_outputs(spark, store):
     assert dict(out.dtypes)["prediction_1"] == "array<float>"
 
 
-def test_shape_mismatch_is_reported_from_the_first_batch(regression_df, store):
-    # float labels of shape [B] against class scores [B, 4]: CrossEntropyLoss refuses
-    est = make_estimator(linear_net(3, 4), store, loss=torch.nn.CrossEntropyLoss(), num_proc=1)
-    with pytest.raises(Exception, match=r"loss: failed on output of shape \(16, 4\)"):
-        est.fit(regression_df)
+def mean_loss(output, label):
+    return ((output.view(-1) - label) ** 2).mean()
+
+
+# the loss on a probe batch (driver/loss_probe.py): with array features and no input_shapes
+# it runs once the materialized dataset records the arrays' length, before the training job
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        (  # float labels of shape [B] against class scores [B, 4]: CrossEntropyLoss refuses
+            dict(net=linear_net(3, 4), loss=torch.nn.CrossEntropyLoss()),
+            r"loss: failed on output of shape \(2, 4\)",
+        ),
+        (dict(label_cols=["y", "id"]), "label_cols: the model returned 1 outputs for 2 label"),
+        (
+            dict(loss=mean_loss, sample_weight_col="w"),
+            r"sample_weight_col: the loss for label column 'y' returned shape \(\)",
+        ),
+    ],
+)
+def test_a_loss_that_cannot_work_is_refused_before_the_training_job(
+    regression_df, store, monkeypatch, params, message
+):
+    launched = []
+    monkeypatch.setattr(estimator_module, "run_barrier_job", lambda *a, **k: launched.append(a))
+    est = make_estimator(params.pop("net", linear_net()), store, num_proc=1, **params)
+    with pytest.raises(ValueError, match=message):
+        est.fit(regression_df.withColumn("w", F.lit(2.0)))
+    assert launched == []
 
 
 # errors only the executors can see (docs/bad-input.md, second list); the exception type the
 # driver raises for a failed training job may change, so only the message is matched
-def test_fewer_model_outputs_than_label_columns_are_reported_from_the_first_batch(
-    regression_df, store
-):
-    est = make_estimator(linear_net(), store, label_cols=["y", "id"], num_proc=1)
-    with pytest.raises(Exception, match="label_cols: the model returned 1 outputs for 2 label"):
-        est.fit(regression_df)
+def test_a_loss_not_per_row_is_reported_from_the_first_batch_where_not_probed(store):
+    """Arrays of the user's Parquet have no recorded length: the probe cannot run."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-
-def test_a_loss_not_per_row_with_sample_weights_is_reported_from_the_first_batch(
-    regression_df, store
-):
-    def mean_loss(output, label):
-        return ((output - label) ** 2).mean()
-
+    x = pa.array([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], pa.list_(pa.float64()))
+    table = pa.table({"x": x, "y": [0.0, 1.0], "w": [1.0, 2.0]})
+    store.fs.makedirs(store.join("unprobed"), exist_ok=True)
+    pq.write_table(table, store.join("unprobed", "part-0.parquet"))
     est = make_estimator(linear_net(), store, num_proc=1, loss=mean_loss, sample_weight_col="w")
     with pytest.raises(
         Exception, match=r"sample_weight_col: the loss for label column 'y' returned shape \(\)"
     ):
-        est.fit(regression_df.withColumn("w", F.lit(2.0)))
+        est.fit_on_parquet("unprobed")
 
 
 def test_a_transformation_fn_dropping_a_column_is_reported_from_the_first_batch(
@@ -346,6 +365,7 @@ def _bad_inputs():
             self.lock = threading.Lock()
 
     bad_net = Unpicklable()
+    scores = linear_net(3, 4)
     return {
         "missing feature column": (
             dict(feature_cols=["nope"]),
@@ -488,6 +508,26 @@ def _bad_inputs():
             dict(collective_timeout=0),
             ValueError,
             "collective_timeout: must be > 0",
+        ),
+        "loss failing on the labels": (
+            dict(
+                model=scores,
+                optimizer=torch.optim.SGD(scores.parameters(), lr=0.1),
+                loss=torch.nn.CrossEntropyLoss(),
+                input_shapes=[[-1, 3]],
+            ),
+            ValueError,
+            "loss: failed on output of shape (2, 4) and label column 'y'",
+        ),
+        "fewer model outputs than label columns": (
+            dict(label_cols=["y", "id"], input_shapes=[[-1, 3]]),
+            ValueError,
+            "label_cols: the model returned 1 outputs for 2 label columns",
+        ),
+        "loss not per row with sample weights": (
+            dict(loss=mean_loss, sample_weight_col="id", input_shapes=[[-1, 3]]),
+            ValueError,
+            "sample_weight_col: the loss for label column 'y' returned shape ()",
         ),
         **_petastorm_case(),
     }

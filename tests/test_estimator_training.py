@@ -168,6 +168,38 @@ def test_sample_weights_scale_each_rows_loss(df, store):
     assert not torch.allclose(weights(unweighted_half), weights(plain), atol=1e-3)
 
 
+def binary(df):
+    """The regression rows with 0/1 labels: float 'b' and integer 'c'."""
+    positive = F.col("y") > 0
+    return df.withColumn("b", positive.cast("double")).withColumn("c", positive.cast("int"))
+
+
+def sigmoid_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.Sigmoid())
+
+
+def test_a_loss_function_taking_reduction_weights_rows_like_the_loss_module(df, store):
+    bdf = binary(df)
+    params = dict(label_cols=["b"], sample_weight_col="w", batch_size=64)
+    bce = torch.nn.functional.binary_cross_entropy
+    function = fit(bdf, store, net=sigmoid_net(), loss=bce, **params)
+    module = fit(bdf, store, net=sigmoid_net(), loss=torch.nn.BCELoss(), **params)
+    assert torch.allclose(weights(function), weights(module), atol=1e-6)
+    # the weighted mean: every weight is 2, so twice the unweighted loss at the same weights
+    unweighted = fit(bdf, store, net=sigmoid_net(), loss=bce, label_cols=["b"], batch_size=64)
+    first = [m.getHistory()[0]["train"]["loss"] for m in (function, unweighted)]
+    assert first[0] == pytest.approx(2 * first[1], rel=1e-5)
+
+
+def test_integer_01_labels_train_a_bce_loss_like_float_labels(df, store):
+    # full batches (64 rows per process), so the row order of the two datasets cannot matter
+    bdf, bce = binary(df), torch.nn.BCELoss()
+    ints = fit(bdf, store, net=sigmoid_net(), loss=bce, label_cols=["c"], batch_size=64)
+    floats = fit(bdf, store, net=sigmoid_net(), loss=bce, label_cols=["b"], batch_size=64)
+    assert torch.allclose(weights(ints), weights(floats), atol=1e-6)
+
+
 def test_param_groups_and_constructor_arguments_survive(df, store):
     net = torch.nn.Linear(3, 1)
     bias = net.bias.detach().clone()

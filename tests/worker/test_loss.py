@@ -82,3 +82,41 @@ def test_batch_metrics_per_metric_then_per_label():
     }
     values = [v.item() for v in batch_metrics(metrics, outs, labels)]
     assert values == [1.0, 3.0, 1.0, 3.0]
+
+
+def test_a_loss_function_taking_reduction_is_called_unreduced_with_sample_weights():
+    out = torch.tensor([[0.9], [0.2], [0.6]])
+    label = torch.tensor([1.0, 0.0, 0.0])
+    weights = torch.tensor([1.0, 0.0, 0.5])
+    function = BatchLoss([torch.nn.functional.binary_cross_entropy], Y, weighted_rows=True)
+    module = BatchLoss([torch.nn.BCELoss()], Y, weighted_rows=True)
+    rows = torch.nn.functional.binary_cross_entropy(out, label.view(3, 1), reduction="none")
+    expected = (rows.view(3) * weights).mean()
+    assert torch.allclose(function([out], [label], weights), expected)
+    assert torch.allclose(module([out], [label], weights), expected)
+
+
+def test_integer_labels_of_a_loss_on_float_targets_take_the_outputs_dtype():
+    out = torch.tensor([[0.9], [0.2], [0.6]])
+    label = torch.tensor([1, 0, 0])
+    spec = [ColumnSpec("y", "scalar", "int64")]
+    expected = torch.nn.functional.binary_cross_entropy(out, label.float().view(3, 1))
+    loss = BatchLoss([torch.nn.BCELoss()], spec)
+    assert torch.allclose(loss([out], [label]), expected)
+    assert torch.allclose(loss([out], [label]), expected)  # and on every later batch
+    weighted = BatchLoss([torch.nn.BCELoss()], spec, weighted_rows=True)
+    assert torch.allclose(weighted([out], [label], torch.ones(3)), expected)
+
+
+def test_integer_labels_a_loss_indexes_with_stay_integers():
+    class_weight = torch.tensor([1.0, 3.0])
+
+    def weighted_bce(out, y):  # y indexes class_weight: it must stay int64
+        per_row = torch.nn.functional.binary_cross_entropy(
+            out.view(-1), y.float(), reduction="none"
+        )
+        return (class_weight[y] * per_row).mean()
+
+    out, label = torch.tensor([[0.9], [0.2]]), torch.tensor([1, 0])
+    spec = [ColumnSpec("y", "scalar", "int64")]
+    assert torch.allclose(BatchLoss([weighted_bce], spec)([out], [label]), weighted_bce(out, label))

@@ -1,0 +1,109 @@
+"""Driver: the loss tried on a probe batch, so that a loss that cannot work fails here.
+
+Two rows of zeros, in the per-row shapes and dtypes the executors load (features reshaped
+by ``input_shapes``, after ``transformation_fn``), go through a copy of the model in eval
+mode and the executors' own ``BatchLoss`` on the CPU, without gradients. Its errors are
+the executors': ``loss: failed on ...``, ``label_cols: the model returned N outputs ...``,
+``sample_weight_col: the loss for label column ... returned shape ...``.
+
+The probe needs every column's values per row: scalars have one; an array or vector
+column's length comes from ``input_shapes`` (``[-1, ...]``) or from the row lengths a
+dataset records. Before any Spark job only the first are known, so where an array column's
+length is not, the probe runs once the dataset is (materialized or found), before the
+training job. A model or ``transformation_fn`` that fails on zeros is no fault of the
+loss: the probe then stops, and the executors report what fails on the real rows. With
+``train_minibatch_fn`` the user's step decides what reaches the loss, so it is not probed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..serialization import loads
+from ..spec import ColumnSpec
+from ..worker.batch import apply_transformation
+from ..worker.convert import reshape_input
+from ..worker.loss import BatchLoss, as_outputs
+from ..worker.objects import build_losses
+
+ROWS = 2  # more than one, for models that need it (batch norm is in eval mode anyway)
+
+
+def _row_length(
+    column: ColumnSpec, row_lengths: dict[str, int], shape: list[int] | None
+) -> int | None:
+    if column.kind == "scalar":
+        return 1
+    if column.name in row_lengths:
+        return row_lengths[column.name]
+    if shape and shape[0] == -1 and -1 not in shape[1:]:
+        return math.prod(shape[1:])
+    return None
+
+
+def probe_chunk(
+    columns: list[ColumnSpec], row_lengths: dict[str, int], shapes: list
+) -> dict[str, torch.Tensor] | None:
+    """``ROWS`` rows of zeros per column (ones for the sample weights), as the loader
+    hands them over; None when a column's values per row are not known."""
+    chunk = {}
+    for column, shape in zip(columns, shapes):
+        length = _row_length(column, row_lengths, shape)
+        if length is None:
+            return None
+        size = (ROWS,) if column.kind == "scalar" else (ROWS, length)
+        chunk[column.name] = torch.zeros(size, dtype=column.torch_dtype)
+    return chunk
+
+
+def check_loss(
+    bundle: bytes,
+    features: list[ColumnSpec],
+    labels: list[ColumnSpec],
+    sample_weight: ColumnSpec | None,
+    *,
+    row_lengths: dict[str, int],
+    input_shapes: list[list[int]] | None,
+    loss_weights,
+    transformation_fn: bytes | None,
+) -> bool:
+    """Run the loss on a probe batch; raise its ValueError. False when a column's values
+    per row are not known yet (then call again with the dataset's row lengths)."""
+    weights = [sample_weight] if sample_weight is not None else []
+    feature_shapes = list(input_shapes or [None] * len(features))
+    chunk = probe_chunk(
+        features + labels + weights,
+        row_lengths,
+        feature_shapes + [None] * (len(labels) + len(weights)),
+    )
+    if chunk is None:
+        return False
+    if sample_weight is not None:
+        chunk[sample_weight.name] += 1
+    objects = loads(bundle)  # copies: the user's model and loss stay as they are
+    if objects.get("train_minibatch_fn") is not None:
+        return True
+    try:
+        if transformation_fn is not None:
+            columns = features + labels + weights
+            chunk = apply_transformation(loads(transformation_fn), chunk, columns, ROWS)
+        inputs = [reshape_input(c.name, chunk[c.name], s) for c, s in zip(features, feature_shapes)]
+        losses = build_losses(objects["loss"], objects.get("loss_constructors"), len(labels))
+        model = objects["model"].cpu().eval()
+        with torch.no_grad():
+            outputs = as_outputs(model(*inputs))
+    except Exception:
+        return True  # not the loss's doing: the executors report it on the real rows
+    for loss_fn in losses:
+        if isinstance(loss_fn, torch.nn.Module):
+            loss_fn.cpu()
+    loss = BatchLoss(losses, labels, loss_weights, weighted_rows=sample_weight is not None)
+    with torch.no_grad():
+        loss(
+            outputs,
+            [chunk[c.name] for c in labels],
+            chunk[sample_weight.name] if sample_weight is not None else None,
+        )
+    return True

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from spark_estimator.driver import validate_training as vt
+from spark_estimator.driver.loss_probe import check_loss
+from spark_estimator.serialization import dumps
+from spark_estimator.spec import ColumnSpec
+
+X = [ColumnSpec("x", "array", "float32")]
+Y = [ColumnSpec("y", "scalar", "float32")]
+INT_Y = [ColumnSpec("y", "scalar", "int64")]
+W = ColumnSpec("w", "scalar", "float32")
+KNOWN = {"x": 3}  # the row lengths a dataset records
+
+
+def bundle(net=None, loss=None, **objects):
+    net = net if net is not None else torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.Sigmoid())
+    values = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=loss if loss is not None else torch.nn.BCELoss(),
+        loss_constructors=None,
+        metrics=None,
+        lr_scheduler=None,
+        callbacks=None,
+        train_minibatch_fn=None,
+    )
+    values.update(objects)
+    return vt.training_bundle(values, ["y"])
+
+
+def probe(bundle_, labels=Y, sample_weight=None, row_lengths=KNOWN, **kw):
+    kw = {"input_shapes": None, "loss_weights": None, "transformation_fn": None, **kw}
+    return check_loss(bundle_, X, labels, sample_weight, row_lengths=row_lengths, **kw)
+
+
+def mean_loss(output, label):
+    return ((output.view(-1) - label) ** 2).mean()
+
+
+def test_a_loss_without_per_row_values_is_refused_with_sample_weights():
+    assert probe(bundle(loss=mean_loss)) is True  # fine without sample weights
+    with pytest.raises(ValueError, match=r"sample_weight_col: the loss for label column 'y'"):
+        probe(bundle(loss=mean_loss), sample_weight=W)
+
+
+def test_losses_with_reduction_pass_with_sample_weights_and_stay_as_given():
+    loss = torch.nn.BCELoss()
+    assert probe(bundle(loss=loss), sample_weight=W) is True
+    assert loss.reduction == "mean"  # the probe ran on a copy
+    assert probe(bundle(loss=torch.nn.functional.binary_cross_entropy), sample_weight=W)
+
+
+def test_integer_labels_pass_with_float_and_class_index_losses():
+    assert probe(bundle(), labels=INT_Y, sample_weight=W) is True
+    scores = torch.nn.Linear(3, 4)
+    assert probe(bundle(net=scores, loss=torch.nn.CrossEntropyLoss()), labels=INT_Y) is True
+
+
+def test_a_loss_failing_on_the_labels_is_refused_naming_loss_and_the_column():
+    scores = torch.nn.Linear(3, 4)  # class scores against float labels
+    with pytest.raises(ValueError, match=r"loss: failed on output of shape \(2, 4\) .* 'y'"):
+        probe(bundle(net=scores, loss=torch.nn.CrossEntropyLoss()))
+
+
+def test_array_columns_of_unknown_length_wait_for_the_data_or_input_shapes():
+    bad = bundle(loss=mean_loss)
+    assert probe(bad, sample_weight=W, row_lengths={}) is False  # nothing ran
+    with pytest.raises(ValueError, match="sample_weight_col: the loss"):
+        probe(bad, sample_weight=W, row_lengths={}, input_shapes=[[-1, 3]])
+
+
+def test_what_fails_before_the_loss_is_left_to_the_executors():
+    class NeedsPositive(torch.nn.Linear):
+        def forward(self, x):
+            assert (x > 0).all(), "real rows only"
+            return super().forward(x)
+
+    assert probe(bundle(net=NeedsPositive(3, 1), loss=mean_loss), sample_weight=W) is True
+
+    def broken(batch):
+        raise RuntimeError("needs real rows")
+
+    assert probe(bundle(loss=mean_loss), sample_weight=W, transformation_fn=dumps(broken, "t"))
+
+
+def test_a_transformation_fn_is_applied_to_the_probe_batch():
+    def to_classes(batch):  # the loss gets the labels the transformation makes
+        return {**batch, "y": batch["y"].long()}
+
+    scores = bundle(net=torch.nn.Linear(3, 4), loss=torch.nn.CrossEntropyLoss())
+    transform = dumps(to_classes, "transformation_fn")
+    assert probe(scores, transformation_fn=transform) is True
+    with pytest.raises(ValueError, match="loss: failed on output"):
+        probe(scores)
