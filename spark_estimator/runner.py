@@ -64,9 +64,10 @@ def run(
     group and in each collective, before it raises. A rank whose ``fn`` raises (or calls
     ``sys.exit``) fails the job at once: ``run`` raises a ``TrainingError`` with that
     rank, its exception's type, message and traceback, and its last lines of output, as a
-    fit does; unlike a fit, ``run`` does not retry (``fn`` owns its state). What the ranks print or log reaches the driver after the job,
-    as ``[rank <r>] <line>`` on the ``spark_estimator.worker`` logger (also printed to
-    stderr when no logging is configured for it).
+    fit does; unlike a fit, ``run`` does not retry (``fn`` owns its state). What the ranks
+    print or log reaches the driver after the job, as ``[rank <r>] <line>`` on the
+    ``spark_estimator.worker`` logger (also printed to stderr when no logging is
+    configured for it).
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from spark_estimator import distributed as sd
 from spark_estimator import TrainingError, run
+from spark_estimator import distributed as sd
 from tests.conftest import LOCAL, spark_session
 
 
