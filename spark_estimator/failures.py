@@ -15,11 +15,18 @@ Two kinds of exception are retried (not recorded), and the retry resumes:
 - I/O errors (``OSError``: a store or a network that failed for a moment). One that
   persists fails every attempt, and Spark's error after the last attempt carries it.
 
+``run(fn)`` has no store and no retry: a rank whose ``fn`` raises (or calls
+``sys.exit``) carries the same record, with its last lines of output, in a note of its
+exception (``carry_failure``). Spark's error on the driver shows the note within the remote
+traceback, and the driver reads the record back from it (``carried_failure``) to raise the
+same ``TrainingError`` as a fit.
+
 Used on both sides: executors write records, the driver reads them.
 """
 
 from __future__ import annotations
 
+import json
 import traceback
 
 import torch.distributed as dist
@@ -29,17 +36,19 @@ from .store import Store
 # the tag of the errors of a peer that died or hung during a shared-memory gradient
 # allreduce (worker/shm_allreduce.py), which stands in for gloo's on one host
 SHM_TAG = "shm-allreduce/"
+_CARRIED = "spark-estimator failure record: "  # starts the note of carry_failure
 
 
 class TrainingError(RuntimeError):
-    """The training code raised on a rank.
+    """The training code (a fit's, or ``run``'s ``fn``) raised on a rank.
 
     The first failing rank's exception, with its type, message and traceback. Retrying
-    would only raise it again, so the run stops. Its checkpoints stay in the store, and
-    a new fit with the same ``run_id`` resumes from them once the cause is fixed.
+    would only raise it again, so the run stops. A fit's checkpoints stay in the store, and
+    a new fit with the same ``run_id`` resumes from them once the cause is fixed. For
+    ``run(fn)``, which has no run id, ``run_id`` is None.
     """
 
-    def __init__(self, run_id: str, record: dict, output: str = ""):
+    def __init__(self, run_id: str | None, record: dict, output: str = ""):
         self.run_id = run_id
         self.rank = record["rank"]
         self.remote_type = record["type"]
@@ -47,10 +56,10 @@ class TrainingError(RuntimeError):
         self.remote_traceback = record["traceback"]
         self.output = output  # the rank's last lines of output and logging
         shown = f"(last output of rank {self.rank}:)\n{output}\n" if output else ""
+        where = f"rank {self.rank}" + (f" of run '{run_id}'" if run_id is not None else "")
         super().__init__(
             f"{self.remote_type}: {self.remote_message}\n{shown}"
-            f"(raised on rank {self.rank} of run '{run_id}'; remote traceback:)\n"
-            f"{self.remote_traceback}"
+            f"(raised on {where}; remote traceback:)\n{self.remote_traceback}"
         )
 
 
@@ -73,18 +82,40 @@ def failure_path(store: Store, run_id: str, launch_id: str) -> str:
     return store.join("runs", run_id, "failures", f"{launch_id}.json")
 
 
+def failure_record(rank: int, error: BaseException) -> dict:
+    """What a ``TrainingError`` needs of ``error``, raised on ``rank``: JSON values."""
+    exited = isinstance(error, SystemExit)
+    return {
+        "rank": rank,
+        "type": type(error).__name__,
+        "message": f"sys.exit({error.code!r})" if exited else str(error),
+        "traceback": "".join(traceback.format_exception(error)),
+    }
+
+
 def record_failure(path: str, store: Store, rank: int, error: BaseException) -> None:
     """Write ``error`` as the failure of this launch (atomically, so never half-read)."""
-    store.write_json(
-        path,
-        {
-            "rank": rank,
-            "type": type(error).__name__,
-            "message": str(error),
-            "traceback": "".join(traceback.format_exception(error)),
-        },
-    )
+    store.write_json(path, failure_record(rank, error))
 
 
 def read_failure(path: str, store: Store) -> dict | None:
     return store.read_json(path) if store.exists(path) else None
+
+
+def carry_failure(error: BaseException, rank: int, output: list[str]) -> None:
+    """Add ``error``'s record, with the rank's last lines of ``output``, to its notes: one
+    line of JSON after ``_CARRIED``, which Spark's error shows on the driver."""
+    record = {**failure_record(rank, error), "output": output}
+    error.add_note(_CARRIED + json.dumps(record))
+
+
+def carried_failure(error: BaseException) -> dict | None:
+    """The record a failing rank carried in ``error`` (Spark's error), or None."""
+    text = str(error)
+    start = text.find(_CARRIED)
+    if start < 0:
+        return None
+    try:
+        return json.loads(text[start + len(_CARRIED) :].split("\n", 1)[0])
+    except ValueError:  # cut short on its way (a truncated message)
+        return None

@@ -7,6 +7,7 @@ Horovod's Spark estimator wherever it has the same concept, so migrating users k
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -55,6 +56,18 @@ def _to_validation(value: Any) -> float | str | None:
             f"validation: expected a fraction in (0, 1) or a boolean column name, got {value!r}"
         )
     return float(value)
+
+
+def _to_verbose(value: Any) -> bool:
+    """A boolean, or Horovod's levels 0, 1 and 2 (2, per-epoch lines there, shows the same
+    as 1 here: the bar already shows every epoch)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        if value not in (0, 1, 2):
+            raise ValueError(f"verbose: expected True/False or 0, 1 or 2, got {value!r}")
+        return bool(value)
+    raise TypeError(f"verbose: expected True/False or 0, 1 or 2, got {value!r}")
 
 
 def _param(name: str, doc: str, converter=TypeConverters.identity) -> Param:
@@ -194,8 +207,9 @@ class FitParams(HasModelIO):
         "show a progress bar on the driver during fit (epoch, steps, running loss; a widget "
         "in Jupyter with ipywidgets) and print the processes' output above it when no "
         "logging is configured for the 'spark_estimator.worker' logger (their lines are "
-        "logged there either way)",
-        TypeConverters.toBoolean,
+        "logged there either way). True/False, or Horovod's 0, 1, 2: 0 is False, 1 and 2 "
+        "are True (2 shows the same as 1)",
+        _to_verbose,
     )
     mlflow_logging = _param(
         "mlflow_logging",

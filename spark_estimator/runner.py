@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 from .driver.launch import available_slots, run_barrier_job
 from .driver.monitor import print_lines_by_default, show_line
 from .driver.validate import check_num_proc, check_positive
+from .failures import TrainingError, carried_failure
 from .serialization import dumps
 from .worker.run_task import run_task
 
@@ -60,11 +61,13 @@ def run(
     ordered by rank, or only rank 0's with ``rank0_only`` (the other ranks then send
     nothing back). Return values go through the driver's memory; tensors arrive on CPU.
     ``collective_timeout`` is how many seconds a rank waits for the others, to form the
-    group and in each collective, before it raises. A failing rank fails the job at once
-    with its traceback and its last lines of output; unlike a fit, ``run`` does not retry
-    (``fn`` owns its state). What the ranks print or log reaches the driver after the job,
-    as ``[rank <r>] <line>`` on the ``spark_estimator.worker`` logger (also printed to
-    stderr when no logging is configured for it).
+    group and in each collective, before it raises. A rank whose ``fn`` raises (or calls
+    ``sys.exit``) fails the job at once: ``run`` raises a ``TrainingError`` with that
+    rank, its exception's type, message and traceback, and its last lines of output, as a
+    fit does; unlike a fit, ``run`` does not retry (``fn`` owns its state). What the ranks
+    print or log reaches the driver after the job, as ``[rank <r>] <line>`` on the
+    ``spark_estimator.worker`` logger (also printed to stderr when no logging is
+    configured for it).
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
@@ -91,14 +94,20 @@ def run(
     check_num_proc(num_proc, slots)
 
     name = getattr(fn, "__qualname__", type(fn).__name__)
-    summaries = run_barrier_job(
-        spark,
-        num_proc,
-        functools.partial(
-            run_task, payload, bool(use_gpu), bool(rank0_only), float(collective_timeout)
-        ),
-        f"spark-estimator run {name} on {num_proc} tasks",
-    )
+    try:
+        summaries = run_barrier_job(
+            spark,
+            num_proc,
+            functools.partial(
+                run_task, payload, bool(use_gpu), bool(rank0_only), float(collective_timeout)
+            ),
+            f"spark-estimator run {name} on {num_proc} tasks",
+        )
+    except Exception as e:
+        if (record := carried_failure(e)) is not None:
+            output = "\n".join(f"[rank {record['rank']}] {line}" for line in record["output"])
+            raise TrainingError(None, record, output) from e
+        raise
     printed = print_lines_by_default()
     for s in summaries:
         for line in s["output"]:

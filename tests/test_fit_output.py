@@ -63,7 +63,9 @@ def test_not_verbose_shows_no_bar(regression_df, store, capsys):
 
 
 def test_a_training_error_shows_the_failing_ranks_last_lines(regression_df, store):
-    est = make_estimator(store=store, epochs=3, callbacks=[Talk(fail_rank=1, fail_epoch=2)])
+    est = make_estimator(
+        store=store, epochs=3, callbacks=[Talk(fail_rank=1, fail_epoch=2)], use_gpu=True
+    )
     with pytest.raises(TrainingError, match="the user's callback failed") as failure:
         est.fit(regression_df)
     assert failure.value.rank == 1
@@ -72,6 +74,8 @@ def test_a_training_error_shows_the_failing_ranks_last_lines(regression_df, stor
     assert "(last output of rank 1:)\n[rank 1] printed by rank 1 after epoch 1" in str(
         failure.value
     )
+    # use_gpu=True on a CPU-only Spark: the fallback is no line of the ranks' output
+    assert "assigned no GPU" not in str(failure.value)
 
 
 def test_mlflow_logging_without_mlflow_is_refused_before_any_job(regression_df, store, monkeypatch):

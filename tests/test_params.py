@@ -87,6 +87,18 @@ def test_param_converters_reject_bad_types():
     assert make(validation="is_val").getValidation() == "is_val"
 
 
+@pytest.mark.parametrize("value, shown", [(0, False), (1, True), (2, True), (False, False)])
+def test_verbose_takes_horovods_levels_and_booleans(value, shown):
+    assert make(verbose=value).getVerbose() is shown
+    assert make().setVerbose(value).getVerbose() is shown
+
+
+@pytest.mark.parametrize("value", [3, -1, "yes", 1.0])
+def test_verbose_refuses_other_values_naming_it(value):
+    with pytest.raises((TypeError, ValueError), match="verbose"):
+        make(verbose=value)
+
+
 def test_copy_with_extra_changes_only_the_copy():
     est = make(epochs=2)
     other = est.copy({est.epochs: 5})

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from spark_estimator import TrainingError, run
 from spark_estimator import distributed as sd
-from spark_estimator import run
 from tests.conftest import LOCAL, spark_session
 
 
@@ -111,12 +112,14 @@ def test_rank0_only_returns_rank_0s_value_and_no_cpu_warning_without_gpu(spark):
     assert not [w for w in caught if "training on CPU" in str(w.message)]
 
 
-def test_cpu_fallback_is_one_warning_on_the_driver(spark):
+def test_cpu_fallback_is_one_warning_on_the_driver(spark, caplog):
+    caplog.set_level(logging.INFO, logger="spark_estimator.worker")
     with pytest.warns(UserWarning) as record:
         assert run(sd.size, num_proc=2, use_gpu=True, spark=spark) == [2, 2]
     fallbacks = [str(w.message) for w in record if "training on CPU" in str(w.message)]
     assert len(fallbacks) == 1
     assert "ranks [0, 1]" in fallbacks[0] and "assigned no GPU" in fallbacks[0]
+    assert not [r for r in caplog.records if "assigned no GPU" in r.getMessage()]
 
 
 def test_spark_defaults_to_the_active_session_and_num_proc_to_every_slot(spark):
@@ -130,10 +133,37 @@ def fail_on_rank_1():
     sd.barrier()  # rank 0 waits for rank 1, which never comes
 
 
-def test_an_error_in_fn_on_one_rank_fails_run_with_its_message_and_last_output(spark):
-    with pytest.raises(Exception, match="ValueError: boom on rank 1") as failure:
+def test_an_error_in_fn_is_a_training_error_with_rank_traceback_and_last_output(spark):
+    with pytest.raises(TrainingError) as failure:
         run(fail_on_rank_1, num_proc=2, use_gpu=False, spark=spark)
-    assert "last output of rank 1:\nrank 1 starts" in str(failure.value)
+    error = failure.value
+    assert error.rank == 1 and error.remote_type == "ValueError"
+    assert error.remote_message == "boom on rank 1"
+    assert "in fail_on_rank_1" in error.remote_traceback
+    assert error.output == "[rank 1] rank 1 starts"
+    message = str(error)
+    assert message.startswith("ValueError: boom on rank 1\n")  # the cause comes first
+    assert "raised on rank 1" in message and "[rank 1] rank 1 starts" in message
+    assert len(message) < 3000  # not Spark's and the JVM's stack traces
+
+
+def exit_on_rank_1():
+    print(f"rank {sd.rank()} starts")
+    if sd.rank() == 1:
+        print("giving up")
+        sys.exit(1)
+    sd.barrier()
+
+
+def test_sys_exit_in_fn_is_a_training_error_with_the_exit_code(spark):
+    with pytest.raises(TrainingError) as failure:
+        run(exit_on_rank_1, num_proc=2, use_gpu=True, spark=spark)  # on CPU: no GPU line
+    error = failure.value
+    assert error.rank == 1 and error.remote_type == "SystemExit"
+    assert str(error).startswith("SystemExit: sys.exit(1)\n")
+    assert error.output == "[rank 1] rank 1 starts\n[rank 1] giving up"
+    assert "in exit_on_rank_1" in error.remote_traceback
+    assert len(str(error)) < 3000
 
 
 def talk():

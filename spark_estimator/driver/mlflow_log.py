@@ -9,11 +9,14 @@ What is logged, into the active MLflow run, or else into a new run named by the 
   loss and every metric, and ``lr/group_<i>``, the names TensorBoard shows;
 - the fitted TorchModel, saved with ``TorchModel.save`` under the artifact path ``model``
   (load it back with ``TorchModel.load(<downloaded folder>)``).
+
+An MLflow failure is a warning, never a failed fit (see ``log_fit``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 
@@ -22,6 +25,7 @@ from pyspark.ml.param import Params
 from ..params import OBJECT_PARAMS
 from ..worker.tensorboard import epoch_scalars
 
+log = logging.getLogger(__name__)
 _MAX_PARAM_CHARS = 500  # MLflow limits a param's value; object reprs are cut to this
 
 
@@ -60,9 +64,27 @@ def _names(value) -> str:
     return ",".join(getattr(v, "__name__", type(v).__name__) for v in items)
 
 
-def log_fit(estimator: Params, model) -> str:
+def log_fit(estimator: Params, model) -> str | None:
     """Log ``estimator``'s params and the fitted ``model`` (a TorchModel); return the
-    MLflow run's id."""
+    MLflow run's id, or None when MLflow failed.
+
+    A failure of MLflow (its server, or a refusal such as a second fit inside one active
+    run, which would change a logged param's value) is logged as a warning on this
+    module's logger and does not fail the fit: its model is trained and saved already."""
+    try:
+        return _log_fit(estimator, model)
+    except Exception as e:
+        log.warning(
+            "mlflow_logging: MLflow could not log run %s (%s: %s); the fitted model is "
+            "returned, its MLflow record may be missing or incomplete",
+            model.getRunId(),
+            type(e).__name__,
+            e,
+        )
+        return None
+
+
+def _log_fit(estimator: Params, model) -> str:
     import mlflow
 
     active = mlflow.active_run()

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -112,7 +113,11 @@ def task_gpu_addresses(resources: Mapping) -> list[str]:
 
 def task_device(ctx, use_gpu: bool, warn: bool = True) -> tuple[torch.device, str | None]:
     """Pin the device for the running Spark task ``ctx`` and size torch's threads; return
-    the device and, on a CPU fallback, the reason (the driver turns it into a warning)."""
+    the device and, on a CPU fallback, the reason (the driver turns it into one warning).
+
+    With ``warn`` the reason is also written to the executor's own log (its stderr),
+    bypassing the capture of the rank's output (``run_log``): every rank would repeat it
+    there, and it would open every ``TrainingError`` of a CPU cluster."""
     device, reason = select_device(
         use_gpu,
         task_gpu_addresses(ctx.resources()),
@@ -120,7 +125,7 @@ def task_device(ctx, use_gpu: bool, warn: bool = True) -> tuple[torch.device, st
         os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
     if reason and warn:
-        log.warning("spark-estimator task %d: %s", ctx.partitionId(), reason)
+        print(f"spark-estimator task {ctx.partitionId()}: {reason}", file=sys.__stderr__)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
@@ -177,7 +182,7 @@ def process_group(
         # nobody leaves while another rank still works: a gloo peer that closes its
         # connections early fails the others' collectives (and their setup)
         dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-    except Exception as e:
+    except BaseException as e:  # sys.exit() in the code too
         first = _first_failure(store)
         if first and on_failure is not None and not is_retried(e):
             on_failure(rank, e)

@@ -8,6 +8,10 @@ the end) as a new chunk file, so it works on stores that cannot append (S3)::
 
     runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log
 
+Lines leave the buffer only once written: a write that fails (a store that failed for a
+moment) is tried again at the next flush, and the last one, at the end of the task, up to
+``FINAL_ATTEMPTS`` times, so a failing rank's last lines reach its ``TrainingError``.
+
 Rank 0 also reports progress (epoch, step, the epoch's running training loss, the last
 epoch's record) in ``runs/<run_id>/progress.json``, rewritten every ``FLUSH_S`` seconds. The
 driver's ``driver/monitor.py`` reads both while the job runs.
@@ -26,6 +30,7 @@ from ..store import Store
 
 FLUSH_S = 0.5  # progress
 CHUNK_S = 2.0  # output lines: a chattier pace would mean many small files in the store
+FINAL_ATTEMPTS = 3  # writes of the last lines tried before the task ends without them
 _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 
@@ -130,18 +135,21 @@ class RankLog:
                 self.progress = {"launch_id": self.launch_id, **progress}
 
     def flush(self, final: bool = False) -> None:
-        """Write new progress; new lines too at the end or after ``CHUNK_S`` seconds."""
+        """Write new progress; new lines too at the end or after ``CHUNK_S`` seconds.
+
+        Lines leave the buffer only once their chunk is written: after a failed write the
+        next flush writes them again (under the same chunk name), with any newer lines."""
         chunk_due = final or time.monotonic() - self.chunk_written >= CHUNK_S
         with self.lock:
-            lines = self.lines if chunk_due else []
-            if chunk_due:
-                self.lines = []
+            lines = list(self.lines) if chunk_due else []
             progress = self.progress
         if lines:
-            self.chunk_written = time.monotonic()
-            self.seq += 1
             text = "".join(line + "\n" for line in lines)
-            self.store.write_bytes(f"{self.prefix}{self.seq:06d}.log", text.encode())
+            self.store.write_bytes(f"{self.prefix}{self.seq + 1:06d}.log", text.encode())
+            self.seq += 1
+            self.chunk_written = time.monotonic()
+            with self.lock:
+                del self.lines[: len(lines)]
         if progress is not None and progress != self.progress_written:
             self.store.write_json(self.progress_file, progress)
             self.progress_written = progress
@@ -150,8 +158,8 @@ class RankLog:
         while not self.stop.wait(FLUSH_S):
             try:
                 self.flush()
-            except Exception as e:  # the store failed for a moment: keep the lines
-                print(f"spark-estimator: could not write the rank's log: {e}", file=sys.__stderr__)
+            except Exception as e:  # the store failed for a moment: the lines are kept
+                _report_unwritten(e)
 
     def __enter__(self) -> RankLog:
         self.capture = OutputCapture(self.add_line).__enter__()
@@ -163,7 +171,15 @@ class RankLog:
         self.capture.__exit__(*exc)
         self.stop.set()
         self.thread.join()
-        try:
-            self.flush(final=True)  # the last lines, the failing rank's included
-        except Exception as e:  # never hide the task's own outcome behind the log's
-            print(f"spark-estimator: could not write the rank's log: {e}", file=sys.__stderr__)
+        for attempt in range(FINAL_ATTEMPTS):  # the last lines, the failing rank's included
+            try:
+                self.flush(final=True)
+                return
+            except Exception as e:  # never hide the task's own outcome behind the log's
+                _report_unwritten(e)
+                if attempt + 1 < FINAL_ATTEMPTS:
+                    time.sleep(FLUSH_S)
+
+
+def _report_unwritten(error: Exception) -> None:
+    print(f"spark-estimator: could not write the rank's log: {error}", file=sys.__stderr__)

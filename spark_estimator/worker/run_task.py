@@ -7,8 +7,9 @@ driver can map CUDA tensors to CPU) and travels base64-encoded inside the summar
 
 Failures are ordered and ranks leave together in ``rendezvous.process_group``. What the
 rank prints or logs (``run_log.OutputCapture``) goes back with the summary, its last
-``OUTPUT_LINES`` lines; a failing rank's last lines become a note of its exception, which
-Spark's error on the driver shows with the remote traceback.
+``OUTPUT_LINES`` lines. A failing rank's exception carries its failure record and last
+``NOTE_LINES`` lines in a note (``failures.carry_failure``), from which the driver raises a
+``TrainingError``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import io
 import cloudpickle
 import torch
 
+from ..failures import carry_failure
 from ..serialization import loads
 from .rendezvous import process_group
 from .run_log import OutputCapture
@@ -53,15 +55,13 @@ def run_task(payload: bytes, use_gpu: bool, rank0_only: bool, timeout_s: float) 
     try:
         with OutputCapture(output.append), process_group(ctx, use_gpu, timeout_s) as info:
             value = fn(*args, **kwargs)
+        result = encode_result(value, info.rank) if info.rank == 0 or not rank0_only else None
     except BaseException as e:
-        if output:
-            last = list(output)[-NOTE_LINES:]
-            e.add_note(f"last output of rank {ctx.partitionId()}:\n" + "\n".join(last))
+        carry_failure(e, ctx.partitionId(), list(output)[-NOTE_LINES:])
         raise
-    keep = info.rank == 0 or not rank0_only
     return {
         "rank": info.rank,
         "device_note": info.device_note,
-        "result": encode_result(value, info.rank) if keep else None,
+        "result": result,
         "output": list(output),
     }

@@ -5,6 +5,7 @@ import torch
 
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.driver import mlflow_log
+from tests.conftest import make_estimator
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -71,3 +72,25 @@ def test_missing_mlflow_is_reported_naming_the_param(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "mlflow", None)
     with pytest.raises(ValueError, match="mlflow_logging: MLflow is not installed"):
         mlflow_log.check_installed()
+
+
+def test_an_mlflow_failure_is_a_warning_and_the_fit_returns_its_model(
+    tmp_path, mlflow_tracking, regression_df, caplog
+):
+    """Two fits inside one active run (as a CrossValidator does): MLflow refuses to change
+    a logged param's value, so the second fit's logging fails; its model is returned."""
+    store = Store.create(str(tmp_path / "store"))
+    with mlflow.start_run() as active:
+        first = make_estimator(store=store, epochs=1, batch_size=16, mlflow_logging=True)
+        first.fit(regression_df)
+        with caplog.at_level("WARNING", logger="spark_estimator.driver.mlflow_log"):
+            second = make_estimator(store=store, epochs=1, batch_size=32, mlflow_logging=True)
+            model = second.fit(regression_df)
+    assert isinstance(model, TorchModel) and model.getHistory()
+    assert store.exists(store.result_path(model.getRunId()))
+    [record] = [r for r in caplog.records if r.name == "spark_estimator.driver.mlflow_log"]
+    assert record.levelname == "WARNING" and "MlflowException" in record.getMessage()
+    assert "Changing param values is not allowed" in record.getMessage()
+    assert model.getRunId() in record.getMessage()
+    logged = mlflow_tracking.get_run(active.info.run_id).data.params
+    assert logged["batch_size"] == "16"  # the first fit's record stays as it was

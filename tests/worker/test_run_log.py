@@ -56,3 +56,40 @@ def test_lines_are_flushed_while_the_task_runs(tmp_path, monkeypatch):
         }
     assert chunks(store, "r", 0)[0].split("/")[-1] == "launch-000000000002-000001.log"
     assert store.exists(logs_folder(store, "r"))
+
+
+class FailsFirstLogWrite(Store):
+    """A store whose first write of a log chunk fails, as a store that failed for a moment."""
+
+    failed = False
+
+    def write_bytes(self, path, data):
+        if path.endswith(".log") and not self.failed:
+            self.failed = True
+            raise OSError("injected: the store failed for a moment")
+        super().write_bytes(path, data)
+
+
+def test_lines_are_kept_until_written_when_the_store_fails_for_a_moment(tmp_path, monkeypatch):
+    monkeypatch.setattr("spark_estimator.worker.run_log.FLUSH_S", 0.05)
+    monkeypatch.setattr("spark_estimator.worker.run_log.CHUNK_S", 0.05)
+    store = FailsFirstLogWrite.create(str(tmp_path / "store"))
+    with RankLog(store, "r", "launch", rank=0, attempt=0):
+        print("line 1")
+        for _ in range(100):  # the background flush meets the failure
+            if store.failed:
+                break
+            time.sleep(0.05)
+        print("line 2")
+    assert store.failed
+    text = "".join(store.read_bytes(p).decode() for p in chunks(store, "r", 0))
+    assert text == "line 1\nline 2\n"
+
+
+def test_the_last_lines_survive_a_failed_final_write(tmp_path):
+    store = FailsFirstLogWrite.create(str(tmp_path / "store"))
+    with RankLog(store, "r", "launch", rank=1, attempt=0):
+        print("the failing rank's last words")  # written only at the end, which fails once
+    assert store.failed
+    text = "".join(store.read_bytes(p).decode() for p in chunks(store, "r", 1))
+    assert text == "the failing rank's last words\n"
