@@ -96,3 +96,4 @@ class LightningEstimator(StoreEstimator, LightningParams):
     def _check_callbacks(self, has_validation: bool) -> None:
         pl = validate_lightning.check_module(self.getModel())
         validate_lightning.check_callbacks(pl, self.getCallbacks())
+        validate_lightning.check_monitors(self.getModel(), self.getCallbacks(), has_validation)

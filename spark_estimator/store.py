@@ -35,6 +35,7 @@ from typing import IO, Any
 import fsspec
 
 _CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # Spark's 'scheme:/path'
 TEMPORARY_PREFIX = ".tmp-"  # a file being written; moved to its real name when complete
 
 
@@ -42,6 +43,33 @@ def hidden_sibling(path: str, prefix: str = TEMPORARY_PREFIX) -> str:
     """A fresh hidden name beside ``path``: ``<prefix><id>-<name>``."""
     parent, name = posixpath.split(path.rstrip("/"))
     return posixpath.join(parent, f"{prefix}{uuid.uuid4().hex}-{name}")
+
+
+def _spark_url(url: str) -> str:
+    """``url`` as fsspec reads it. fsspec knows only ``scheme://``; Spark and Databricks
+    also write ``scheme:/path``, which fsspec would take for a relative local folder. Those
+    are placed as Spark places them: ``file:/x`` is the local ``/x``, ``dbfs:/x`` the
+    Databricks mount ``/dbfs/x`` (``dbfs:/Volumes/...`` is ``/Volumes/...``), ``hdfs:/x`` is
+    ``hdfs:///x`` (the namenode of ``fs.defaultFS``). Any other scheme with one slash (an
+    object store without its bucket, ``s3a:/x``) or a relative path after a scheme is
+    refused, naming the URL."""
+    match = _SCHEME.fullmatch(url)
+    if match is None or "://" in url:
+        return url
+    scheme, path = match.group(1).lower(), match.group(2)
+    if path.startswith("/"):
+        if scheme in ("file", "local"):
+            return path
+        if scheme == "dbfs":
+            volume = path == "/Volumes" or path.startswith("/Volumes/")
+            return path if volume else "/dbfs" + path
+        if scheme == "hdfs":
+            return "hdfs://" + path
+    raise ValueError(
+        f"store: cannot place {url!r}: after '{scheme}:' comes no '//host' or bucket (only "
+        "file:/, dbfs:/ and hdfs:/ paths are understood without one); write "
+        f"'{scheme}://<host or bucket>/path', or a local path"
+    )
 
 
 class Store:
@@ -54,6 +82,7 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         if not isinstance(url, str) or not url:
             raise ValueError("store: url must be a non-empty string")
+        url = _spark_url(url)
         protocol, path = fsspec.core.split_protocol(url)
         protocol = protocol or "file"
         self._url_options: dict[str, Any] = {}  # what the URL says besides the path

@@ -41,6 +41,14 @@ def error_of(call) -> str | None:
     return None
 
 
+def files_and_mtimes(folder: str) -> dict[str, int]:
+    """``folder`` (a local store's) and everything under it, with modification times: a
+    folder's changes when an entry is made or removed in it, so a write that was cleaned
+    up again still shows."""
+    paths = [Path(folder), *Path(folder).rglob("*")]
+    return {str(p): p.stat().st_mtime_ns for p in paths}
+
+
 def fingerprints(spark, scratch: Path) -> dict:
     """Which DataFrames share a dataset key (equal fingerprints) and which do not."""
     rows = regression_rows(40)
@@ -90,7 +98,9 @@ def main(scratch: Path) -> dict:
 
     est = make_estimator(store=store, epochs=1)
     path = est.materialize(df)
+    before = files_and_mtimes(store.join("datasets"))
     out["reused"] = est.materialize(df) == path
+    out["reuse_wrote_nothing"] = files_and_mtimes(store.join("datasets")) == before
     out["other_plan_other_dataset"] = est.materialize(df.filter("id > 0")) != path
     refit = make_estimator(store=store, epochs=1).fit_on_parquet(path)
     out["fit_on_parquet_epochs"] = len(refit.getHistory())

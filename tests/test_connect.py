@@ -54,6 +54,7 @@ def test_too_many_processes_fail_on_the_driver_before_any_job(result):
 
 def test_materialized_data_is_reused_for_the_same_plan_only(result):
     assert result["reused"] is True
+    assert result["reuse_wrote_nothing"] is True  # no file or folder written or touched
     assert result["other_plan_other_dataset"] is True
     assert result["fit_on_parquet_epochs"] == 1
 

@@ -1,6 +1,11 @@
 """fit() with the data-path parameters: readers, shuffling, caching, steps, transformations,
 Parquet already in the store, and the legacy stack (pyspark 3.5 + petastorm)."""
 
+import json
+import os
+import threading
+from collections import Counter
+
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -9,8 +14,6 @@ import torch
 from pyspark.sql import functions as F
 
 from spark_estimator.callbacks import Callback
-from spark_estimator.serialization import loads
-from spark_estimator.spec import LoaderSpec
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import linear_net, make_estimator, regression_rows
 
@@ -61,41 +64,96 @@ def test_fit_and_transform_with_each_reader(regression_df, store, reader):
     assert sum(s["train_rows"] + s["validation_rows"] for s in summary) == 200
 
 
-def test_loader_params_reach_the_executors(spark, regression_df, store):
-    def keep(batch):
-        return batch
+class ReadLog(Callback):
+    """What a rank's readers did, seen on the executor: every Parquet row group read
+    (pyarrow's ``ParquetFile.read_row_group``, wrapped for the fit) with the epoch it was
+    read in (0: before the first), and the reader threads alive while reading. Written to
+    ``<folder>/rank-<r>.json`` at the end of training."""
 
+    def __init__(self, folder):
+        self.folder = str(folder)
+
+    def on_train_begin(self, state):
+        self.epoch, self.reads, self.threads = 0, [], set()
+        self.original = opened, read = pq.ParquetFile.__init__, pq.ParquetFile.read_row_group
+
+        def open_named(parquet, source, *args, **kwargs):
+            opened(parquet, source, *args, **kwargs)
+            parquet.logged_name = str(getattr(source, "path", source))
+
+        def read_logged(parquet, index, *args, **kwargs):
+            self.reads.append([self.epoch, getattr(parquet, "logged_name", None), index])
+            alive = (t.name for t in threading.enumerate())
+            self.threads.update(n for n in alive if n.startswith("spark-estimator-read_"))
+            return read(parquet, index, *args, **kwargs)
+
+        pq.ParquetFile.__init__, pq.ParquetFile.read_row_group = open_named, read_logged
+
+    def on_epoch_begin(self, epoch, state):
+        self.epoch = epoch
+
+    def on_train_end(self, state):
+        pq.ParquetFile.__init__, pq.ParquetFile.read_row_group = self.original
+        with open(os.path.join(self.folder, f"rank-{state.rank}.json"), "w") as f:
+            json.dump({"reads": self.reads, "threads": sorted(self.threads)}, f)
+
+
+def read_logs(folder) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
+
+
+def groups_read(log) -> Counter:
+    """How many times the rank read each row group."""
+    return Counter((path, index) for _, path, index in log["reads"])
+
+
+def test_loader_params_reach_the_executors(regression_df, store, tmp_path):
     est = make_estimator(
         linear_net(),
         store,
-        shuffle=False,
-        shuffle_buffer_size=7,
+        validation=0.5,  # about 50 rows a rank of each split: 4 batches of 16 in a pass
         reader_num_workers=3,
         inmemory_cache_all=True,
-        train_steps_per_epoch=4,
+        train_steps_per_epoch=3,
         validation_steps_per_epoch=2,
-        transformation_fn=keep,
+        callbacks=[ReadLog(tmp_path)],
     )
-    loader = est._validate(spark, regression_df).loader
-    assert loader == LoaderSpec(
-        reader="arrow",
-        shuffle=False,
-        shuffle_buffer_size=7,
-        num_workers=3,
-        inmemory_cache_all=True,
-        train_steps_per_epoch=4,
-        validation_steps_per_epoch=2,
-        transformation_fn=loader.transformation_fn,
-    )
-    assert loads(loader.transformation_fn)({"y": 1}) == {"y": 1}
+    model = est.fit(regression_df)
+    summary = ranks(store, model)
+    assert {n for s in summary for n in s["batches_per_epoch"]} == {3}
+    assert {s["validation_batches_per_epoch"] for s in summary} == {2}
+    logs = read_logs(tmp_path)
+    assert len(logs) == 2
+    for log in logs:
+        # three reader threads per reader; the cache read every row group once, in all epochs
+        assert log["threads"] == [f"spark-estimator-read_{i}" for i in range(3)]
+        assert log["reads"] and set(groups_read(log).values()) == {1}
+    # shuffle and shuffle_buffer_size: test_in_memory_cache_trains_exactly_as_streaming;
+    # transformation_fn: test_transformation_fn_is_applied_to_every_batch
 
 
-def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store):
-    streamed = make_estimator(linear_net(), store, shuffle_buffer_size=20).fit(regression_df)
+def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store, tmp_path):
+    streamed_reads, cached_reads = tmp_path / "streamed", tmp_path / "cached"
+    streamed_reads.mkdir(), cached_reads.mkdir()
+    streamed = make_estimator(
+        linear_net(), store, shuffle_buffer_size=20, callbacks=[ReadLog(streamed_reads)]
+    ).fit(regression_df)
     cached = make_estimator(
-        linear_net(), store, shuffle_buffer_size=20, inmemory_cache_all=True
+        linear_net(),
+        store,
+        shuffle_buffer_size=20,
+        inmemory_cache_all=True,
+        callbacks=[ReadLog(cached_reads)],
     ).fit(regression_df)
     assert digest(store, cached) == digest(store, streamed)
+    # the executors read: streaming, every row group in every epoch (3); cached, each once
+    # during the first epoch and nothing after
+    for log in read_logs(streamed_reads):
+        assert min(groups_read(log).values()) >= 3
+        assert {epoch for epoch, _, _ in log["reads"]} >= {2, 3}
+    for log in read_logs(cached_reads):
+        assert log["reads"] and set(groups_read(log).values()) == {1}
+        assert max(epoch for epoch, _, _ in log["reads"]) <= 1
     whole_shard_buffer = make_estimator(linear_net(), store).fit(regression_df)
     assert digest(store, whole_shard_buffer) != digest(store, streamed)
     unshuffled = make_estimator(linear_net(), store, shuffle=False).fit(regression_df)

@@ -129,6 +129,9 @@ def test_both_ranks_trained_their_shards_and_rank_zero_checkpointed_every_epoch(
     assert len({r["weights_digest"] for r in ranks}) == 1
     assert len({r["pid"] for r in ranks}) == 2
     assert abs(ranks[0]["train_rows"] - ranks[1]["train_rows"]) <= 1
+    # each rank reports its own shard of the validation rows, as TorchEstimator's do
+    assert abs(ranks[0]["validation_rows"] - ranks[1]["validation_rows"]) <= 1
+    assert sum(r["train_rows"] + r["validation_rows"] for r in ranks) == train.count()
     # two CPU processes of one host: the gradients went through shared memory, every step
     for r in ranks:
         steps = 6 * r["steps_per_epoch"]
@@ -232,6 +235,23 @@ def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, mon
     with pytest.raises(ImportError, match=r"spark-estimator\[lightning\]"):
         lightning_estimator(store).fit(train)
     assert sorted(p for p in store.fs.find(store.root)) == before
+
+
+def test_a_monitor_of_a_validation_value_without_validation_fails_on_the_driver(digits):
+    store, train, _ = digits
+    est = lightning_estimator(
+        store, validation=None, run_id="unvalidated", callbacks=[EarlyStopping(monitor="val_loss")]
+    )
+    refused = r"callbacks: EarlyStopping monitors 'val_loss'.*no validation data.*validation="
+    before = sorted(p for p in store.fs.find(store.root))
+    with pytest.raises(ValueError, match=refused):
+        est.fit(train)
+    assert sorted(p for p in store.fs.find(store.root)) == before
+    # Parquet without validation rows, known once fit_on_parquet has read it
+    path = lightning_estimator(store, validation=None).materialize(train)
+    with pytest.raises(ValueError, match=refused):
+        est.fit_on_parquet(path)
+    assert not store.exists(store.run_path("unvalidated"))
 
 
 def test_the_estimator_saves_and_loads_with_its_module_callbacks_and_trainer_args(tmp_path):

@@ -118,3 +118,29 @@ def test_a_remote_store_opens_its_filesystem_without_a_listings_cache():
     assert store.fs.dircache.use_listings_cache is False
     local = Store("/tmp")
     assert local.fs.storage_options == {}
+
+
+def test_one_slash_urls_are_placed_as_spark_places_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    local = Store.create("file:" + str(tmp_path / "local"))
+    assert (local.protocol, local.root, local.url) == ("file", str(tmp_path / "local"), local.root)
+    assert (tmp_path / "local").is_dir()
+    dbfs = Store("dbfs:/tmp/spark-estimator/")  # Databricks' FUSE mounts of DBFS and volumes
+    assert (dbfs.protocol, dbfs.root) == ("file", "/dbfs/tmp/spark-estimator")
+    assert Store("dbfs:/Volumes/cat/schema/vol/se").root == "/Volumes/cat/schema/vol/se"
+    hdfs = Store("hdfs:/user/me/store")  # the namenode of fs.defaultFS, as hdfs:///
+    assert (hdfs.protocol, hdfs.root) == ("hdfs", "/user/me/store")
+    assert hdfs.url == "hdfs:///user/me/store"
+    assert hdfs._url_options == {}
+    assert pickle.loads(pickle.dumps(hdfs)).root == "/user/me/store"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["local"]  # no folder named 'file:'
+
+
+@pytest.mark.parametrize(
+    "url", ["s3a:/bucket/store", "s3:/bucket/store", "gs:/bucket/x", "abfss:/x", "dbfs:tmp/x"]
+)
+def test_a_url_the_store_cannot_place_is_refused_naming_it(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"store: cannot place '{url}'"):
+        Store.create(url)
+    assert list(tmp_path.iterdir()) == []  # no relative folder made of the URL

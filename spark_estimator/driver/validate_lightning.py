@@ -5,7 +5,9 @@ Like ``validate_training.py``: errors name the parameter at fault, before any Sp
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 from ..serialization import dumps
 from ..worker.lightning_hooks import PACKAGES, lightning_package
@@ -56,6 +58,55 @@ def check_callbacks(pl, callbacks) -> None:
                 f"callbacks: {cb!r} is not a {pl.__name__}.Callback (the package of the "
                 "model); spark_estimator.callbacks are for TorchEstimator"
             )
+
+
+# where a module logs what Lightning's callbacks monitor: the hooks of each loop
+VALIDATION_HOOKS = ("validation_step", "on_validation_batch_end", "on_validation_epoch_end")
+TRAINING_HOOKS = ("training_step", "on_train_batch_end", "on_train_epoch_end")
+
+
+def check_monitors(model, callbacks, has_validation: bool) -> None:
+    """Without validation data, a callback may not monitor a value the module logs only in
+    its validation hooks: Lightning never runs them, and the callback would fail on every
+    executor. A value counts as logged there when its name is a string in the source of
+    those hooks (of the module's class or its parents) and not in the training hooks'; a
+    name made at run time (an f-string) is not seen, and is left to Lightning."""
+    if has_validation or not callbacks:
+        return
+    monitored = [cb for cb in callbacks if isinstance(getattr(cb, "monitor", None), str)]
+    if not monitored:
+        return
+    validation_only = _strings(model, VALIDATION_HOOKS) - _strings(model, TRAINING_HOOKS)
+    for cb in monitored:
+        if cb.monitor in validation_only:
+            raise ValueError(
+                f"callbacks: {type(cb).__name__} monitors '{cb.monitor}', which "
+                f"{type(model).__name__} logs in its validation hooks, but this fit has no "
+                "validation data; set validation= (a fraction or a column) or monitor a "
+                "value logged in training"
+            )
+
+
+def _strings(model, hooks: tuple[str, ...]) -> set[str]:
+    """The string constants in the source of ``hooks`` as the module's own classes define
+    them (not Lightning's defaults); a source that cannot be read adds none."""
+    found: set[str] = set()
+    for cls in type(model).__mro__:
+        if cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning", "torch"):
+            continue
+        for hook in hooks:
+            if hook not in vars(cls):
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(vars(cls)[hook])))
+            except (OSError, TypeError, SyntaxError):
+                continue
+            found.update(
+                node.value
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            )
+    return found
 
 
 def check_trainer_args(pl, trainer_args) -> dict:

@@ -104,7 +104,7 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
             yield chunk
 
     train_data = _Batches(steps_per_epoch, draw_training, to_dict)
-    val_data = None
+    val_data, val_loader = None, None
     if spec.data.rows("validation"):
         val_loader = open_loader(spec, "validation", world, rank, pin)
         val_plan = StepPlan(spec.data.rows("validation"), world, rank, spec.batch_size)
@@ -162,7 +162,7 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
         "gradient_path": gradient_path(shared),
         "gradient_allreduces": shared.calls if shared else None,
         "train_rows": train_loader.rows,
-        "validation_rows": spec.data.rows("validation"),
+        "validation_rows": val_loader.rows if val_loader is not None else 0,  # this rank's
         "steps_per_epoch": steps_per_epoch,
         "weights_digest": state_dict_digest(weights),
         "seconds": round(time.time() - started, 3),
