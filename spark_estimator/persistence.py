@@ -10,7 +10,9 @@ a cloudpickle of the object-valued params; and, for a stage with weights (a Torc
 tensors, loaded with ``torch.load(weights_only=True)``. ``metadata/`` is written last, so an
 interrupted save is refused by ``load``.
 
-The filesystem comes from ``fsspec.core.url_to_fs(path, **options)``: options given with
+The filesystem comes from ``fsspec.core.url_to_fs(path, **options)``, after Spark's one-slash
+URLs (``dbfs:/x``, ``file:/x``) are placed as the store places them (``store.spark_url``):
+options given with
 ``write().option(key, value)`` or ``read().option(key, value)`` (fsspec storage options, e.g.
 ``key``, ``secret``, ``endpoint_url`` for s3), on top of fsspec's own configuration
 (``FSSPEC_S3_ENDPOINT_URL``-style environment variables, its config files) and the
@@ -43,7 +45,7 @@ from pyspark.ml.util import DefaultParamsReader, MLReadable, MLReader, MLWritabl
 
 from .params import json_params
 from .serialization import dumps_for_saving, loads_saved
-from .store import hidden_sibling
+from .store import hidden_sibling, spark_url
 
 OBJECTS_FILE = "objects.pkl"
 WEIGHTS_FILE = "weights.pt"
@@ -97,7 +99,7 @@ class _FsspecOptions:
         return self
 
     def _fs(self, path: str) -> tuple[fsspec.AbstractFileSystem, str]:
-        return fsspec.core.url_to_fs(path, **self.storage_options)
+        return fsspec.core.url_to_fs(spark_url(path, "path"), **self.storage_options)
 
 
 class ObjectParamsWriter(_FsspecOptions, MLWriter):

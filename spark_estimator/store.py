@@ -45,14 +45,15 @@ def hidden_sibling(path: str, prefix: str = TEMPORARY_PREFIX) -> str:
     return posixpath.join(parent, f"{prefix}{uuid.uuid4().hex}-{name}")
 
 
-def _spark_url(url: str) -> str:
-    """``url`` as fsspec reads it. fsspec knows only ``scheme://``; Spark and Databricks
-    also write ``scheme:/path``, which fsspec would take for a relative local folder. Those
-    are placed as Spark places them: ``file:/x`` is the local ``/x``, ``dbfs:/x`` the
-    Databricks mount ``/dbfs/x`` (``dbfs:/Volumes/...`` is ``/Volumes/...``), ``hdfs:/x`` is
-    ``hdfs:///x`` (the namenode of ``fs.defaultFS``). Any other scheme with one slash (an
-    object store without its bucket, ``s3a:/x``) or a relative path after a scheme is
-    refused, naming the URL."""
+def spark_url(url: str, param: str = "store") -> str:
+    """``url`` (the store's root, or a ``save``/``load`` path) as fsspec reads it. fsspec
+    knows only ``scheme://``; Spark and Databricks also write ``scheme:/path``, which fsspec
+    would take for a relative local folder. Those are placed as Spark places them:
+    ``file:/x`` is the local ``/x``, ``dbfs:/x`` the Databricks mount ``/dbfs/x``
+    (``dbfs:/Volumes/...`` is ``/Volumes/...``), ``hdfs:/x`` is ``hdfs:///x`` (the namenode
+    of ``fs.defaultFS``). Any other scheme with one slash (an object store without its
+    bucket, ``s3a:/x``) or a relative path after a scheme is refused, naming ``param`` and
+    the URL."""
     match = _SCHEME.fullmatch(url)
     if match is None or "://" in url:
         return url
@@ -66,7 +67,7 @@ def _spark_url(url: str) -> str:
         if scheme == "hdfs":
             return "hdfs://" + path
     raise ValueError(
-        f"store: cannot place {url!r}: after '{scheme}:' comes no '//host' or bucket (only "
+        f"{param}: cannot place {url!r}: after '{scheme}:' comes no '//host' or bucket (only "
         "file:/, dbfs:/ and hdfs:/ paths are understood without one); write "
         f"'{scheme}://<host or bucket>/path', or a local path"
     )
@@ -82,7 +83,7 @@ class Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
         if not isinstance(url, str) or not url:
             raise ValueError("store: url must be a non-empty string")
-        url = _spark_url(url)
+        url = spark_url(url)
         protocol, path = fsspec.core.split_protocol(url)
         protocol = protocol or "file"
         self._url_options: dict[str, Any] = {}  # what the URL says besides the path

@@ -56,6 +56,17 @@ def test_a_stage_whose_metadata_spark_wrote_still_loads(spark, tmp_path):
     assert torch.equal(back.getModel().weight, model.getModel().weight)
 
 
+def test_save_and_load_place_one_slash_urls_as_the_store_does(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url = "file:" + str(tmp_path / "model")
+    small_model().save(url)
+    assert (tmp_path / "model" / "metadata").is_dir()
+    assert TorchModel.load(url).getFeatureCols() == ["x"]
+    with pytest.raises(ValueError, match="path: cannot place 's3a:/bucket/model'"):
+        small_model().save("s3a:/bucket/model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no folder named 'file:'
+
+
 def test_a_save_interrupted_before_its_metadata_is_refused(tmp_path):
     path = tmp_path / "model"
     small_model().save(str(path))
