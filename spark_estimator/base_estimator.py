@@ -236,6 +236,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             model=model.cpu().eval(),
             feature_cols=self.getFeatureCols(),
             input_shapes=self.getInputShapes(),
+            dtype=self.getDtype(),
             output_cols=self.getOutputCols(),
             classification=self.getClassification(),
             probabilityCol=self.getProbabilityCol(),
@@ -306,7 +307,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         sample_weight = validate.check_sample_weight_col(
             schema, self._sample_weight_col(), feature_cols + label_cols, self.getDtype()
         )
-        validate.check_input_shapes(self.getInputShapes(), feature_cols)
+        validate.check_input_shapes(self.getInputShapes(), feature_cols, features)
         validate.check_output_cols(self.getOutputCols(), [])
         if self.getClassification():
             validate.classification_cols(

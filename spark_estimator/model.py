@@ -2,7 +2,9 @@
 
 ``transform`` adds one column per model output through ``mapInArrow`` (whole Arrow batches,
 the model shipped once per task, never one row at a time): a double column for outputs of
-shape [B] or [B, 1], an array<float> column otherwise. Input columns are kept unchanged.
+shape [B] or [B, 1], an array<float> column otherwise; an output must have one row per
+input row. The features are cast to ``dtype``, the one the model was trained with (``fit``
+sets it; a stage saved without it loads as float32). Input columns are kept unchanged.
 With ``classification`` the one output is read as class logits and becomes Spark ML's
 classifier columns: ``rawPredictionCol`` and ``probabilityCol`` (ML vectors, converted from
 arrays after ``mapInArrow`` with ``array_to_vector``) and the class index.
@@ -29,6 +31,7 @@ from .driver import validate
 from .params import HasModelIO, with_accessors
 from .persistence import ObjectParamsReadWrite
 from .serialization import dumps
+from .spec import FLOAT_DTYPES
 from .worker.predict import predict_batches
 
 
@@ -42,6 +45,13 @@ class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
     """
 
     model = Param(Params._dummy(), "model", "the trained torch.nn.Module", TypeConverters.identity)
+    dtype = Param(
+        Params._dummy(),
+        "dtype",
+        "float type the features are cast to for the model: float32 or float64 (the "
+        "estimator's dtype, set by fit)",
+        TypeConverters.toString,
+    )
 
     def __init__(
         self,
@@ -49,6 +59,7 @@ class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
         model=None,
         feature_cols=None,
         input_shapes=None,
+        dtype=None,
         output_cols=None,
         classification=None,
         probabilityCol=None,
@@ -59,6 +70,7 @@ class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
         training_summary=None,
     ):
         super().__init__()
+        self._setDefault(dtype="float32")
         self._set(
             **{
                 k: v
@@ -66,6 +78,7 @@ class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
                     model=model,
                     feature_cols=feature_cols,
                     input_shapes=input_shapes,
+                    dtype=dtype,
                     output_cols=output_cols,
                     classification=classification,
                     probabilityCol=probabilityCol,
@@ -120,9 +133,12 @@ class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
     def _transform(self, dataset: DataFrame) -> DataFrame:
         if not self.isDefined("model") or not self.isDefined("feature_cols"):
             raise ValueError("model, feature_cols: a TorchModel needs both to transform")
-        schema = dataset.schema
-        features = [validate.column_spec(schema, c, "feature") for c in self.getFeatureCols()]
-        validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols())
+        schema, dtype = dataset.schema, self.getDtype()
+        validate.check_choice("dtype", dtype, FLOAT_DTYPES)
+        features = [
+            validate.column_spec(schema, c, "feature", dtype) for c in self.getFeatureCols()
+        ]
+        validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols(), features)
         if self.getClassification():
             return self._transform_classes(dataset, features)
         names = self._output_names()

@@ -134,7 +134,8 @@ class HasModelIO(HasClassification):
     )
     input_shapes = _param(
         "input_shapes",
-        "optional shape per feature column, e.g. [[-1, 1, 8, 8]]; -1 is the batch dimension",
+        "optional shape per feature column, e.g. [[-1, 1, 8, 8]]: -1 first (the batch "
+        "dimension, one per row), then the shape of one row",
         _to_input_shapes,
     )
     output_cols = _param(

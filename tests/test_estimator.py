@@ -408,6 +408,17 @@ def _bad_inputs():
             ValueError,
             "input_shapes: 2 shapes",
         ),
+        "input_shapes without the batch dimension": (
+            dict(input_shapes=[[3]]),
+            ValueError,
+            "input_shapes: shape [3] for column 'x' must start with -1",
+        ),
+        "input_shapes of a scalar column": (
+            dict(feature_cols=["id"], input_shapes=[[-1, 3]]),
+            ValueError,
+            "input_shapes: shape [-1, 3] has 3 elements per row, but column 'id' has rows of "
+            "length 1",
+        ),
         "optimizer of another model": (
             dict(model=net, optimizer=torch.optim.SGD(other.parameters(), lr=0.1)),
             ValueError,

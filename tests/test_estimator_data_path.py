@@ -13,6 +13,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
+from spark_estimator import TorchModel
 from spark_estimator.callbacks import Callback
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import linear_net, make_estimator, regression_rows
@@ -242,11 +243,21 @@ def test_transformation_fn_must_keep_the_rows(regression_df, store):
         est.fit(regression_df)
 
 
-def test_float64_dtype_trains_a_double_model(regression_df, store):
+def test_float64_dtype_trains_a_double_model_that_transforms_float64_inputs(
+    regression_df, store, tmp_path
+):
     net = linear_net().double()
     model = make_estimator(net, store, dtype="float64", epochs=10).fit(regression_df)
     assert model.getHistory()[-1]["train"]["loss"] < 1e-2
     assert model.getModel().weight.dtype == torch.float64
+    assert model.getDtype() == "float64"
+    model.save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.getDtype() == "float64"
+    rows = loaded.transform(regression_df).orderBy("id").collect()
+    x = torch.tensor([r.x for r in rows], dtype=torch.float64)
+    expected = loaded.getModel()(x).squeeze(1).tolist()  # float32 inputs differ at ~1e-7
+    assert [r.prediction for r in rows] == pytest.approx(expected, rel=1e-12, abs=0)
 
 
 def test_fit_on_parquet_trains_on_a_materialized_dataset(regression_df, store):

@@ -297,3 +297,18 @@ def test_steps_per_epoch_and_the_transformation_reach_the_module(digits):
     for record in model.getHistory():
         assert record["train"]["batches"] == 7 and record["validation"]["batches"] == 3
         assert 1.0 < record["train"]["max_x"] <= 2.0  # digits are scaled to [0, 1]
+
+
+def test_a_float64_fit_gives_a_model_that_transforms_float64_inputs(digits, tmp_path):
+    store, train, test = digits
+    small = dict(epochs=1, num_proc=1, validation=None, train_steps_per_epoch=5)
+    est = lightning_estimator(store, model=DigitsModule().double(), dtype="float64", **small)
+    model = est.fit(train)
+    assert model.getDtype() == "float64"
+    model.save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.getDtype() == "float64"
+    rows = loaded.transform(test.limit(20)).collect()
+    x = torch.tensor([r.features.toArray() for r in rows], dtype=torch.float64)
+    expected = loaded.getModel()(x.reshape(-1, 1, 8, 8)).float().tolist()
+    assert [r.prediction for r in rows] == [pytest.approx(e, rel=1e-6) for e in expected]

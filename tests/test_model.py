@@ -60,6 +60,31 @@ def test_input_shapes_apply_in_transform(spark):
     assert model.transform(df).first().prediction == 64.0
 
 
+class PairSums(torch.nn.Module):
+    """Sums the batch's values two by two: one output row per two input rows."""
+
+    def forward(self, x):
+        return x.reshape(-1, 2).sum(1)
+
+
+def test_transform_refuses_outputs_without_one_row_per_input_row(spark):
+    df = spark.createDataFrame([(float(i),) for i in range(4)], "x double").coalesce(1)
+    model = TorchModel(model=PairSums(), feature_cols=["x"], output_shapes=[[]])
+    with pytest.raises(Exception, match=r"the model's output 'prediction' has shape \[2\] for "):
+        model.transform(df).collect()
+
+
+def test_transform_refuses_input_shapes_without_the_batch_dimension_before_any_job(spark):
+    df = spark.createDataFrame([(float(i),) for i in range(4)], "x double")
+    model = TorchModel(model=PairSums(), feature_cols=["x"], output_shapes=[[]])
+    for shape, message in (
+        ([2], r"input_shapes: shape \[2\] for column 'x' must start with -1"),
+        ([-1, 2], r"input_shapes: shape \[-1, 2\] has 2 elements per row, but column 'x' has"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            model.setInputShapes([shape]).transform(df)
+
+
 def test_transform_errors_name_the_column(spark):
     df = spark.createDataFrame([([1.0, 2.0, 3.0], 1.0)], "x array<double>, prediction double")
     model = TorchModel(model=linear_net(), feature_cols=["x"])

@@ -5,7 +5,8 @@
 per array column its null elements and min/max length; per feature and float label its
 NaN and infinite values. ``check_observed`` turns the merged counts into the error naming
 the column, and ``check_row_lengths`` checks ``input_shapes`` against the row lengths (also
-for a dataset reused from the store, whose ``_meta.json`` records them).
+for a dataset reused from the store, whose ``_meta.json`` records them; scalar columns are
+checked earlier, from the schema, by ``validate.check_input_shapes``).
 """
 
 from __future__ import annotations
@@ -89,15 +90,19 @@ def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict
 
 
 def check_row_lengths(data: DatasetInfo, input_shapes: list[list[int]] | None) -> None:
-    """Each shape with a -1 (the batch dimension) must hold as many values as its feature
-    column's rows (1 for scalars; array lengths as recorded in ``_meta.json``)."""
+    """Each shape must hold as many values per row as its feature column's rows (1 for
+    scalars; array lengths as recorded in ``_meta.json``)."""
     for spec, shape in zip(data.features, input_shapes or []):
         length = data.row_length(spec)
-        if -1 not in shape or length is None:  # a fixed whole-batch shape: checked per batch
-            continue
-        per_row = math.prod(d for d in shape if d != -1)
-        if per_row != length:
-            raise ValueError(
-                f"input_shapes: shape {shape} has {per_row} elements per row, but column "
-                f"'{spec.name}' has rows of length {length}"
-            )
+        if length is not None:
+            check_shape_fits(shape, spec.name, length)
+
+
+def check_shape_fits(shape: list[int], column: str, length: int) -> None:
+    """An ``input_shapes`` entry ``[-1, d1, ...]`` must hold ``length`` values per row."""
+    per_row = math.prod(shape[1:])
+    if per_row != length:
+        raise ValueError(
+            f"input_shapes: shape {shape} has {per_row} elements per row, but column "
+            f"'{column}' has rows of length {length}"
+        )

@@ -20,6 +20,7 @@ from pyspark.sql.types import (
 from ..serialization import dumps
 from ..spec import READERS, ColumnSpec, column_param
 from ..worker.petastorm_reader import require_petastorm
+from .data_checks import check_shape_fits
 
 
 def _numeric(dt: DataType) -> bool:
@@ -106,7 +107,13 @@ def check_validation(schema: StructType, validation, used_cols: list[str]) -> No
         raise ValueError(f"validation: a fraction must be in (0, 1), got {validation}")
 
 
-def check_input_shapes(input_shapes, feature_cols: list[str]) -> None:
+def check_input_shapes(
+    input_shapes, feature_cols: list[str], features: list[ColumnSpec] | None = None
+) -> None:
+    """One shape per feature column, each ``[-1, d1, ...]``: -1 first, the batch dimension
+    (the rows; any other place would mix rows), then positive sizes. With the columns'
+    specs, a scalar column's shape must hold one value per row (array lengths are known
+    only once the data is read: ``data_checks.check_row_lengths``)."""
     if input_shapes is None:
         return
     if len(input_shapes) != len(feature_cols):
@@ -115,11 +122,15 @@ def check_input_shapes(input_shapes, feature_cols: list[str]) -> None:
             f"feature columns {feature_cols}"
         )
     for col, shape in zip(feature_cols, input_shapes):
-        if not shape or shape.count(-1) > 1 or any(d == 0 or d < -1 for d in shape):
+        if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]):
             raise ValueError(
-                f"input_shapes: shape {shape} for column '{col}' must be non-empty, with "
-                "positive sizes and at most one -1"
+                f"input_shapes: shape {shape} for column '{col}' must start with -1, the "
+                "batch dimension (rows), followed by positive sizes of each row, e.g. "
+                "[-1, 1, 8, 8]"
             )
+    for spec, shape in zip(features or [], input_shapes):
+        if spec.kind == "scalar":
+            check_shape_fits(shape, spec.name, 1)
 
 
 def check_positive(name: str, value, optional: bool = False) -> None:

@@ -60,12 +60,28 @@ def predict_batches(
                     f"{what}: the model returned {len(outputs)} outputs for output "
                     f"columns {output_cols}"
                 )
+            check_rows(outputs, output_cols, batch.num_rows, input_shapes)
             if classification:
                 columns = class_columns(outputs[0])
             else:
                 columns = [tensor_to_arrow(o, s) for o, s in zip(outputs, scalar_outputs)]
             yield pa.RecordBatch.from_arrays(
                 batch.columns + columns, names=batch.schema.names + output_cols
+            )
+
+
+def check_rows(
+    outputs: list[torch.Tensor], names: list[str], rows: int, input_shapes: list[list[int]] | None
+) -> None:
+    """Each output must have one row per input row (its first dimension): the new columns
+    sit beside the batch's rows."""
+    for name, output in zip(names, outputs):
+        if output.dim() == 0 or len(output) != rows:
+            raise ValueError(
+                f"input_shapes: the model's output '{name}' has shape {list(output.shape)} "
+                f"for a batch of {rows} rows; transform needs one output row per input row "
+                f"(the first dimension), so forward() must keep the rows of its inputs "
+                f"(input_shapes: {input_shapes})"
             )
 
 

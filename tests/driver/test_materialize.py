@@ -249,7 +249,7 @@ def test_a_reused_dataset_is_checked_against_input_shapes_without_a_job(spark, s
     try:
         with pytest.raises(ValueError, match=r"input_shapes: shape \[-1, 2, 2\] has 4 elements"):
             _materialize(df, store, *cols, None, 0, OPTIONS, input_shapes=[[-1, 2, 2]])
-        again = _materialize(df, store, *cols, None, 0, OPTIONS, input_shapes=[[3, -1]])
+        again = _materialize(df, store, *cols, None, 0, OPTIONS, input_shapes=[[-1, 3]])
     finally:
         spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
     assert again.reused and again.row_lengths == {"v": 3}

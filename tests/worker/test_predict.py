@@ -59,7 +59,7 @@ def predict(model, classification=True, names=("raw", "prob", "pred")):
             features=[ColumnSpec("x", "array", "float32")],
             input_shapes=None,
             output_cols=list(names),
-            scalar_outputs=[],
+            scalar_outputs=[] if classification else [False] * len(names),
             classification=classification,
         )
     )
@@ -79,3 +79,15 @@ def test_predict_batches_appends_the_three_class_columns():
 def test_a_model_with_two_outputs_is_refused_for_classification():
     with pytest.raises(ValueError, match="classification: the model returned 2 outputs"):
         predict(TwoHeads())
+
+
+class BatchMean(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize("classification", [True, False])
+def test_outputs_without_one_row_per_input_row_are_refused(classification):
+    names = ("raw", "prob", "pred") if classification else ("prediction",)
+    with pytest.raises(ValueError, match=r"output '(raw|prediction)' has shape \[1, 2\] for a "):
+        predict(BatchMean(), classification, names)
