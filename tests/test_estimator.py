@@ -200,10 +200,6 @@ def mean_loss(output, label):
 @pytest.mark.parametrize(
     "params,message",
     [
-        (  # float labels of shape [B] against class scores [B, 4]: CrossEntropyLoss refuses
-            dict(net=linear_net(3, 4), loss=torch.nn.CrossEntropyLoss()),
-            r"loss: failed on output of shape \(2, 4\)",
-        ),
         (dict(label_cols=["y", "id"]), "label_cols: the model returned 1 outputs for 2 label"),
         (
             dict(loss=mean_loss, sample_weight_col="w"),
@@ -365,7 +361,6 @@ def _bad_inputs():
             self.lock = threading.Lock()
 
     bad_net = Unpicklable()
-    scores = linear_net(3, 4)
     return {
         "missing feature column": (
             dict(feature_cols=["nope"]),
@@ -519,16 +514,6 @@ def _bad_inputs():
             dict(collective_timeout=0),
             ValueError,
             "collective_timeout: must be > 0",
-        ),
-        "loss failing on the labels": (
-            dict(
-                model=scores,
-                optimizer=torch.optim.SGD(scores.parameters(), lr=0.1),
-                loss=torch.nn.CrossEntropyLoss(),
-                input_shapes=[[-1, 3]],
-            ),
-            ValueError,
-            "loss: failed on output of shape (2, 4) and label column 'y'",
         ),
         "fewer model outputs than label columns": (
             dict(label_cols=["y", "id"], input_shapes=[[-1, 3]]),

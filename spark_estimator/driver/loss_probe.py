@@ -2,9 +2,11 @@
 
 Two rows of zeros, in the per-row shapes and dtypes the executors load (features reshaped
 by ``input_shapes``, after ``transformation_fn``), go through a copy of the model in eval
-mode and the executors' own ``BatchLoss`` on the CPU, without gradients. Its errors are
-the executors': ``loss: failed on ...``, ``label_cols: the model returned N outputs ...``,
-``sample_weight_col: the loss for label column ... returned shape ...``.
+mode and the executors' own ``BatchLoss`` on the CPU, without gradients. What its checks
+find is refused with the executors' messages: ``label_cols: the model returned N outputs
+...``, ``sample_weight_col: the loss for label column ... returned shape ...``. The loss
+itself raising (``loss: failed on ...``) is only a warning: a loss may need what only a
+rank has (its GPU, the process group), so the executors decide on the real rows.
 
 The probe needs every column's values per row: scalars have one; an array or vector
 column's length comes from ``input_shapes`` (``[-1, ...]``) or from the row lengths a
@@ -17,6 +19,7 @@ loss: the probe then stops, and the executors report what fails on the real rows
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -25,9 +28,10 @@ from ..serialization import loads
 from ..spec import ColumnSpec
 from ..worker.batch import apply_transformation
 from ..worker.convert import reshape_input
-from ..worker.loss import BatchLoss, as_outputs
+from ..worker.loss import BatchLoss, LossFailed, as_outputs
 from ..worker.objects import build_losses
 
+_log = logging.getLogger(__name__)
 ROWS = 2  # more than one, for models that need it (batch norm is in eval mode anyway)
 
 
@@ -69,8 +73,9 @@ def check_loss(
     loss_weights,
     transformation_fn: bytes | None,
 ) -> bool:
-    """Run the loss on a probe batch; raise its ValueError. False when a column's values
-    per row are not known yet (then call again with the dataset's row lengths)."""
+    """Run the loss on a probe batch; raise what its checks find, warn when the loss itself
+    raises. False when a column's values per row are not known yet (then call again with the
+    dataset's row lengths)."""
     weights = [sample_weight] if sample_weight is not None else []
     feature_shapes = list(input_shapes or [None] * len(features))
     chunk = probe_chunk(
@@ -100,10 +105,18 @@ def check_loss(
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn.cpu()
     loss = BatchLoss(losses, labels, loss_weights, weighted_rows=sample_weight is not None)
-    with torch.no_grad():
-        loss(
-            outputs,
-            [chunk[c.name] for c in labels],
-            chunk[sample_weight.name] if sample_weight is not None else None,
+    try:
+        with torch.no_grad():
+            loss(
+                outputs,
+                [chunk[c.name] for c in labels],
+                chunk[sample_weight.name] if sample_weight is not None else None,
+            )
+    except LossFailed as e:
+        _log.warning(
+            "%s; tried on the driver, on %d rows of zeros: training goes on, and the "
+            "executors report it if the real rows fail too",
+            e,
+            ROWS,
         )
     return True

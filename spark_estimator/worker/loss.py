@@ -80,6 +80,10 @@ def _per_row(values: torch.Tensor, rows: int, label: str) -> torch.Tensor:
     return values.reshape(rows, -1).mean(dim=1)
 
 
+class LossFailed(ValueError):
+    """The user's loss raised on a batch (as opposed to the checks around it)."""
+
+
 class BatchLoss:
     """The training loss of a batch: ``(outputs, labels, sample_weight) -> scalar``."""
 
@@ -133,7 +137,7 @@ class BatchLoss:
                 else:
                     self.float_labels.add(i)
                     return term
-            raise ValueError(
+            raise LossFailed(
                 f"loss: failed on output of shape {tuple(output.shape)} and label column "
                 f"'{spec.name}' of shape {tuple(aligned.shape)} ({type(e).__name__}: {e})"
             ) from e
