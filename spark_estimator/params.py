@@ -5,7 +5,7 @@ Each param is written once, as a ``ParamSpec`` (name, doc, type converter, defau
 ``pyspark.ml.param.Param`` of every spec and sets the defaults. The ``getX``/``setX``
 accessors (``batch_size`` -> ``getBatchSize``/``setBatchSize``) are plain methods of the
 mixins in ``param_accessors.py``, which docs/gen_parameters.py writes from the specs (so
-editors and type checkers see them; tests/test_params.py fails when it is out of date).
+editors and type checkers see them; tests/test_docs.py fails when it is out of date).
 Names follow Horovod's Spark estimator wherever it has the same concept, so migrating users
 keep them; Spark's ``probabilityCol`` and ``rawPredictionCol`` are also accepted as
 ``probability_col`` and ``raw_prediction_col``.
@@ -161,6 +161,8 @@ class HasClassification(
     )
 
     def _set(self, **kwargs: Any):
+        """Sets params by name, taking the snake_case spellings too (the estimators'
+        keywords and ``setParams`` come through here)."""
         return super()._set(**spark_names(kwargs))
 
     def setProbabilityCol(self, value: str):
