@@ -58,6 +58,8 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         classification=False,
         probabilityCol="probability",
         rawPredictionCol="rawPrediction",
+        probability_col="probability",
+        raw_prediction_col="rawPrediction",
         learning_rate=None,
         batch_size=32,
         epochs=1,

@@ -49,6 +49,8 @@ class LightningEstimator(StoreEstimator, LightningParams):
         classification=False,
         probabilityCol="probability",
         rawPredictionCol="rawPrediction",
+        probability_col="probability",
+        raw_prediction_col="rawPrediction",
         batch_size=32,
         epochs=1,
         num_proc=None,

@@ -20,73 +20,54 @@ import functools
 from copy import deepcopy
 
 import torch
+from pyspark import keyword_only
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector
-from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
 from .driver import validate
-from .params import HasModelIO, with_accessors
+from .params import ModelParams
 from .persistence import ObjectParamsReadWrite
 from .serialization import dumps
 from .spec import FLOAT_DTYPES
 from .worker.predict import predict_batches
 
 
-@with_accessors
-class TorchModel(Model, HasModelIO, ObjectParamsReadWrite):
+class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
     """A trained torch module as a Spark ML Transformer, made by ``TorchEstimator.fit``.
 
     ``getHistory()`` has one dict per epoch, e.g. ``{"epoch": 1, "train": {"loss": 0.3},
     "validation": {"loss": 0.4}}``; ``getModel()`` is the trained module on CPU.
     ``copy(extra)`` keeps the uid and gives the copy its own module, history and summary.
+    A param given as None is left unset (at its default).
     """
 
-    model = Param(Params._dummy(), "model", "the trained torch.nn.Module", TypeConverters.identity)
-    dtype = Param(
-        Params._dummy(),
-        "dtype",
-        "float type the features are cast to for the model: float32 or float64 (the "
-        "estimator's dtype, set by fit)",
-        TypeConverters.toString,
-    )
+    _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary")
 
+    @keyword_only
     def __init__(
         self,
         *,
         model=None,
         feature_cols=None,
         input_shapes=None,
-        dtype=None,
+        dtype="float32",
         output_cols=None,
-        classification=None,
-        probabilityCol=None,
-        rawPredictionCol=None,
+        classification=False,
+        probabilityCol="probability",
+        rawPredictionCol="rawPrediction",
+        probability_col="probability",
+        raw_prediction_col="rawPrediction",
         history=None,
         output_shapes=None,
         run_id=None,
         training_summary=None,
     ):
         super().__init__()
-        self._setDefault(dtype="float32")
-        self._set(
-            **{
-                k: v
-                for k, v in dict(
-                    model=model,
-                    feature_cols=feature_cols,
-                    input_shapes=input_shapes,
-                    dtype=dtype,
-                    output_cols=output_cols,
-                    classification=classification,
-                    probabilityCol=probabilityCol,
-                    rawPredictionCol=rawPredictionCol,
-                ).items()
-                if v is not None
-            }
-        )
+        given = self._input_kwargs
+        self._set(**{k: v for k, v in given.items() if k not in self._NOT_PARAMS and v is not None})
         self._history = list(history or [])
         self._output_shapes = output_shapes
         self._run_id = run_id

@@ -1,5 +1,6 @@
-"""Docs that follow the code: docs/parameters.md is what docs/gen_parameters.py writes from
-the params of TorchEstimator and TorchModel, and relative links in the user docs resolve."""
+"""Docs that follow the code: docs/parameters.md and spark_estimator/param_accessors.py are
+what docs/gen_parameters.py writes from the params of TorchEstimator, LightningEstimator and
+TorchModel, and relative links in the user docs resolve."""
 
 import importlib.util
 import re
@@ -22,6 +23,27 @@ def test_parameters_md_is_up_to_date_with_the_code():
     assert (ROOT / "docs/parameters.md").read_text() == generator.render(), (
         "docs/parameters.md is out of date: run .venv/bin/python docs/gen_parameters.py"
     )
+
+
+def test_param_accessors_module_is_up_to_date_with_the_specs():
+    text = load_generator().render_accessors()
+    assert (ROOT / "spark_estimator/param_accessors.py").read_text() == text, (
+        "spark_estimator/param_accessors.py is out of date: run docs/gen_parameters.py"
+    )
+
+
+def test_every_param_has_its_accessors_written_out():
+    from spark_estimator import LightningEstimator, TorchEstimator, TorchModel, param_accessors
+
+    source = (ROOT / "spark_estimator/param_accessors.py").read_text()
+    camel = load_generator()._camel
+    for stage in (TorchEstimator(), LightningEstimator(), TorchModel()):
+        for param in stage.params:
+            if param.name in ("probabilityCol", "rawPredictionCol"):  # pyspark's and ours
+                continue
+            name = camel(param.name)
+            assert f"def get{name}(self)" in source and f"def set{name}(self" in source
+    assert param_accessors.FitParamsAccessors.getBatchSize.__module__ == param_accessors.__name__
 
 
 def test_parameters_md_lists_every_param_with_its_default():

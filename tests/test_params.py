@@ -1,7 +1,10 @@
+import inspect
+
 import pytest
 import torch
 
-from spark_estimator import Store, TorchEstimator, TorchModel
+from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel
+from spark_estimator.params import SPARK_ALIASES
 
 
 def make(**kw):
@@ -162,3 +165,45 @@ def test_model_params_and_accessors():
     assert model.getHistory() == [{"epoch": 1}] and model.getRunId() == "r"
     assert model.setOutputCols(["p"]).getOutputCols() == ["p"]
     assert "feature_cols:" in model.explainParams()
+
+
+@pytest.mark.parametrize("cls", [TorchEstimator, LightningEstimator, TorchModel])
+def test_init_keywords_are_the_params_with_their_one_default(cls):
+    stage = cls()
+    keywords = dict(inspect.signature(cls.__init__).parameters)
+    del keywords["self"]
+    names = {p.name for p in stage.params}
+    assert names <= set(keywords)
+    for keyword, argument in keywords.items():
+        name = SPARK_ALIASES.get(keyword, keyword)
+        if name not in names:
+            assert cls is TorchModel and keyword in TorchModel._NOT_PARAMS
+            continue
+        param = stage.getParam(name)
+        default = stage.getOrDefault(param) if stage.hasDefault(param) else None
+        assert repr(argument.default) == repr(default), keyword
+
+
+@pytest.mark.parametrize("stage", [make, LightningEstimator, TorchModel])
+def test_spark_columns_take_both_spellings(stage):
+    snake = stage(probability_col="p", raw_prediction_col="r")
+    spark = stage(probabilityCol="p", rawPredictionCol="r")
+    for one in (snake, spark):
+        assert (one.getProbabilityCol(), one.getRawPredictionCol()) == ("p", "r")
+        assert {"probabilityCol", "rawPredictionCol"} <= {p.name for p in one.params}
+        assert not {"probability_col", "raw_prediction_col"} & {p.name for p in one.params}
+    assert stage(probability_col="p", probabilityCol="p").getProbabilityCol() == "p"
+    assert snake.setProbabilityCol("q").getProbabilityCol() == "q"
+
+
+def test_set_params_takes_the_snake_case_spelling():
+    est = make().setParams(probability_col="p", raw_prediction_col="r")
+    assert (est.getProbabilityCol(), est.getRawPredictionCol()) == ("p", "r")
+
+
+@pytest.mark.parametrize("stage", [make, LightningEstimator, TorchModel])
+def test_both_spellings_with_different_values_are_refused_naming_them(stage):
+    with pytest.raises(ValueError, match="probability_col, probabilityCol"):
+        stage(probability_col="p", probabilityCol="q")
+    with pytest.raises(ValueError, match="raw_prediction_col, rawPredictionCol"):
+        stage(raw_prediction_col="r", rawPredictionCol="s")
