@@ -16,6 +16,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import NamedTuple
 
 from pyspark.ml import Estimator
@@ -32,6 +33,7 @@ from .persistence import ObjectParamsReadWrite
 from .serialization import loads, state_from_bytes
 from .spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
 from .store import Store
+from .summary import RankSummary
 from .worker.task import training_task
 
 
@@ -39,7 +41,7 @@ class Training(NamedTuple):
     """What a subclass's ``_check_training`` hands back: the executors' objects."""
 
     bundle: bytes  # the one cloudpickle the executors rebuild the objects from
-    loop: LoopSpec
+    loop: LoopSpec | None  # our loop's parameters; None for Lightning (its Trainer's own)
     manifest: dict  # what checkpoints depend on besides the data (driver/run_manifest.py)
 
 
@@ -71,14 +73,14 @@ class _Clock:
         finally:
             self.seconds[step] = time.perf_counter() - start
 
-    def report(self, summaries: list[dict]) -> dict[str, float]:
+    def report(self, summaries: list[RankSummary]) -> dict[str, float]:
         """Seconds of: validation; dataset (materialized, found in the store, or described
         from the given Parquet); launch (the training job less the ranks' training: Spark
         scheduling, process group, the ranks' set-up and teardown); training (the longest
         rank's loop); result (the rest: the run's manifest before the job, reading the
         result and building the model after it); total. Rounded to ms."""
         job = self.seconds.pop("job")
-        training = max((s.get("seconds", 0.0) for s in summaries), default=0.0)
+        training = max((s.seconds for s in summaries), default=0.0)
         out = {**self.seconds, "launch": max(0.0, job - training), "training": training}
         total = time.perf_counter() - self.started
         out["result"] = total - sum(out.values())
@@ -213,20 +215,21 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             input_shapes=self.getInputShapes(),
             loader=checked.loader,
             loop=training.loop,
+            keep_checkpoints=self.getKeepCheckpoints(),
             collective_timeout=self.getCollectiveTimeout(),
             launch_id=uuid.uuid4().hex,
             trainer=self._TRAINER,
         )
         with clock("job"):
             summaries = self._launch(spark, spec, checked.num_proc)
-        store.write_json(store.join("runs", run_id, "ranks.json"), summaries)
-        digests = {s["weights_digest"] for s in summaries}
+        store.write_json(store.join("runs", run_id, "ranks.json"), [asdict(s) for s in summaries])
+        digests = {s.weights_digest for s in summaries}
         if len(digests) != 1:
             raise RuntimeError(
                 f"run {run_id}: ranks finished with different weights ({summaries}); "
                 "the model is not the same on every rank"
             )
-        notes = sorted({s["device_note"] for s in summaries if s.get("device_note")})
+        notes = sorted({s.device_note for s in summaries if s.device_note})
         for note in notes:
             warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=4)
         result = state_from_bytes(store.read_bytes(store.result_path(run_id)))
@@ -254,7 +257,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             mlflow_log.log_fit(self, fitted)
         return fitted
 
-    def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[dict]:
+    def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[RankSummary]:
         """Run the training job (retried by Spark after a lost task, resuming from the last
         checkpoint), following it from the driver (driver/monitor.py); raise the training
         code's own error as a TrainingError, with the failing rank's last output lines."""
@@ -279,7 +282,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         if any(s.get("aborted") for s in summaries):
             record = read_failure(failure, store)
             raise TrainingError(run_id, record, monitor.tail(record["rank"]))
-        return summaries
+        return [RankSummary(**s) for s in summaries]
 
     def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
         """Check every input on the driver; return what fit needs. No Spark job runs here.
@@ -325,7 +328,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             "collective_timeout",
         ):
             validate.check_positive(name, self.getOrDefault(name))
-        for name in ("shuffle_buffer_size", "train_steps_per_epoch", "validation_steps_per_epoch"):
+        for name in (
+            "shuffle_buffer_size",
+            "train_steps_per_epoch",
+            "validation_steps_per_epoch",
+            "keep_checkpoints",
+        ):
             validate.check_positive(name, self.getOrDefault(name), optional=True)
         validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
         validate.check_reader(self.getReader())

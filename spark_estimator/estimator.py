@@ -161,7 +161,6 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             loss_weights=tuple(weights) if weights else None,
             lr_scheduler_interval=self.getLrSchedulerInterval(),
             terminate_on_nan=self.getTerminateOnNan(),
-            keep_checkpoints=self.getKeepCheckpoints(),
         )
         validate_training.check_loop(loop, self.getLabelCols(), self.getTrainMinibatchFn())
         return loop

@@ -13,9 +13,8 @@ from pyspark import keyword_only
 from pyspark.sql import DataFrame
 
 from .base_estimator import StoreEstimator, Training
-from .driver import run_manifest, validate, validate_lightning
+from .driver import run_manifest, validate_lightning
 from .params import LightningParams
-from .spec import LoopSpec
 
 
 class LightningEstimator(StoreEstimator, LightningParams):
@@ -86,14 +85,13 @@ class LightningEstimator(StoreEstimator, LightningParams):
         pl = validate_lightning.check_module(model)
         validate_lightning.check_callbacks(pl, self.getCallbacks())
         trainer_args = validate_lightning.check_trainer_args(pl, self.getTrainerArgs())
-        validate.check_positive("keep_checkpoints", self.getKeepCheckpoints(), optional=True)
         bundle = validate_lightning.lightning_bundle(model, self.getCallbacks(), trainer_args)
         fields = {
             **self._run_fields(num_proc),
             "accumulate_grad_batches": trainer_args.get("accumulate_grad_batches", 1),
         }
         manifest = run_manifest.run_manifest(model, None, fields)
-        return Training(bundle, LoopSpec(keep_checkpoints=self.getKeepCheckpoints()), manifest)
+        return Training(bundle, None, manifest)
 
     def _check_callbacks(self, has_validation: bool) -> None:
         pl = validate_lightning.check_module(self.getModel())

@@ -129,7 +129,6 @@ class LoopSpec:
     loss_weights: tuple[float, ...] | None = None  # one per label column
     lr_scheduler_interval: str = "epoch"  # "epoch" | "step"
     terminate_on_nan: bool = True
-    keep_checkpoints: int | None = None  # the last k epochs' checkpoints; None keeps all
 
 
 def metric_keys(metric_names: list[str], label_cols: list[str]) -> list[str]:
@@ -156,7 +155,8 @@ class TrainSpec:
     use_gpu: bool
     input_shapes: list[list[int]] | None
     loader: LoaderSpec = field(default_factory=LoaderSpec)
-    loop: LoopSpec = field(default_factory=LoopSpec)
+    loop: LoopSpec | None = None  # our loop's (worker/train.py); None for Lightning's Trainer
+    keep_checkpoints: int | None = None  # the last k epochs' checkpoints; None keeps all
     collective_timeout: float = 600.0  # seconds any rank waits for the others
     launch_id: str = ""  # this fit call's id: names its failure record (failures.py)
     trainer: str = "torch"  # the loop: "torch" (worker/train.py) or "lightning"

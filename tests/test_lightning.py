@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from pyspark.sql import functions as F
 
 from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel, TrainingError
 from spark_estimator.serialization import state_from_bytes
+from spark_estimator.summary import RankSummary
 from spark_estimator.worker import lightning_hooks
 from tests.conftest import LOCAL, cnn, digits_rows, spark_session
 
@@ -85,13 +88,12 @@ def lightning_fit(digits):
     return est, est.fit(train)
 
 
-def test_a_lightning_module_reaches_the_plain_estimators_accuracy_on_two_ranks(
-    digits, lightning_fit
-):
-    store, train, test = digits
-    _, model = lightning_fit
+@pytest.fixture(scope="module")
+def plain_fit(digits):
+    """The same fit with TorchEstimator and our own loop."""
+    store, train, _ = digits
     net = cnn()
-    plain = TorchEstimator(
+    return TorchEstimator(
         model=net,
         optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
         loss=torch.nn.CrossEntropyLoss(),
@@ -99,9 +101,33 @@ def test_a_lightning_module_reaches_the_plain_estimators_accuracy_on_two_ranks(
         store=store,
         **DIGITS_PARAMS,
     ).fit(train)
-    ours, theirs = accuracy(model, test), accuracy(plain, test)
+
+
+def test_a_lightning_module_reaches_the_plain_estimators_accuracy_on_two_ranks(
+    digits, lightning_fit, plain_fit
+):
+    store, train, test = digits
+    _, model = lightning_fit
+    ours, theirs = accuracy(model, test), accuracy(plain_fit, test)
     assert ours >= 0.9
     assert ours >= theirs - 0.03, (ours, theirs)
+
+
+def test_both_trainers_report_the_same_fields_per_rank_counted_the_same_way(
+    digits, lightning_fit, plain_fit
+):
+    store = digits[0]
+
+    def ranks(model):
+        return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+
+    ours, theirs = ranks(lightning_fit[1]), ranks(plain_fit)
+    fields = {f.name for f in dataclasses.fields(RankSummary)}
+    assert [set(r) for r in ours] == [set(r) for r in theirs] == [fields, fields]
+    # the same data, batch size and ranks: each loop counted the same batches and steps
+    for key in ("train_rows", "validation_rows", "batches_per_epoch", "optimizer_steps_per_epoch"):
+        assert [r[key] for r in ours] == [r[key] for r in theirs], key
+    assert [len(r["batches_per_epoch"]) for r in ours] == [6, 6]
 
 
 def test_history_holds_the_loss_and_what_the_module_logged_per_epoch(lightning_fit):
@@ -134,7 +160,7 @@ def test_both_ranks_trained_their_shards_and_rank_zero_checkpointed_every_epoch(
     assert sum(r["train_rows"] + r["validation_rows"] for r in ranks) == train.count()
     # two CPU processes of one host: the gradients went through shared memory, every step
     for r in ranks:
-        steps = 6 * r["steps_per_epoch"]
+        steps = sum(r["batches_per_epoch"])
         assert r["gradient_path"] == "shared memory"
         assert r["gradient_allreduces"] and r["gradient_allreduces"] % steps == 0
     assert store.checkpoint_epochs("lightning-digits") == [1, 2, 3, 4, 5, 6]

@@ -135,8 +135,6 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
     k = loop.backward_passes_per_step
     if k < 1:
         raise ValueError(f"backward_passes_per_step: must be >= 1, got {k}")
-    if loop.keep_checkpoints is not None and loop.keep_checkpoints < 1:
-        raise ValueError(f"keep_checkpoints: must be >= 1, got {loop.keep_checkpoints}")
     check_loss_weights(loop.loss_weights, label_cols)
     if train_minibatch_fn is not None and (k > 1 or loop.mixed_precision != "none"):
         raise ValueError(

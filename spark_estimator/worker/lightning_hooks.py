@@ -13,8 +13,9 @@ Lightning comes as two packages with separate class hierarchies, ``lightning.pyt
 - ``EpochRecorder``: a Checkpoint callback that runs after the user's callbacks at each
   epoch end. It seeds the epoch (``resume.seed_epoch``), reports progress, writes the
   epoch's record into the history (the training_step losses and everything logged per
-  epoch, averaged over ranks), writes the epoch's checkpoint to the store, and carries the
-  run's own state (history, data position) inside Lightning's checkpoint.
+  epoch, averaged over ranks), counts the epoch's batches drawn and optimizer steps, writes
+  the epoch's checkpoint to the store, and carries the run's own state (history, data
+  position) inside Lightning's checkpoint.
 - ``SharedMemoryGradients``: a callback that gives the DDP model the shared-memory
   gradient allreduce (``ddp.py``) when every rank is a CPU process on one host. Lightning's
   own ``ddp_comm_hook`` option registers hooks on CUDA only.
@@ -197,6 +198,11 @@ def lightning_parts(pl):
             self.epochs = 0
             self.steps_per_epoch = 0
             self.tensorboard = None
+            # per epoch of this attempt: batches drawn from the training stream, and optimizer
+            # steps (trainer.global_step's growth: each optimizer's steps, counted by Lightning)
+            self.batches_per_epoch: list[int] = []
+            self.optimizer_steps_per_epoch: list[int] = []
+            self.counted = (0, 0)  # (batches_drawn, global_step) at the last epoch's end
 
         @property
         def state_key(self) -> str:
@@ -216,8 +222,9 @@ def lightning_parts(pl):
             self.output_shapes = state["output_shapes"]
             self.stopped = state["stopped"]
 
-        def on_train_start(self, trainer, pl_module) -> None:
+        def on_train_start(self, trainer, pl_module) -> None:  # after a resume's restore
             self.epochs = trainer.max_epochs
+            self.counted = (self.batches_drawn, trainer.global_step)
             if trainer.is_global_zero:
                 self.tensorboard = TensorBoardLog(self.store, self.run_id)
             if self.stopped:  # resumed from the checkpoint of the epoch that stopped it
@@ -255,6 +262,10 @@ def lightning_parts(pl):
                 split, name = key.split("/", 1)
                 record.setdefault(split, {})[name] = value
             self.history.append(record)
+            drawn, steps = self.batches_drawn, trainer.global_step
+            self.batches_per_epoch.append(drawn - self.counted[0])
+            self.optimizer_steps_per_epoch.append(steps - self.counted[1])
+            self.counted = (drawn, steps)
             self.stopped = bool(trainer.should_stop)
             trainer.save_checkpoint(url(self.store, self.checkpoints.path(epoch)))
             if trainer.is_global_zero:

@@ -3,38 +3,37 @@
 Each rank unpickles the LightningModule, its callbacks and ``trainer_args``, and runs
 ``Trainer.fit`` with DDP over the process group the task already joined (see
 ``lightning_hooks.py``): one device per task, ``max_epochs = epochs``. The data comes from
-our loader: each epoch is ``train_steps_per_epoch`` batches (default one exact pass) of an
-endless, seeded stream over the rank's shard, every rank the same number of batches. A batch
-is a dict column name -> tensor (features shaped by ``input_shapes``, labels, on the device).
+our loader (``rank_data.py``): each epoch is ``train_steps_per_epoch`` batches (default one
+exact pass) of an endless, seeded stream over the rank's shard, every rank the same number
+of batches. A batch is a dict column name -> tensor (features shaped by ``input_shapes``,
+labels, on the device).
 
 After every epoch rank 0 writes Lightning's full checkpoint to the run's checkpoints in the
 store, and a fit that finds one resumes from the newest (``ckpt_path``): model, optimizers,
 schedulers, loops, callbacks (EarlyStopping, ModelCheckpoint) and our history and data
 position. At the end rank 0 writes the result: the final weights, or those of the best
-checkpoint of a ModelCheckpoint that monitors a value.
+checkpoint of a ModelCheckpoint that monitors a value; every rank returns its
+``RankSummary``, with the batches and optimizer steps its Trainer ran per epoch.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import socket
 import time
 from collections.abc import Callable
 
 import torch
 
-from ..serialization import loads, state_dict_digest, state_to_bytes
+from ..serialization import loads, state_to_bytes
 from ..spec import TrainSpec
+from ..summary import RankSummary, training_summary
 from .batch import Batch
-from .ddp import gradient_path, open_shared_memory
+from .ddp import open_shared_memory
 from .lightning_hooks import fsspec_defaults, lightning_package, lightning_parts, url
-from .loader import open_loader
 from .loss import as_outputs
+from .rank_data import RankData, rank_summary
 from .rendezvous import RankInfo
 from .resume import agree_on_checkpoint
-from .shards import StepPlan
-from .train import training_steps
 
 # Trainer arguments whose defaults differ from Lightning's; trainer_args may set them. The
 # driver shows progress and the history goes to TensorBoard, so no logger or bar by default;
@@ -61,9 +60,10 @@ class _Batches:
             yield self.to_dict(chunk)
 
 
-def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None) -> dict:
+def train_lightning(
+    spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None
+) -> RankSummary:
     """Train this rank; return its summary (rank 0 also writes the result to the store)."""
-    started = time.time()
     objects = loads(spec.bundle)
     module = objects["model"]
     pl = lightning_package(module)
@@ -71,7 +71,7 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
     rank, world, device = info.rank, info.world_size, info.device
     store, run_id = spec.store, spec.run_id
     recorder = EpochRecorder(
-        store, run_id, spec.seed, spec.loop.keep_checkpoints, report if rank == 0 else None
+        store, run_id, spec.seed, spec.keep_checkpoints, report if rank == 0 else None
     )
     checkpoints = recorder.checkpoints
 
@@ -83,34 +83,27 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
         batch = Batch(chunk, spec, device, transform)
         if recorder.output_shapes is None and recorder.first_inputs is None:
             recorder.first_inputs = [t[:1].detach().to("cpu") for t in batch.inputs]
-        values = dict(zip(names, batch.inputs + batch.labels))
-        if batch.sample_weight is not None:
-            values[spec.data.sample_weight.name] = batch.sample_weight
-        return values
+        return dict(zip(names, batch.inputs + batch.labels))
 
-    pin = device.type == "cuda"
-    train_loader = open_loader(spec, "train", world, rank, pin)
-    plan = StepPlan(spec.data.rows("train"), world, rank, spec.batch_size)
-    steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
-    recorder.steps_per_epoch = steps_per_epoch
+    # lockstep: every rank runs as many validation batches (Lightning may sync what is logged)
+    data = RankData(spec, info, lockstep=True)
+    started = time.time()
+    recorder.steps_per_epoch = data.steps_per_epoch
     stream = None
 
     def draw_training():
         nonlocal stream
         if stream is None:  # after Lightning restored the recorder: start where it was
-            stream = training_steps(train_loader, plan, 1, steps_per_epoch, recorder.batches_drawn)
+            stream = data.training_steps(1, recorder.batches_drawn)
         for chunk, _weight, _last in stream:
             recorder.batches_drawn += 1
             yield chunk
 
-    train_data = _Batches(steps_per_epoch, draw_training, to_dict)
-    val_data, val_loader = None, None
-    if spec.data.rows("validation"):
-        val_loader = open_loader(spec, "validation", world, rank, pin)
-        val_plan = StepPlan(spec.data.rows("validation"), world, rank, spec.batch_size)
-        sizes = [s for s in val_plan.batch_sizes if s][: spec.loader.validation_steps_per_epoch]
-        # the same count on every rank; in order, so every pass is the same (pass index 1)
-        val_data = _Batches(len(sizes), lambda: val_loader.batches(sizes, 1), to_dict)
+    train_data = _Batches(data.steps_per_epoch, draw_training, to_dict)
+    val_data = None
+    if data.has_validation:
+        sizes = data.validation_sizes  # in order, so every pass is the same (pass index 1)
+        val_data = _Batches(len(sizes), lambda: data.validation.batches(sizes, 1), to_dict)
 
     resume_epoch = agree_on_checkpoint(checkpoints, rank, device)
     callbacks = list(objects.get("callbacks") or [])
@@ -152,21 +145,15 @@ def train_lightning(spec: TrainSpec, info: RankInfo, report: Callable[..., None]
             "summary": _summary(pl, trainer, recorder, world, resume_epoch, selection),
         }
         store.write_bytes(store.result_path(run_id), state_to_bytes(result))
-    return {
-        "rank": rank,
-        "local_rank": info.local_rank,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "device": str(device),
-        "device_note": info.device_note,
-        "gradient_path": gradient_path(shared),
-        "gradient_allreduces": shared.calls if shared else None,
-        "train_rows": train_loader.rows,
-        "validation_rows": val_loader.rows if val_loader is not None else 0,  # this rank's
-        "steps_per_epoch": steps_per_epoch,
-        "weights_digest": state_dict_digest(weights),
-        "seconds": round(time.time() - started, 3),
-    }
+    return rank_summary(
+        info,
+        data,
+        shared,
+        weights,
+        recorder.batches_per_epoch,
+        recorder.optimizer_steps_per_epoch,
+        started,
+    )
 
 
 def _output_shapes(module, inputs: list[torch.Tensor]) -> list[list[int]]:
@@ -197,23 +184,23 @@ def _best_checkpoint(pl, trainer) -> tuple[dict | None, dict | None]:
 
 
 def _summary(pl, trainer, recorder, world: int, resume_epoch: int, selection) -> dict:
-    history = recorder.history
     stopped_by = [
         cb.stopped_epoch + 1
         for cb in trainer.callbacks
         if isinstance(cb, pl.callbacks.EarlyStopping) and cb.stopped_epoch
     ]
     return {
-        "world_size": world,
+        **training_summary(
+            world,
+            trainer.max_epochs,
+            recorder.history,
+            resume_epoch,
+            stopped_by[0] if stopped_by else None,
+            selection,
+            recorder.checkpoints.epochs(),
+        ),
         "trainer": "lightning",
         "lightning_version": pl.__version__,
         "precision": str(trainer.precision),
         "accumulate_grad_batches": trainer.accumulate_grad_batches,
-        "epochs_run": len(history),
-        "resumed_from_epoch": resume_epoch or None,
-        "stopped_early": len(history) < trainer.max_epochs,
-        "early_stopping_epoch": stopped_by[0] if stopped_by else None,
-        "selected_epoch": selection["epoch"] if selection else len(history),
-        "selection": selection,
-        "checkpoints": recorder.checkpoints.epochs(),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from ..failures import failure_path, read_failure, record_failure
 from ..spec import TrainSpec
 from .rendezvous import process_group
@@ -10,7 +12,8 @@ from .train import train
 
 
 def training_task(spec: TrainSpec) -> dict:
-    """Run this task's rank of the training job; return its summary.
+    """Run this task's rank of the training job; return its summary (a ``RankSummary`` as a
+    dict, for the job's JSON).
 
     When an earlier attempt of this launch already failed in the training code (Spark
     retried the stage after it), the task ends at once with ``{"aborted": True}`` and the
@@ -33,5 +36,5 @@ def training_task(spec: TrainSpec) -> dict:
             if spec.trainer == "lightning":  # imported here: lightning is an optional extra
                 from .lightning_train import train_lightning
 
-                return train_lightning(spec, info, log.report)
-            return train(spec, info, log.report)
+                return asdict(train_lightning(spec, info, log.report))
+            return asdict(train(spec, info, log.report))

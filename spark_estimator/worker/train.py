@@ -2,39 +2,39 @@
 
 Each rank rebuilds the user's objects from the pickled bundle (``objects.py``), wraps the
 model in DistributedDataParallel (``ddp.py``; DDP broadcasts rank 0's initial weights),
-streams its shard through the loader and trains ``epochs`` epochs. An epoch is one exact
-pass over the training rows, or ``train_steps_per_epoch`` batches of an endless sequence
-of passes (a batch is one forward and backward pass). With ``backward_passes_per_step = k``
-an epoch's batches form groups of k, one optimizer step each, across pass boundaries; the
-epoch's last group may be short, so an epoch always ends with an optimizer step
-(``shards.py``). ``step.py`` does the work of one batch. Per epoch the ranks run exactly two
-collectives besides DDP's: one allreduce of the epoch's loss and metric sums
-(``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks). Rank 0 then
-writes the epoch's checkpoint (``checkpoints.py``); at the end it writes the result.
-A run that finds checkpoints of its ``run_id`` continues after the newest (``resume.py``).
+streams its shard through the loader (``rank_data.py``) and trains ``epochs`` epochs. An
+epoch is one exact pass over the training rows, or ``train_steps_per_epoch`` batches of an
+endless sequence of passes (a batch is one forward and backward pass). With
+``backward_passes_per_step = k`` an epoch's batches form groups of k, one optimizer step
+each, across pass boundaries; the epoch's last group may be short, so an epoch always ends
+with an optimizer step (``shards.py``). ``step.py`` does the work of one batch. Per epoch
+the ranks run exactly two collectives besides DDP's: one allreduce of the epoch's loss and
+metric sums (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks).
+Rank 0 then writes the epoch's checkpoint (``checkpoints.py``); at the end it writes the
+result, and every rank returns its ``RankSummary``. A run that finds checkpoints of its
+``run_id`` continues after the newest (``resume.py``).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ..callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
-from ..serialization import loads, state_dict_digest, state_to_bytes
+from ..serialization import loads, state_to_bytes
 from ..spec import TrainSpec, metric_keys
+from ..summary import RankSummary, training_summary
 from .batch import Batch
 from .checkpoints import Checkpoints
-from .ddp import CompressionState, gradient_path, wrap_model
-from .loader import ShardLoader, open_loader
+from .ddp import wrap_model
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums
 from .objects import build_objects
+from .rank_data import RankData, rank_summary
 from .rendezvous import RankInfo
 from .resume import (
     agree_on_checkpoint,
@@ -44,7 +44,6 @@ from .resume import (
     seed_epoch,
 )
 from .run_log import FLUSH_S
-from .shards import StepPlan, eval_sizes
 from .shm_allreduce import SharedMemoryAllreduce
 from .step import Stepper
 from .tensorboard import TensorBoardLog
@@ -52,23 +51,10 @@ from .tensorboard import TensorBoardLog
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
 
-def training_steps(
-    loader: ShardLoader, plan: StepPlan, group: int, epoch_steps: int, start: int = 0
-) -> Iterator[tuple[dict, float, bool]]:
-    """(batch, loss weight, last of its group) for every batch, pass after pass, no end,
-    beginning after the first ``start`` batches (those are read, not returned); groups of
-    ``group`` batches within epochs of ``epoch_steps`` (``StepPlan.schedule``)."""
-    schedule = plan.schedule(group, epoch_steps, start)
-    first_pass, skip = divmod(start, plan.steps)
-    for pass_index in itertools.count(first_pass + 1):
-        chunks = itertools.islice(loader.batches(plan.batch_sizes, pass_index), skip, None)
-        for chunk, (weight, last) in zip(chunks, schedule):
-            yield chunk, weight, last
-        skip = 0
-
-
-def train(spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None = None) -> dict:
-    """Train on this rank; return a summary of what it did (one JSON-able dict).
+def train(
+    spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None = None
+) -> RankSummary:
+    """Train on this rank; return a summary of what it did.
     Rank 0 passes its progress to ``report`` (see run_log.py)."""
     loop = _TrainingLoop(spec, info, report)
     try:
@@ -98,22 +84,16 @@ class _TrainingLoop:
         )
         self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
 
-        pin = self.device.type == "cuda"
-        self.train_loader = open_loader(spec, "train", world, rank, pin)
-        plan = StepPlan(spec.data.rows("train"), world, rank, spec.batch_size)
-        self.steps_per_epoch = spec.loader.train_steps_per_epoch or plan.steps
+        self.data = RankData(spec, info, lockstep=False)
+        self.steps_per_epoch = self.data.steps_per_epoch
         # what each epoch of this attempt ran, counted: batches and optimizer steps
         self.batches_run: list[int] = []
         self.optimizer_steps_run: list[int] = []
-        self.val_loader = open_loader(spec, "validation", world, rank, pin)
-        self.val_sizes = eval_sizes(
-            self.val_loader.rows, spec.batch_size, spec.loader.validation_steps_per_epoch
-        )
-        self.has_validation = spec.data.rows("validation") > 0
+        self.has_validation = self.data.has_validation
 
         labels = [c.name for c in spec.data.labels]
         self.metric_names = metric_keys(list(self.objects.metrics), labels)
-        self.checkpoints = Checkpoints(spec.store, spec.run_id, spec.loop.keep_checkpoints)
+        self.checkpoints = Checkpoints(spec.store, spec.run_id, spec.keep_checkpoints)
         callbacks = self.objects.callbacks
         self.best = next((cb for cb in callbacks if isinstance(cb, BestModel)), None)
         self.state = TrainingState(rank, world, self.objects.model, self.objects.optimizer)
@@ -126,9 +106,7 @@ class _TrainingLoop:
         # the rates training starts with: scaled and scheduled, or restored on resume
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         group = spec.loop.backward_passes_per_step
-        self.steps = training_steps(
-            self.train_loader, plan, group, self.steps_per_epoch, self.batches_drawn
-        )
+        self.steps = self.data.training_steps(group, self.batches_drawn)
 
     def _restore(self, epoch: int) -> None:
         """Continue from the checkpoint of ``epoch`` (see resume.py)."""
@@ -229,7 +207,7 @@ class _TrainingLoop:
         model, objects = self.objects.model, self.objects
         model.eval()
         with torch.no_grad(), self.stepper.autocast():
-            for chunk in self.val_loader.batches(self.val_sizes, epoch):
+            for chunk in self.data.validation.batches(self.data.validation_sizes, epoch):
                 batch = Batch(chunk, self.spec, self.device, self.transform)
                 outputs = as_outputs(model(*batch.inputs))
                 loss = objects.loss(outputs, batch.labels, batch.sample_weight)
@@ -284,7 +262,7 @@ class _TrainingLoop:
         )
 
     # -- the end --------------------------------------------------------------------------
-    def finish(self) -> dict:
+    def finish(self) -> RankSummary:
         """Rank 0 writes the result; every rank returns its summary."""
         model = self.objects.model
         weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
@@ -299,26 +277,15 @@ class _TrainingLoop:
             store = self.spec.store
             store.write_bytes(store.result_path(self.spec.run_id), state_to_bytes(result))
         # process_group's closing barrier keeps every rank until rank 0 has written it
-        hook = self.hook
-        compression = hook if isinstance(hook, CompressionState) else None
-        return {
-            "rank": self.info.rank,
-            "local_rank": self.info.local_rank,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "device": str(self.device),
-            "device_note": self.info.device_note,
-            "gradient_path": gradient_path(hook),
-            "communicated_dtypes": sorted(compression.sent) if compression else None,
-            "gradient_allreduces": hook.calls if hook else None,
-            "train_rows": self.train_loader.rows,
-            "validation_rows": self.val_loader.rows,
-            "validation_batches_per_epoch": len(self.val_sizes) if self.has_validation else 0,
-            "batches_per_epoch": self.batches_run,
-            "optimizer_steps_per_epoch": self.optimizer_steps_run,
-            "weights_digest": state_dict_digest(weights),
-            "seconds": round(time.time() - self.started, 3),
-        }
+        return rank_summary(
+            self.info,
+            self.data,
+            self.hook,
+            weights,
+            self.batches_run,
+            self.optimizer_steps_run,
+            self.started,
+        )
 
     def _training_summary(self, selection: dict | None) -> dict:
         loop, history = self.spec.loop, self.state.history
@@ -328,18 +295,19 @@ class _TrainingLoop:
             if isinstance(cb, EarlyStopping) and cb.stopped_epoch
         ]
         return {
-            "world_size": self.info.world_size,
+            **training_summary(
+                self.info.world_size,
+                self.spec.epochs,
+                history,
+                self.start_epoch,
+                stopped_by[0] if stopped_by else None,
+                selection,
+                self.checkpoints.epochs(),
+            ),
             "lr_scaling": loop.lr_scaling,
             "base_learning_rates": self.objects.base_lrs,
             "learning_rates": self.start_lrs,
             "backward_passes_per_step": loop.backward_passes_per_step,
             "gradient_compression": loop.gradient_compression,
             "mixed_precision": loop.mixed_precision,
-            "epochs_run": len(history),
-            "resumed_from_epoch": self.start_epoch or None,
-            "stopped_early": len(history) < self.spec.epochs,
-            "early_stopping_epoch": stopped_by[0] if stopped_by else None,
-            "selected_epoch": selection["epoch"] if selection else len(history),
-            "selection": selection,
-            "checkpoints": self.checkpoints.epochs(),
         }

@@ -117,6 +117,9 @@ def test_positive_numbers_and_slots():
     validate.check_positive("shuffle_buffer_size", None, optional=True)
     with pytest.raises(ValueError, match="train_steps_per_epoch: must be >= 1, got 0"):
         validate.check_positive("train_steps_per_epoch", 0, optional=True)
+    # checked for both estimators with the fit's other params (keep_checkpoints is on TrainSpec)
+    with pytest.raises(ValueError, match="keep_checkpoints: must be >= 1"):
+        validate.check_positive("keep_checkpoints", 0, optional=True)
     with pytest.raises(ValueError, match=r"row_group_size_mb: must be > 0, got -0.5"):
         validate.check_positive("row_group_size_mb", -0.5)
     validate.check_num_proc(4, 4)

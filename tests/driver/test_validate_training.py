@@ -124,8 +124,6 @@ def test_loop_options():
             vt.check_loop(LoopSpec(**{name: bad}), Y, None)
     with pytest.raises(ValueError, match="backward_passes_per_step: must be >= 1"):
         vt.check_loop(LoopSpec(backward_passes_per_step=0), Y, None)
-    with pytest.raises(ValueError, match="keep_checkpoints: must be >= 1"):
-        vt.check_loop(LoopSpec(keep_checkpoints=0), Y, None)
     with pytest.raises(ValueError, match="loss_weights: 2 weights for 1 label columns"):
         vt.check_loop(LoopSpec(loss_weights=(1.0, 1.0)), Y, None)
     with pytest.raises(ValueError, match="train_minibatch_fn: your step owns backward"):

@@ -1,7 +1,7 @@
 import itertools
 
+from spark_estimator.worker.rank_data import training_steps
 from spark_estimator.worker.shards import StepPlan
-from spark_estimator.worker.train import training_steps
 
 
 class CountingLoader:

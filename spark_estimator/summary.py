@@ -1,0 +1,59 @@
+"""Plain data the executors hand back to the driver about a fit, the same for both trainers.
+
+Every rank returns a ``RankSummary``; the driver checks the ranks agree and writes them to
+``runs/<run_id>/ranks.json`` (``dataclasses.asdict``). Rank 0's result in the store carries
+the training summary (``training_summary``: what both trainers report, plus each one's own
+keys), which becomes the model's ``getTrainingSummary()``. No torch or Spark imports here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank of a fit did: one entry of ``ranks.json``."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    host: str
+    device: str  # "cpu", "cuda:0"...
+    device_note: str | None  # why the rank fell back to the CPU although use_gpu asked for a GPU
+    gradient_path: str  # "shared memory", or the process group's backend (+ " compressed")
+    communicated_dtypes: list[str] | None  # gradient_compression's dtypes sent; else None
+    gradient_allreduces: int | None  # bucket allreduces of our gradient hook; None without one
+    train_rows: int  # this rank's shard of the training rows
+    validation_rows: int  # this rank's shard of the validation rows
+    validation_batches_per_epoch: int  # 0 without validation rows
+    # one entry per epoch this attempt ran, counted as the epoch ran
+    batches_per_epoch: list[int]  # batches drawn from the loader
+    optimizer_steps_per_epoch: list[int]  # Lightning: trainer.global_step's growth (see there)
+    weights_digest: str  # of the final weights: the same on every rank
+    seconds: float  # from the end of the rank's setup (loaders open) to its summary
+
+
+def training_summary(
+    world_size: int,
+    epochs: int,
+    history: list[dict],
+    resumed_from_epoch: int,
+    early_stopping_epoch: int | None,
+    selection: dict | None,
+    checkpoints: list[int],
+) -> dict:
+    """The keys of the training summary both trainers report: ``history`` is the run's
+    records (one per epoch run), ``resumed_from_epoch`` the checkpoint this attempt continued
+    from (0: none), ``early_stopping_epoch`` the epoch an early-stopping callback stopped
+    the run, ``selection`` how the model's weights were chosen (None: the last epoch's)."""
+    return {
+        "world_size": world_size,
+        "epochs_run": len(history),
+        "resumed_from_epoch": resumed_from_epoch or None,
+        "stopped_early": len(history) < epochs,
+        "early_stopping_epoch": early_stopping_epoch,
+        "selected_epoch": selection["epoch"] if selection else len(history),
+        "selection": selection,
+        "checkpoints": checkpoints,
+    }
