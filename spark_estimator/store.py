@@ -80,17 +80,18 @@ def spark_url(url: str, param: str = "store") -> str:
     )
 
 
+def _child(name: str, doc: str) -> property:
+    """A property of a ``DatasetFolder`` or ``RunFolder``: ``name`` inside its ``path``."""
+    return property(lambda folder: posixpath.join(folder.path, name), doc=doc)
+
+
 @dataclass(frozen=True)
 class DatasetFolder:
     """The paths of one materialized dataset, ``datasets/<key>/``, or of a folder given as
     one (``path``)."""
 
     path: str
-
-    @property
-    def meta(self) -> str:
-        """``_meta.json``: written last, it names the complete write."""
-        return posixpath.join(self.path, "_meta.json")
+    meta = _child("_meta.json", "written last: names the complete write")
 
     def write(self, write_id: str) -> str:
         """The folder of one write of the dataset."""
@@ -106,45 +107,21 @@ class RunFolder:
     """The paths of one run, ``runs/<run_id>/``."""
 
     path: str
-
-    def _child(self, *parts: str) -> str:
-        return posixpath.join(self.path, *parts)
-
-    @property
-    def manifest(self) -> str:
-        """``run.json``: what the run's checkpoints were made with."""
-        return self._child("run.json")
-
-    @property
-    def checkpoints(self) -> str:
-        return self._child("checkpoints")
+    manifest = _child("run.json", "what the run's checkpoints were made with")
+    checkpoints = _child("checkpoints", "rank 0's checkpoint after each epoch")
+    failures = _child("failures", "the training code's error, when a rank raised one")
+    result = _child("result.pt", "final weights, history, output shapes")
+    ranks = _child("ranks.json", "one summary per rank")
+    progress = _child("progress.json", "rank 0's progress, for the driver's bar")
+    logs = _child("logs", "one folder of output chunks per rank")
+    tensorboard = _child("tensorboard", "rank 0's TensorBoard event file")
+    lightning = _child("lightning", "a LightningEstimator's default_root_dir")
 
     def checkpoint(self, epoch: int) -> str:
         return posixpath.join(self.checkpoints, f"epoch-{epoch:04d}.pt")
 
-    @property
-    def failures(self) -> str:
-        return self._child("failures")
-
     def failure(self, launch_id: str) -> str:
-        """The training code's error in launch ``launch_id``, when a rank raised one."""
         return posixpath.join(self.failures, f"{launch_id}.json")
-
-    @property
-    def result(self) -> str:
-        return self._child("result.pt")
-
-    @property
-    def ranks(self) -> str:
-        return self._child("ranks.json")
-
-    @property
-    def progress(self) -> str:
-        return self._child("progress.json")
-
-    @property
-    def logs(self) -> str:
-        return self._child("logs")
 
     def rank_logs(self, rank: int | str) -> str:
         """The folder of rank ``rank``'s output chunks."""
@@ -154,15 +131,6 @@ class RunFolder:
         """The rank whose log folder holds the file ``path``, or None."""
         match = _RANK_LOGS.fullmatch(posixpath.basename(posixpath.dirname(path)))
         return int(match.group(1)) if match else None
-
-    @property
-    def tensorboard(self) -> str:
-        return self._child("tensorboard")
-
-    @property
-    def lightning(self) -> str:
-        """A LightningEstimator's ``default_root_dir`` (checkpoints without a ``dirpath``)."""
-        return self._child("lightning")
 
 
 def layout() -> list[str]:
