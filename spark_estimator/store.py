@@ -20,9 +20,10 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
 Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
 place, so no reader ever sees a half-written file under its real name. A writer killed
-mid-write leaves its temporary file behind; nothing removes it, but nothing reads it either
-(the package reads only the names above, and Parquet readers skip hidden names), and it may
-be deleted. Remote filesystems are opened without fsspec's listings cache: the store is
+mid-write leaves its temporary file behind and nothing removes it. The package never reads
+one (it reads only the names above; Parquet readers skip hidden names), but TensorBoard
+reads any name with "tfevents" in it, so one left in ``tensorboard/`` shows up there until
+deleted. Remote filesystems are opened without fsspec's listings cache: the store is
 written by other processes, and a cached listing would hide their files.
 """
 
