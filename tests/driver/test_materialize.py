@@ -141,7 +141,6 @@ REFIT_SCRIPT = """
     from spark_estimator import Store
     from spark_estimator.driver.materialize import WriteOptions, materialize
     from spark_estimator.driver.validate import check_columns, check_sample_weight_col
-from spark_estimator.store import DatasetFolder
     spark = SparkSession.builder.master("local[1]").getOrCreate()
     df = spark.read.parquet(sys.argv[1]).where("x > 2")
     features, labels = check_columns(df.schema, ["x"], ["y"])
