@@ -266,16 +266,17 @@ def rank_timings(store, run_id: str) -> dict:
     seconds on rank 0 (differences of the checkpoints' modification times, the first counted
     from the start of rank 0's training time, i.e. result.pt's time less its ``seconds``);
     ``None`` where the store does not say; and ``ranks``, ranks.json itself."""
-    ranks = store.read_json(store.join("runs", run_id, "ranks.json"))
+    run = store.run(run_id)
+    ranks = store.read_json(run.ranks)
     seconds = [r.get("seconds") for r in ranks]
     known = all(isinstance(s, (int, float)) for s in seconds)
     train_s = max(seconds) if known and seconds else None
     out: dict = {"train_s": train_s, "epoch_s": None, "ranks": ranks}
     rank0 = next((r for r in ranks if r.get("rank") == 0 and "seconds" in r), None)
-    result = store.result_path(run_id)
+    result = run.result
     epochs = store.checkpoint_epochs(run_id)
     if rank0 is not None and epochs and os.path.exists(result):
-        ends = [os.path.getmtime(store.checkpoint_path(run_id, e)) for e in epochs]
+        ends = [os.path.getmtime(run.checkpoint(e)) for e in epochs]
         start = os.path.getmtime(result) - rank0["seconds"]
         out["epoch_s"] = [b - a for a, b in zip([start, *ends[:-1]], ends)]
     return out
@@ -283,7 +284,7 @@ def rank_timings(store, run_id: str) -> dict:
 
 def dataset_files(store) -> dict[str, float]:
     """Every file under the store's ``datasets/`` with its modification time."""
-    root = Path(store.join("datasets"))
+    root = Path(store.datasets)
     if not root.exists():
         return {}
     return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if p.is_file()}

@@ -27,7 +27,7 @@ from .driver.launch import available_slots, run_barrier_job
 from .driver.materialize import COMPRESSIONS, WriteOptions, materialize
 from .driver.monitor import FitMonitor
 from .driver.parquet_dataset import parquet_dataset
-from .failures import TrainingError, failure_path, read_failure
+from .failures import TrainingError, read_failure
 from .model import TorchModel
 from .persistence import ObjectParamsReadWrite
 from .serialization import loads, state_from_bytes
@@ -222,7 +222,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         )
         with clock("job"):
             summaries = self._launch(spark, spec, checked.num_proc)
-        store.write_json(store.join("runs", run_id, "ranks.json"), [asdict(s) for s in summaries])
+        store.write_json(store.run(run_id).ranks, [asdict(s) for s in summaries])
         digests = {s.weights_digest for s in summaries}
         if len(digests) != 1:
             raise RuntimeError(
@@ -232,7 +232,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         notes = sorted({s.device_note for s in summaries if s.device_note})
         for note in notes:
             warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=4)
-        result = state_from_bytes(store.read_bytes(store.result_path(run_id)))
+        result = state_from_bytes(store.read_bytes(store.run(run_id).result))
         model = loads(training.bundle)["model"]
         model.load_state_dict(result["model"])
         fitted = TorchModel(
@@ -262,7 +262,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         checkpoint), following it from the driver (driver/monitor.py); raise the training
         code's own error as a TrainingError, with the failing rank's last output lines."""
         store, run_id = spec.store, spec.run_id
-        failure = failure_path(store, run_id, spec.launch_id)
+        failure = store.run(run_id).failure(spec.launch_id)
         monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose())
         try:
             with monitor:
@@ -348,7 +348,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         if dataset is not None:
             self._check_callbacks(has_validation=self.getValidation() is not None)
         if (run_id := self.getRunId()) is not None:
-            if store.exists(store.result_path(run_id)):
+            if store.exists(store.run(run_id).result):
                 raise ValueError(
                     f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
                 )

@@ -78,10 +78,6 @@ def is_peer_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and ("gloo/" in text or SHM_TAG in text)
 
 
-def failure_path(store: Store, run_id: str, launch_id: str) -> str:
-    return store.join("runs", run_id, "failures", f"{launch_id}.json")
-
-
 def failure_record(rank: int, error: BaseException) -> dict:
     """What a ``TrainingError`` needs of ``error``, raised on ``rank``: JSON values."""
     exited = isinstance(error, SystemExit)

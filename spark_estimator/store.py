@@ -1,24 +1,30 @@
 """Where datasets, runs, checkpoints and results live: a folder on any fsspec filesystem.
 
-Layout under the store's root (see docs/store.md)::
+Layout under the store's root (see docs/store.md); every path is named by ``Store.dataset``
+(a ``DatasetFolder``) or ``Store.run`` (a ``RunFolder``), and ``layout()`` lists them::
 
-    datasets/<key>/<write-id>/train/*.parquet   materialized training rows (one write's)
-    datasets/<key>/<write-id>/validation/*.parquet   materialized validation rows
-    datasets/<key>/_meta.json                   written last: names the complete write,
-                                                row counts, files, columns, row lengths
-    runs/<run_id>/run.json                      what the checkpoints were made with
-    runs/<run_id>/checkpoints/epoch-0001.pt     rank 0's checkpoint after each epoch
-    runs/<run_id>/failures/<launch>.json        the training code's error, when it raised
-    runs/<run_id>/result.pt                     final weights, history, output shapes
-    runs/<run_id>/ranks.json                    one summary per rank (rows, weights digest)
-    runs/<run_id>/progress.json                 rank 0's progress, for the driver's bar
-    runs/<run_id>/logs/rank-<r>/*.log           each rank's output, in chunks
-    runs/<run_id>/tensorboard/                  rank 0's TensorBoard event file
+    datasets/<key>/<write-id>/train/part-00000.parquet       materialized training rows
+    datasets/<key>/<write-id>/validation/part-00000.parquet  materialized validation rows
+    datasets/<key>/_meta.json                                written last: names the complete write;
+                                                             its files, rows, row lengths
+    runs/<run_id>/run.json                                   what the checkpoints were made with
+    runs/<run_id>/checkpoints/epoch-0001.pt                  rank 0's checkpoint after each epoch
+    runs/<run_id>/failures/<launch>.json                     the training code's error, if raised
+    runs/<run_id>/result.pt                                  final weights, history, output shapes
+    runs/<run_id>/ranks.json                                 one summary per rank (rows, digest)
+    runs/<run_id>/progress.json                              rank 0's progress, for the driver's bar
+    runs/<run_id>/logs/rank-<r>/                             each rank's output, in chunks
+    runs/<run_id>/tensorboard/                               rank 0's TensorBoard event file
+    runs/<run_id>/lightning/                                 a LightningEstimator's default_root_dir
 
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
-Every file is written to a temporary name and moved into place, so a crash never leaves a
-half-written file behind. Remote filesystems are opened without fsspec's listings cache:
-the store is written by other processes, and a cached listing would hide their files.
+Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
+place, so no reader ever sees a half-written file under its real name. A writer killed
+mid-write leaves its temporary file behind and nothing removes it. The package never reads
+one (it reads only the names above; Parquet readers skip hidden names), but TensorBoard
+reads any name with "tfevents" in it, so one left in ``tensorboard/`` shows up there until
+deleted. Remote filesystems are opened without fsspec's listings cache: the store is
+written by other processes, and a cached listing would hide their files.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import IO, Any
 
 import fsspec
 
-_CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")
+_CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")  # RunFolder.checkpoint's names
+_RANK_LOGS = re.compile(r"rank-(\d+)")  # RunFolder.rank_logs's names
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # Spark's 'scheme:/path'
 TEMPORARY_PREFIX = ".tmp-"  # a file being written; moved to its real name when complete
 
@@ -71,6 +79,82 @@ def spark_url(url: str, param: str = "store") -> str:
         "file:/, dbfs:/ and hdfs:/ paths are understood without one); write "
         f"'{scheme}://<host or bucket>/path', or a local path"
     )
+
+
+def _child(name: str, doc: str) -> property:
+    """A property of a ``DatasetFolder`` or ``RunFolder``: ``name`` inside its ``path``."""
+    return property(lambda folder: posixpath.join(folder.path, name), doc=doc)
+
+
+@dataclass(frozen=True)
+class DatasetFolder:
+    """The paths of one materialized dataset, ``datasets/<key>/``, or of a folder given as
+    one (``path``)."""
+
+    path: str
+    meta = _child("_meta.json", "written last: names the complete write")
+
+    def write(self, write_id: str) -> str:
+        """The folder of one write of the dataset."""
+        return posixpath.join(self.path, write_id)
+
+    def part(self, write_id: str, split: str, partition: int) -> str:
+        """The Parquet file of one Spark partition's rows of ``split`` in a write."""
+        return posixpath.join(self.write(write_id), split, f"part-{partition:05d}.parquet")
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """The paths of one run, ``runs/<run_id>/``."""
+
+    path: str
+    manifest = _child("run.json", "what the run's checkpoints were made with")
+    checkpoints = _child("checkpoints", "rank 0's checkpoint after each epoch")
+    failures = _child("failures", "the training code's error, when a rank raised one")
+    result = _child("result.pt", "final weights, history, output shapes")
+    ranks = _child("ranks.json", "one summary per rank")
+    progress = _child("progress.json", "rank 0's progress, for the driver's bar")
+    logs = _child("logs", "one folder of output chunks per rank")
+    tensorboard = _child("tensorboard", "rank 0's TensorBoard event file")
+    lightning = _child("lightning", "a LightningEstimator's default_root_dir")
+
+    def checkpoint(self, epoch: int) -> str:
+        return posixpath.join(self.checkpoints, f"epoch-{epoch:04d}.pt")
+
+    def failure(self, launch_id: str) -> str:
+        return posixpath.join(self.failures, f"{launch_id}.json")
+
+    def rank_logs(self, rank: int | str) -> str:
+        """The folder of rank ``rank``'s output chunks."""
+        return posixpath.join(self.logs, f"rank-{rank}")
+
+    def log_rank(self, path: str) -> int | None:
+        """The rank whose log folder holds the file ``path``, or None."""
+        match = _RANK_LOGS.fullmatch(posixpath.basename(posixpath.dirname(path)))
+        return int(match.group(1)) if match else None
+
+
+def layout() -> list[str]:
+    """Every kind of path in a store, relative to its root, with placeholders (folders end
+    with ``/``): what this module's docstring and docs/store.md list (tests/test_store.py
+    holds them to it)."""
+    store = Store("/")  # only its paths are used: the filesystem is never opened
+    data, run = store.dataset("<key>"), store.run("<run_id>")
+    paths = [
+        data.part("<write-id>", "train", 0),
+        data.part("<write-id>", "validation", 0),
+        data.meta,
+        run.manifest,
+        run.checkpoint(1),
+        run.failure("<launch>"),
+        run.result,
+        run.ranks,
+        run.progress,
+        run.rank_logs("<r>") + "/",
+        run.tensorboard + "/",
+        run.lightning + "/",
+    ]
+    return [p.removeprefix("/") for p in paths]
 
 
 class Store:
@@ -138,25 +222,29 @@ class Store:
     def join(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
 
-    def dataset_path(self, key: str) -> str:
-        return self.join("datasets", key)
+    @property
+    def datasets(self) -> str:
+        """The folder of every materialized dataset."""
+        return self.join("datasets")
 
-    def run_path(self, run_id: str) -> str:
-        return self.join("runs", run_id)
+    def dataset(self, key: str) -> DatasetFolder:
+        return DatasetFolder(posixpath.join(self.datasets, key))
 
-    def checkpoint_path(self, run_id: str, epoch: int) -> str:
-        return self.join("runs", run_id, "checkpoints", f"epoch-{epoch:04d}.pt")
+    @property
+    def runs(self) -> str:
+        """The folder of every run."""
+        return self.join("runs")
+
+    def run(self, run_id: str) -> RunFolder:
+        return RunFolder(posixpath.join(self.runs, run_id))
 
     def checkpoint_epochs(self, run_id: str) -> list[int]:
         """Epochs of ``run_id`` with a checkpoint, ascending."""
-        folder = posixpath.dirname(self.checkpoint_path(run_id, 1))
+        folder = self.run(run_id).checkpoints
         if not self.exists(folder):
             return []
         names = (posixpath.basename(p) for p in self.fs.ls(folder, detail=False))
         return sorted(int(m.group(1)) for n in names if (m := _CHECKPOINT.fullmatch(n)))
-
-    def result_path(self, run_id: str) -> str:
-        return self.join("runs", run_id, "result.pt")
 
     # -- files ---------------------------------------------------------------------------
     def exists(self, path: str) -> bool:

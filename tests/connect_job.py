@@ -85,7 +85,7 @@ def main(scratch: Path) -> dict:
 
     # errors raised on the driver before any Spark job: nothing reaches the store
     out["too_many_procs"] = error_of(lambda: make_estimator(store=store, num_proc=3).fit(df))
-    out["datasets_after_error"] = store.exists(store.join("datasets"))
+    out["datasets_after_error"] = store.exists(store.datasets)
 
     model = make_estimator(store=store, epochs=15).fit(df)
     module = model.getModel()
@@ -98,9 +98,9 @@ def main(scratch: Path) -> dict:
 
     est = make_estimator(store=store, epochs=1)
     path = est.materialize(df)
-    before = files_and_mtimes(store.join("datasets"))
+    before = files_and_mtimes(store.datasets)
     out["reused"] = est.materialize(df) == path
-    out["reuse_wrote_nothing"] = files_and_mtimes(store.join("datasets")) == before
+    out["reuse_wrote_nothing"] = files_and_mtimes(store.datasets) == before
     out["other_plan_other_dataset"] = est.materialize(df.filter("id > 0")) != path
     refit = make_estimator(store=store, epochs=1).fit_on_parquet(path)
     out["fit_on_parquet_epochs"] = len(refit.getHistory())

@@ -53,7 +53,7 @@ def test_two_executor_processes_see_disjoint_rows_and_end_with_identical_weights
     )
     model = est.fit(df)
 
-    summary = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+    summary = store.read_json(store.run(model.getRunId()).ranks)
     pids = {s["pid"] for s in summary}
     assert len(pids) == 2 and os.getpid() not in pids
     assert len({s["weights_digest"] for s in summary}) == 1
@@ -89,7 +89,7 @@ def test_a_killed_rank_is_retried_by_spark_and_training_resumes_exactly(
     assert marker.read_text().startswith(f"{action} rank 1 epoch 3")
     assert resumed.getTrainingSummary()["resumed_from_epoch"] == 2
     assert_same_training(resumed, clean)
-    pids = {s["pid"] for s in store.read_json(store.join("runs", resumed.getRunId(), "ranks.json"))}
+    pids = {s["pid"] for s in store.read_json(store.run(resumed.getRunId()).ranks)}
     assert int(marker.read_text().split()[-1]) not in pids  # the killed process was replaced
 
 

@@ -19,7 +19,7 @@ from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, 
 
 
 def ranks(store, model):
-    return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+    return store.read_json(store.run(model.getRunId()).ranks)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +69,10 @@ def test_rank_zero_checkpoints_every_epoch_under_the_run_id(digits_fit):
     _, model, _, _, store = digits_fit
     assert model.getRunId() == "digits-run"
     for epoch in range(1, 7):
-        checkpoint = state_from_bytes(store.read_bytes(store.checkpoint_path("digits-run", epoch)))
+        checkpoint = state_from_bytes(store.read_bytes(store.run("digits-run").checkpoint(epoch)))
         assert checkpoint["epoch"] == epoch and len(checkpoint["history"]) == epoch
         assert set(checkpoint["optimizer"]) == {"state", "param_groups"}
-    final = state_from_bytes(store.read_bytes(store.checkpoint_path("digits-run", 6)))["model"]
+    final = state_from_bytes(store.read_bytes(store.run("digits-run").checkpoint(6)))["model"]
     trained = model.getModel().state_dict()
     assert all(torch.equal(final[k], trained[k]) for k in trained)
 
@@ -101,11 +101,11 @@ def test_returned_model_is_a_cpu_module_and_fit_left_the_users_model_alone(digit
 
 def test_refit_reuses_the_materialized_data(digits_fit):
     est, model, train, _, store = digits_fit
-    meta = store.fs.glob(store.join("datasets", "*", "_meta.json"))
+    meta = store.fs.glob(store.dataset("*").meta)
     assert len(meta) == 1
     before = store.fs.modified(meta[0])
     again = est.copy({est.epochs: 1, est.run_id: "digits-again"}).fit(train)
-    assert store.fs.glob(store.join("datasets", "*", "_meta.json")) == meta
+    assert store.fs.glob(store.dataset("*").meta) == meta
     assert store.fs.modified(meta[0]) == before
     assert len(again.getHistory()) == 1
     # the fits' own account of their time: the steps add up to the total
@@ -561,8 +561,8 @@ def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store, 
     else:
         (overrides, error, message), rows = _bad_inputs()[case], None
     df = spark.createDataFrame(GOOD_ROWS if rows is None else rows, BAD_SCHEMA)
-    store.write_bytes(store.result_path("done"), b"an earlier run")
-    store.write_bytes(store.join("datasets", "earlier", "_meta.json"), b"{}")
+    store.write_bytes(store.run("done").result, b"an earlier run")
+    store.write_bytes(store.dataset("earlier").meta, b"{}")
     before = _files(store)
     launched = []
     monkeypatch.setattr(estimator_module, "run_barrier_job", lambda *a, **k: launched.append(a))
@@ -578,7 +578,7 @@ def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store, 
     if not data_case:
         assert jobs == []  # found before any Spark job
     assert launched == []  # never the training job
-    assert store.fs.ls(store.join("runs"), detail=False) == [store.run_path("done")]
+    assert store.fs.ls(store.runs, detail=False) == [store.run("done").path]
     assert _files(store) == before  # byte for byte; nothing under runs/ or datasets/ added
 
 

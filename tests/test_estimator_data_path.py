@@ -3,6 +3,7 @@ Parquet already in the store, and the legacy stack (pyspark 3.5 + petastorm)."""
 
 import json
 import os
+import posixpath
 import threading
 from collections import Counter
 
@@ -15,12 +16,13 @@ from pyspark.sql import functions as F
 
 from spark_estimator import TorchModel
 from spark_estimator.callbacks import Callback
+from spark_estimator.store import DatasetFolder
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import linear_net, make_estimator, regression_rows
 
 
 def ranks(store, model):
-    return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+    return store.read_json(store.run(model.getRunId()).ranks)
 
 
 def digest(store, model):
@@ -271,7 +273,7 @@ def test_fit_on_parquet_trains_on_a_materialized_dataset(regression_df, store):
         compression="gzip",
     )
     path = est.materialize(regression_df)
-    files = store.read_json(f"{path}/_meta.json")["files"]
+    files = store.read_json(DatasetFolder(path).meta)["files"]
     assert len(files["train"]) == 3 * 2  # partitions_per_process x num_proc
     # the row-group size reaches the writer's options, which are part of the dataset key
     assert est.copy({est.row_group_size_mb: 64.0}).materialize(regression_df) != path
@@ -334,10 +336,13 @@ def test_fit_on_parquet_checks_footer_null_counts_row_lengths_and_completeness(
     # a materialized dataset: input_shapes against the row lengths in its _meta.json
     data = write_id_dataset(tmp_path / "store" / "done", [4], 2)
     data.row_lengths = {"x": 2}
-    store.write_json(store.join("done", "_meta.json"), data.to_json())
+    store.write_json(DatasetFolder(store.join("done")).meta, data.to_json())
     with pytest.raises(ValueError, match=r"input_shapes: shape \[-1, 3\] has 3 elements per row"):
         est.fit_on_parquet("done", params={est.input_shapes: [[-1, 3]]})
     # a dataset folder without _meta.json is incomplete: never read
-    write_parquet(store, "datasets/k/write-1/train/part-0.parquet", table)
-    with pytest.raises(ValueError, match="path: 'datasets/k' is a dataset folder without _meta"):
-        est.fit_on_parquet("datasets/k")
+    incomplete = store.dataset("k")
+    part = incomplete.part("write-1", "train", 0)
+    write_parquet(store, posixpath.relpath(part, store.root), table)
+    relative = posixpath.relpath(incomplete.path, store.root)  # "datasets/k", as a user names it
+    with pytest.raises(ValueError, match=f"path: '{relative}' is a dataset folder without _meta"):
+        est.fit_on_parquet(relative)

@@ -35,11 +35,11 @@ def weights(model) -> torch.Tensor:
 
 
 def ranks(store, model):
-    return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+    return store.read_json(store.run(model.getRunId()).ranks)
 
 
 def checkpoint(store, model, epoch):
-    path = store.checkpoint_path(model.getRunId(), epoch)
+    path = store.run(model.getRunId()).checkpoint(epoch)
     return state_from_bytes(store.read_bytes(path))
 
 
@@ -305,8 +305,8 @@ def test_terminate_on_nan_names_epoch_step_and_keeps_the_last_good_checkpoint(df
     with pytest.raises(Exception, match=r"terminate_on_nan: .* epoch 2, step 3 \(rank 1") as e:
         fit(df, store, loss=NanOnRank1(), run_id="nan-run")
     assert "checkpoints/epoch-0001.pt" in str(e.value)
-    assert store.exists(store.checkpoint_path("nan-run", 1))
-    assert not store.exists(store.checkpoint_path("nan-run", 2))
+    assert store.exists(store.run("nan-run").checkpoint(1))
+    assert not store.exists(store.run("nan-run").checkpoint(2))
     model = fit(df, store, loss=NanOnRank1(), terminate_on_nan=False)
     assert math.isnan(model.getHistory()[1]["train"]["loss"])
 

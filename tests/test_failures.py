@@ -4,7 +4,6 @@ import torch.distributed as dist
 from spark_estimator.failures import (
     SHM_TAG,
     TrainingError,
-    failure_path,
     is_peer_failure,
     is_retried,
     read_failure,
@@ -33,7 +32,7 @@ def test_peer_failures_and_io_errors_are_retried_other_exceptions_not():
 
 
 def test_a_recorded_failure_comes_back_as_a_training_error(store):
-    path = failure_path(store, "r1", "launch-1")
+    path = store.run("r1").failure("launch-1")
     assert read_failure(path, store) is None
     try:
         raise KeyError("no such column")

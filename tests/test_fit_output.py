@@ -43,7 +43,7 @@ def test_a_fit_reports_to_the_driver_tensorboard_and_mlflow(
     assert "epoch 2/2" in err and "val_loss=" in err  # the bar (verbose is on by default)
 
     history = model.getHistory()
-    events = tmp_path / "store" / "runs" / model.getRunId() / "tensorboard"
+    events = store.run(model.getRunId()).tensorboard
     acc = event_accumulator.EventAccumulator(str(events))
     acc.Reload()
     logged = [(e.step, e.value) for e in acc.Scalars("validation/loss")]

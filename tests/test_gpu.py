@@ -67,7 +67,7 @@ def test_fit_uses_the_gpu_spark_assigned(tmp_path):
                              loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
                              epochs=3, num_proc=1, store=store, use_gpu=True)
         model = est.fit(df)
-        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+        ranks = store.read_json(store.run(model.getRunId()).ranks)
         out = model.transform(df).count()
         print(json.dumps({"device": ranks[0]["device"], "rows": out,
                           "param_device": next(model.getModel().parameters()).device.type}))
@@ -88,8 +88,8 @@ def test_mixed_precision_and_compression_on_nccl(tmp_path):
                              mixed_precision="fp16", gradient_compression="fp16",
                              backward_passes_per_step=2)
         model = est.fit(df)
-        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
-        ckpt = state_from_bytes(store.read_bytes(store.checkpoint_path(model.getRunId(), 4)))
+        ranks = store.read_json(store.run(model.getRunId()).ranks)
+        ckpt = state_from_bytes(store.read_bytes(store.run(model.getRunId()).checkpoint(4)))
         history = model.getHistory()
         print(json.dumps({"device": ranks[0]["device"], "sent": ranks[0]["communicated_dtypes"],
                           "scaler": "scaler" in ckpt,
@@ -141,7 +141,7 @@ def test_a_lightning_module_trains_on_the_assigned_gpu_over_nccl(tmp_path):
                                  epochs=4, num_proc=1, store=store, use_gpu=True,
                                  trainer_args={"precision": "bf16-mixed"})
         model = est.fit(df)
-        ranks = store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+        ranks = store.read_json(store.run(model.getRunId()).ranks)
         history = model.getHistory()
         print(json.dumps({"device": ranks[0]["device"],
                           "on_cuda": history[0]["train"]["device_is_cuda"],

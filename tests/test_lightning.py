@@ -119,7 +119,7 @@ def test_both_trainers_report_the_same_fields_per_rank_counted_the_same_way(
     store = digits[0]
 
     def ranks(model):
-        return store.read_json(store.join("runs", model.getRunId(), "ranks.json"))
+        return store.read_json(store.run(model.getRunId()).ranks)
 
     ours, theirs = ranks(lightning_fit[1]), ranks(plain_fit)
     fields = {f.name for f in dataclasses.fields(RankSummary)}
@@ -150,7 +150,7 @@ def test_both_ranks_trained_their_shards_and_rank_zero_checkpointed_every_epoch(
 ):
     store, train, _ = digits
     _, model = lightning_fit
-    ranks = store.read_json(store.join("runs", "lightning-digits", "ranks.json"))
+    ranks = store.read_json(store.run("lightning-digits").ranks)
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     assert len({r["weights_digest"] for r in ranks}) == 1
     assert len({r["pid"] for r in ranks}) == 2
@@ -164,11 +164,11 @@ def test_both_ranks_trained_their_shards_and_rank_zero_checkpointed_every_epoch(
         assert r["gradient_path"] == "shared memory"
         assert r["gradient_allreduces"] and r["gradient_allreduces"] % steps == 0
     assert store.checkpoint_epochs("lightning-digits") == [1, 2, 3, 4, 5, 6]
-    saved = state_from_bytes(store.read_bytes(store.checkpoint_path("lightning-digits", 6)))
+    saved = state_from_bytes(store.read_bytes(store.run("lightning-digits").checkpoint(6)))
     assert saved["epoch"] == 5  # Lightning counts from 0
     assert set(saved["state_dict"]) == set(model.getModel().state_dict())
     assert len(saved["callbacks"]["spark_estimator"]["history"]) == 6
-    tensorboard = store.join("runs", "lightning-digits", "tensorboard")
+    tensorboard = store.run("lightning-digits").tensorboard
     assert store.exists(tensorboard)
 
 
@@ -209,7 +209,7 @@ def test_model_checkpoint_keeps_its_best_file_and_the_model_takes_its_weights(di
     assert summary["selection"]["monitor"] == "val_acc"
     assert summary["selected_epoch"] == 1 + max(range(4), key=lambda i: (accuracies[i], -i))
     path = summary["selection"]["path"]
-    assert path.startswith(store.join("runs", "best", "lightning")) and store.exists(path)
+    assert path.startswith(store.run("best").lightning) and store.exists(path)
     saved = state_from_bytes(store.read_bytes(path))
     for name, value in model.getModel().state_dict().items():
         assert torch.equal(value, saved["state_dict"][name])
@@ -277,7 +277,7 @@ def test_a_monitor_of_a_validation_value_without_validation_fails_on_the_driver(
     path = lightning_estimator(store, validation=None).materialize(train)
     with pytest.raises(ValueError, match=refused):
         est.fit_on_parquet(path)
-    assert not store.exists(store.run_path("unvalidated"))
+    assert not store.exists(store.run("unvalidated").path)
 
 
 def test_the_estimator_saves_and_loads_with_its_module_callbacks_and_trainer_args(tmp_path):

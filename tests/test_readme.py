@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from spark_estimator import Store
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -37,4 +39,4 @@ def test_readme_example_runs_as_printed(tmp_path):
     accuracy = float(re.search(r"^accuracy: ([0-9.]+)$", done.stdout, re.M).group(1))
     assert accuracy >= 0.9  # iris: a linear model alone gets about 0.97
     assert (tmp_path / "iris_model" / "weights.pt").is_file()
-    assert list((tmp_path / "store" / "runs").iterdir())  # the run is in the store
+    assert list(Path(Store(str(tmp_path / "store")).runs).iterdir())  # the run is in the store

@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_resuming_refuses_another_model_or_fewer_epochs(regression_df, store, tm
     fault = Fault("raise", rank=0, epoch=3, marker=tmp_path / "m", once=False)
     with pytest.raises(TrainingError):
         momentum_estimator(store, callbacks=[fault], run_id="r").fit(regression_df)
-    before = sorted(p.name for p in (tmp_path / "store" / "runs" / "r").rglob("*"))
+    before = sorted(p.name for p in Path(store.run("r").path).rglob("*"))
 
     refusals = [
         (make_estimator(linear_net(), store, run_id="r", epochs=4), "made with another model"),
@@ -127,7 +128,7 @@ def test_resuming_refuses_another_model_or_fewer_epochs(regression_df, store, tm
     finally:
         spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
     assert list(spark.sparkContext.statusTracker().getJobIdsForGroup("refusals")) == []
-    assert sorted(p.name for p in (tmp_path / "store" / "runs" / "r").rglob("*")) == before
+    assert sorted(p.name for p in Path(store.run("r").path).rglob("*")) == before
 
 
 def test_two_fits_in_threads_share_the_store(regression_df, store):

@@ -146,11 +146,11 @@ def test_credentials_reach_no_file_message_or_log(spark, tmp_path, regression_df
     assert leaked("\n".join(str(w.message) for w in caught), secrets) == []
 
     # the store holds checkpoints of every epoch, the result, the ranks and the dataset
-    run = tmp_path / "store" / "runs" / "secure-run"
-    state_files = sorted(run.rglob("*.pt"))
-    assert [p.name for p in state_files] == ["epoch-0001.pt", "epoch-0002.pt", "result.pt"]
-    assert (run / "ranks.json").is_file()
-    assert list((tmp_path / "store" / "datasets").glob("*/_meta.json"))
+    run = store.run("secure-run")
+    state_files = sorted(Path(run.path).rglob("*.pt"))
+    assert [str(p) for p in state_files] == [run.checkpoint(1), run.checkpoint(2), run.result]
+    assert Path(run.ranks).is_file()
+    assert any(Path(store.dataset(d.name).meta).is_file() for d in Path(store.datasets).iterdir())
     assert (tmp_path / "model" / WEIGHTS_FILE).is_file()
     assert (tmp_path / "estimator" / OBJECTS_FILE).is_file()
     folders = [tmp_path / "store", tmp_path / "model", tmp_path / "estimator"]

@@ -227,8 +227,8 @@ def test_the_run_manifest_holds_the_learning_rate_and_resuming_with_another_is_r
     regression_df, store
 ):
     make_estimator(store=store, run_id="r", epochs=1, learning_rate=0.05).fit(regression_df)
-    manifest = store.read_json(store.join("runs", "r", "run.json"))
+    manifest = store.read_json(store.run("r").manifest)
     assert manifest["learning_rate"] == 0.05
-    store.remove(store.result_path("r"))  # as if the driver died after epoch 1
+    store.remove(store.run("r").result)  # as if the driver died after epoch 1
     with pytest.raises(ValueError, match="run_id: run 'r' .* made with another learning_rate"):
         make_estimator(store=store, run_id="r", epochs=2, learning_rate=0.1).fit(regression_df)

@@ -1,8 +1,13 @@
 import pickle
+from pathlib import Path
 
 import pytest
 
+import spark_estimator.store as store_module
 from spark_estimator import Store
+from spark_estimator.store import hidden_sibling, layout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_create_makes_root_and_resolves_local_paths(tmp_path, monkeypatch):
@@ -15,9 +20,45 @@ def test_create_makes_root_and_resolves_local_paths(tmp_path, monkeypatch):
 
 
 def test_layout_paths(store):
-    assert store.dataset_path("k").endswith("/datasets/k")
-    assert store.checkpoint_path("r1", 3).endswith("/runs/r1/checkpoints/epoch-0003.pt")
-    assert store.result_path("r1").endswith("/runs/r1/result.pt")
+    assert store.dataset("k").path == store.datasets + "/k"
+    assert store.dataset("k").meta.endswith("/datasets/k/_meta.json")
+    assert store.dataset("k").part("w", "train", 3).endswith("/k/w/train/part-00003.parquet")
+    run = store.run("r1")
+    assert run.path == store.runs + "/r1" and store.runs == store.root + "/runs"
+    assert run.checkpoint(3).endswith("/runs/r1/checkpoints/epoch-0003.pt")
+    assert run.result.endswith("/runs/r1/result.pt")
+    assert run.failure("L").endswith("/runs/r1/failures/L.json")
+    assert run.rank_logs(2).endswith("/runs/r1/logs/rank-2")
+    assert run.log_rank(run.rank_logs(2) + "/L-0-1.log") == 2
+    assert run.log_rank(run.logs + "/other/L-0-1.log") is None
+    assert pickle.loads(pickle.dumps(run)) == run
+
+
+def test_checkpoint_epochs_lists_only_checkpoints(store):
+    run = store.run("r1")
+    assert store.checkpoint_epochs("r1") == []
+    for epoch in (10, 2):
+        store.write_bytes(run.checkpoint(epoch), b"x")
+    store.write_bytes(hidden_sibling(run.checkpoint(3)), b"a killed writer's")
+    assert store.checkpoint_epochs("r1") == [2, 10]
+
+
+def _listed_paths(block: str) -> list[str]:
+    """The paths of a layout listing: the first word of each line that is not indented
+    more than the listing (those continue a description)."""
+    lines = [line for line in block.splitlines() if line.strip()]
+    indent = min(len(line) - len(line.lstrip()) for line in lines)
+    return [line.split()[0] for line in lines if not line[indent].isspace()]
+
+
+def test_the_docs_list_the_layout_the_code_makes():
+    listing = layout()
+    assert len(listing) == len(set(listing)) and "runs/<run_id>/run.json" in listing
+    docstring = store_module.__doc__.split("::\n\n")[1].split("\n\n")[0]
+    assert _listed_paths(docstring) == listing
+    page = (ROOT / "docs/store.md").read_text()
+    block = page.split("<!-- layout: spark_estimator.store.layout() -->\n```\n")[1]
+    assert _listed_paths(block.split("```")[0]) == listing
 
 
 def test_write_bytes_is_atomic_and_leaves_no_temp_files(store):
@@ -97,7 +138,7 @@ def test_open_atomic_shows_the_file_only_when_complete(store):
 def test_url_options_such_as_an_hdfs_namenode_go_to_the_filesystem_not_the_path():
     store = Store("hdfs://namenode:8020/user/me/store/", storage_options={"user": "me"})
     assert store.protocol == "hdfs" and store.root == "/user/me/store"
-    assert store.join("runs") == "/user/me/store/runs"
+    assert store.runs == "/user/me/store/runs"
     assert store.url == "hdfs://namenode:8020/user/me/store"
     assert store._url_options == {"host": "namenode", "port": 8020}  # the fs is never opened
     clone = pickle.loads(pickle.dumps(store))

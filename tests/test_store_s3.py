@@ -21,6 +21,7 @@ from spark_estimator import Store, TorchModel
 from spark_estimator.callbacks import Callback
 from spark_estimator.driver.materialize import WriteOptions, materialize
 from spark_estimator.driver.validate import check_columns
+from spark_estimator.store import DatasetFolder
 from tests.conftest import make_estimator
 
 # a real local S3 server (test tools of the default stack only)
@@ -96,12 +97,14 @@ def test_materialize_writes_to_s3_what_it_writes_locally(spark, s3, regression_d
     data = materialize(regression_df, s3_store, features, labels, 0.25, 0, write)
     local = materialize(regression_df, store, features, labels, 0.25, 0, write)
     fs = s3_view(options)
-    assert data.path == f"{bucket}/root/datasets/{data.source['key']}"
-    meta = json.loads(fs.cat_file(posixpath.join(data.path, "_meta.json")))
+    assert s3_store.root == f"{bucket}/root"
+    assert data.path == s3_store.dataset(data.source["key"]).path
+    meta = json.loads(fs.cat_file(DatasetFolder(data.path).meta))
     assert meta["write_id"] == data.write_id and meta["rows"] == local.to_json()["rows"]
     listed = [p for split in data.files.values() for p, _ in split]
     on_s3 = sorted(posixpath.relpath(p, data.path) for p in fs.find(data.path))
-    assert on_s3 == sorted(["_meta.json", *listed])  # no temporary or marker files
+    meta_name = posixpath.relpath(DatasetFolder(data.path).meta, data.path)
+    assert on_s3 == sorted([meta_name, *listed])  # no temporary or marker files
     for split in ("train", "validation"):
         assert len(data.files[split]) == len(local.files[split]) <= 3
         for (rel, groups), (local_rel, local_groups) in zip(data.files[split], local.files[split]):
@@ -126,17 +129,15 @@ def test_a_fit_on_an_s3_store_and_the_models_save_and_load(spark, s3, regression
     model = est.fit(regression_df)
     assert len(model.getHistory()) == 2
     fs = s3_view(options)
-    run = f"{bucket}/root/runs/s3-run"
-    names = {posixpath.relpath(p, run) for p in fs.find(run)}
-    expected = {"run.json", "result.pt", "ranks.json"}
-    assert expected | {"checkpoints/epoch-0001.pt", "checkpoints/epoch-0002.pt"} <= names
-    logs = fs.find(posixpath.join(run, "logs"))
+    run = store.run("s3-run")
+    assert store.root == f"{bucket}/root"
+    expected = {run.manifest, run.result, run.ranks, run.checkpoint(1), run.checkpoint(2)}
+    assert expected <= set(fs.find(run.path))
+    logs = fs.find(run.logs)
     assert any(b"s3 test epoch 2 done" in fs.cat_file(p) for p in logs)
-    checkpoint = torch.load(
-        io.BytesIO(fs.cat_file(f"{run}/checkpoints/epoch-0002.pt")), weights_only=True
-    )
+    checkpoint = torch.load(io.BytesIO(fs.cat_file(run.checkpoint(2))), weights_only=True)
     assert torch.equal(checkpoint["model"]["weight"], model.getModel().weight)
-    assert len(fs.find(f"{bucket}/root/datasets")) >= 3  # _meta.json and Parquet files
+    assert len(fs.find(store.datasets)) >= 3  # _meta.json and Parquet files
 
     path = f"s3://{bucket}/models/regression"
     with_options(model.write(), options).save(path)
@@ -166,8 +167,8 @@ def test_a_fit_on_an_s3_store_and_the_models_save_and_load(spark, s3, regression
 def test_a_store_lists_what_other_processes_wrote_after_it_listed(s3):
     bucket, options = s3
     store = Store.create(f"s3://{bucket}/root", storage_options=options)
-    store.write_bytes(store.checkpoint_path("r", 1), b"x")
+    store.write_bytes(store.run("r").checkpoint(1), b"x")
     assert store.checkpoint_epochs("r") == [1]  # listed once
-    s3_view(options).pipe_file(store.checkpoint_path("r", 2), b"y")  # another client
+    s3_view(options).pipe_file(store.run("r").checkpoint(2), b"y")  # another client
     assert store.checkpoint_epochs("r") == [1, 2]
-    assert store.exists(store.checkpoint_path("r", 2))
+    assert store.exists(store.run("r").checkpoint(2))

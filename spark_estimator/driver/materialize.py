@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import json
-import posixpath
 import uuid
 from dataclasses import asdict, dataclass
 
@@ -42,7 +41,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from ..spec import SPLITS, ColumnSpec, DatasetInfo
-from ..store import Store
+from ..store import DatasetFolder, Store
 from ..worker.column_stats import merge_stats
 from ..worker.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
@@ -96,15 +95,13 @@ def materialize(
     the values on the way (see the module's docstring)."""
     source = source_fingerprint(df)
     key = cache_key(source, features + labels, validation, seed, asdict(options), sample_weight)
-    final = store.dataset_path(key)
-    meta_path = posixpath.join(final, "_meta.json")
-    if store.exists(meta_path):
-        data = DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
+    dataset = store.dataset(key)
+    if store.exists(dataset.meta):
+        data = DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
         check_row_lengths(data, input_shapes)
         return data
 
     write_id = f"write-{uuid.uuid4().hex}"
-    tmp = posixpath.join(final, write_id)  # only this call writes or removes it
     columns = checked_columns(features, labels, sample_weight)
     try:
         selected = df.select(
@@ -113,8 +110,8 @@ def materialize(
         )
         target = ParquetTarget(
             store,
-            tmp,
-            final,
+            dataset,
+            write_id,
             SPLIT_COL,
             options.row_group_bytes,
             options.compression,
@@ -130,7 +127,7 @@ def materialize(
             metrics = merge_stats(metrics, json.loads(row.stats))
         row_lengths = check_observed(metrics, columns)
         data = DatasetInfo(
-            path=final,
+            path=dataset.path,
             features=features,
             labels=labels,
             files=_files_by_split(written),
@@ -141,14 +138,14 @@ def materialize(
         )
         check_not_empty(data, validation)
         check_row_lengths(data, input_shapes)
-        published = store.exists(meta_path)  # another fit finished the same dataset first
+        published = store.exists(dataset.meta)  # another fit finished the same dataset first
     except BaseException:
-        _discard(store, tmp, final)
+        _discard(store, dataset, write_id)
         raise
     if published:
-        _discard(store, tmp, final)  # never read by anyone: this call has not published it
-        return DatasetInfo.from_json(final, store.read_json(meta_path), reused=True)
-    store.write_json(meta_path, data.to_json())  # atomic; the last of two racing fits wins
+        _discard(store, dataset, write_id)  # never read by anyone: this call has not published it
+        return DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
+    store.write_json(dataset.meta, data.to_json())  # atomic; the last of two racing fits wins
     return data
 
 
@@ -161,12 +158,13 @@ def _files_by_split(written: list) -> dict[str, list[tuple[str, list[int]]]]:
     }
 
 
-def _discard(store: Store, write: str, dataset: str) -> None:
-    """Remove this call's own write folder, and the dataset folder if that left it empty
-    (``rmdir`` refuses a folder another fit is writing into)."""
-    store.remove(write)
+def _discard(store: Store, dataset: DatasetFolder, write_id: str) -> None:
+    """Remove this call's own write folder (only this call writes or removes it), and the
+    dataset folder if that left it empty (``rmdir`` refuses a folder another fit is writing
+    into)."""
+    store.remove(dataset.write(write_id))
     try:
-        store.fs.rmdir(dataset)
+        store.fs.rmdir(dataset.path)
     except (OSError, NotImplementedError):  # not empty, or already gone
         pass
 

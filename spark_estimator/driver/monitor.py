@@ -19,19 +19,16 @@ from __future__ import annotations
 import collections
 import logging
 import posixpath
-import re
 import sys
 import threading
 
 from tqdm.auto import tqdm
 
 from ..store import Store
-from ..worker.run_log import logs_folder, progress_path
 
 POLL_S = 0.5
 TAIL_LINES = 20
 logger = logging.getLogger("spark_estimator.worker")
-_RANK = re.compile(r"rank-(\d+)")
 
 
 def show_line(rank: int, line: str, printed: bool) -> None:
@@ -60,8 +57,7 @@ class FitMonitor:
 
     def __init__(self, store: Store, run_id: str, launch_id: str, verbose: bool):
         self.store, self.launch_id, self.verbose = store, launch_id, verbose
-        self.folder = logs_folder(store, run_id)
-        self.progress_file = progress_path(store, run_id)
+        self.run = store.run(run_id)
         self.seen: set[str] = set()
         self.tails: dict[int, collections.deque] = {}
         self.print_lines = verbose and print_lines_by_default()
@@ -77,14 +73,13 @@ class FitMonitor:
                 self._read_progress()
 
     def _read_logs(self) -> None:
-        if not self.store.exists(self.folder):
+        if not self.store.exists(self.run.logs):
             return
         chunks = []
-        for path in self.store.fs.find(self.folder):
-            name, parent = posixpath.basename(path), posixpath.basename(posixpath.dirname(path))
-            rank = _RANK.fullmatch(parent)
-            if rank and name.startswith(self.launch_id) and path not in self.seen:
-                chunks.append((int(rank.group(1)), name, path))
+        for path in self.store.fs.find(self.run.logs):
+            name, rank = posixpath.basename(path), self.run.log_rank(path)
+            if rank is not None and name.startswith(self.launch_id) and path not in self.seen:
+                chunks.append((rank, name, path))
         for rank, _, path in sorted(chunks):
             text = self.store.read_bytes(path).decode(errors="replace")
             self.seen.add(path)
@@ -94,9 +89,9 @@ class FitMonitor:
                 show_line(rank, line, self.print_lines)
 
     def _read_progress(self) -> None:
-        if not self.store.exists(self.progress_file):
+        if not self.store.exists(self.run.progress):
             return
-        progress = self.store.read_json(self.progress_file)
+        progress = self.store.read_json(self.run.progress)
         if progress.get("launch_id") != self.launch_id:
             return  # an earlier fit of the same run_id
         steps, epoch = progress["steps"], progress["epoch"]

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..spec import ColumnSpec, DatasetInfo, column_param
-from ..store import Store
+from ..store import DatasetFolder, Store
 from .data_checks import check_row_lengths
 from .materialize import check_not_empty
 
@@ -130,7 +130,7 @@ def _null_counts_in_footers(
 
 def _incomplete_dataset(store: Store, root: str) -> bool:
     """A folder of ``datasets/`` without ``_meta.json``: a write in progress or interrupted."""
-    return posixpath.dirname(root) == store.join("datasets")
+    return posixpath.dirname(root) == store.datasets
 
 
 def parquet_dataset(
@@ -146,7 +146,7 @@ def parquet_dataset(
 ) -> DatasetInfo:
     """A DatasetInfo for Parquet already in ``store``; every check runs here, on the driver."""
     root = _resolve(store, path, "path")
-    meta_path = posixpath.join(root, "_meta.json")
+    meta_path = DatasetFolder(root).meta
     null_counts: dict[str, int | None] = {}
     meta = None
     if store.exists(meta_path):

@@ -21,8 +21,6 @@ from typing import Any
 from ..spec import DatasetInfo
 from ..store import Store
 
-MANIFEST = "run.json"
-
 
 def run_manifest(model, optimizer, fields: dict[str, Any]) -> dict:
     """The description of a fit that its checkpoints depend on, without the data (known
@@ -67,7 +65,7 @@ def check_resume(store: Store, run_id: str, manifest: dict, epochs: int) -> int:
     done = store.checkpoint_epochs(run_id)
     if not done:
         return 0
-    path = store.join("runs", run_id, MANIFEST)
+    path = store.run(run_id).manifest
     saved = store.read_json(path) if store.exists(path) else {}
     changed = _differences(saved, manifest)
     if changed:
@@ -85,4 +83,4 @@ def check_resume(store: Store, run_id: str, manifest: dict, epochs: int) -> int:
 
 
 def write_manifest(store: Store, run_id: str, manifest: dict) -> None:
-    store.write_json(store.join("runs", run_id, MANIFEST), manifest)
+    store.write_json(store.run(run_id).manifest, manifest)

@@ -17,7 +17,7 @@ class Checkpoints:
         self.store, self.run_id, self.keep = store, run_id, keep
 
     def path(self, epoch: int) -> str:
-        return self.store.checkpoint_path(self.run_id, epoch)
+        return self.store.run(self.run_id).checkpoint(epoch)
 
     def epochs(self) -> list[int]:
         """Epochs with a checkpoint in the store, ascending."""

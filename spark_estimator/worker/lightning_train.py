@@ -120,7 +120,7 @@ def train_lightning(
         max_epochs=spec.epochs,
         callbacks=[*callbacks, recorder],
         enable_checkpointing=True,
-        default_root_dir=url(store, store.join("runs", run_id, "lightning")),
+        default_root_dir=url(store, store.run(run_id).lightning),
         use_distributed_sampler=False,
     )
     ckpt_path = url(store, checkpoints.path(resume_epoch)) if resume_epoch else None
@@ -144,7 +144,7 @@ def train_lightning(
             "output_shapes": recorder.output_shapes,
             "summary": _summary(pl, trainer, recorder, world, resume_epoch, selection),
         }
-        store.write_bytes(store.result_path(run_id), state_to_bytes(result))
+        store.write_bytes(store.run(run_id).result, state_to_bytes(result))
     return rank_summary(
         info,
         data,

@@ -3,9 +3,9 @@
 ``write_partition`` is what ``driver/materialize.py`` runs with ``mapInArrow``: it receives
 the partition's rows (the converted columns and the split column) as Arrow record batches
 and writes each split's rows, in the order they arrive, to
-``<folder>/<split>/part-<partition>.parquet`` with pyarrow, through the store's fsspec
-filesystem: any store works on every executor with its own ``storage_options``. A split
-with no rows in the partition gets no file.
+``datasets/<key>/<write-id>/<split>/part-<partition>.parquet`` (``DatasetFolder.part``) with
+pyarrow, through the store's fsspec filesystem: any store works on every executor with its
+own ``storage_options``. A split with no rows in the partition gets no file.
 
 Float columns are written without dictionary encoding (``dictionary_columns``).
 Row groups hold about ``row_group_bytes`` of (uncompressed) Arrow data: a split's rows are
@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from pyspark import TaskContext
 
 from ..spec import SPLITS
-from ..store import Store
+from ..store import DatasetFolder, Store
 from .column_stats import CheckedColumn, column_stats, merge_stats
 
 WRITTEN_SCHEMA = "split string, path string, row_groups array<bigint>, stats string"
@@ -53,15 +53,15 @@ class ParquetTarget:
     """Where and how a materialization's partitions are written (pickled to executors)."""
 
     store: Store
-    folder: str  # the write folder: <folder>/<split>/part-<partition>.parquet
-    relative_to: str  # the dataset folder, which the returned paths are relative to
+    dataset: DatasetFolder  # the returned paths are relative to its folder
+    write_id: str  # the write whose files are written
     split_col: str  # the column holding each row's split; not written
     row_group_bytes: int
     compression: str  # uncompressed, snappy, gzip or zstd
     checked: tuple[CheckedColumn, ...] = ()  # the columns whose values are counted
 
     def path(self, split: str, partition: int) -> str:
-        return posixpath.join(self.folder, split, f"part-{partition:05d}.parquet")
+        return self.dataset.part(self.write_id, split, partition)
 
 
 class RowGroupBuffer:
@@ -141,7 +141,7 @@ class PartitionWriter:
             for split, buffer in buffers.items():
                 if (rest := buffer.rest()) is not None:
                     write_group(split, rest)
-        root = self.target.relative_to
+        root = self.target.dataset.path
         return [
             (s, posixpath.relpath(self.target.path(s, self.partition), root), g, stats[s])
             for s, g in groups.items()

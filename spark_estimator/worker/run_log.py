@@ -34,14 +34,6 @@ FINAL_ATTEMPTS = 3  # writes of the last lines tried before the task ends withou
 _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 
-def logs_folder(store: Store, run_id: str) -> str:
-    return store.join("runs", run_id, "logs")
-
-
-def progress_path(store: Store, run_id: str) -> str:
-    return store.join("runs", run_id, "progress.json")
-
-
 class _Tee(io.TextIOBase):
     """A text stream that writes through to ``stream`` and hands whole lines to ``sink``."""
 
@@ -113,9 +105,9 @@ class RankLog:
 
     def __init__(self, store: Store, run_id: str, launch_id: str, rank: int, attempt: int):
         self.store, self.rank = store, rank
-        folder = posixpath.join(logs_folder(store, run_id), f"rank-{rank}")
-        self.prefix = posixpath.join(folder, f"{launch_id}-{attempt:012d}-")
-        self.progress_file = progress_path(store, run_id)
+        run = store.run(run_id)
+        self.prefix = posixpath.join(run.rank_logs(rank), f"{launch_id}-{attempt:012d}-")
+        self.progress_file = run.progress
         self.launch_id = launch_id
         self.lines: list[str] = []
         self.seq, self.chunk_written = 0, time.monotonic()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..failures import failure_path, read_failure, record_failure
+from ..failures import read_failure, record_failure
 from ..spec import TrainSpec
 from .rendezvous import process_group
 from .run_log import RankLog
@@ -23,7 +23,7 @@ def training_task(spec: TrainSpec) -> dict:
 
     ctx = BarrierTaskContext.get()
     store = spec.store
-    path = failure_path(store, spec.run_id, spec.launch_id)
+    path = store.run(spec.run_id).failure(spec.launch_id)
     if read_failure(path, store) is not None:
         return {"rank": ctx.partitionId(), "aborted": True}
 

@@ -15,6 +15,7 @@ masked CRC-32C) holding ``Event`` protocol buffers, encoded by hand below.
 
 from __future__ import annotations
 
+import posixpath
 import struct
 import time
 
@@ -103,7 +104,7 @@ class TensorBoardLog:
     def __init__(self, store: Store, run_id: str):
         self.store = store
         name = "events.out.tfevents.spark-estimator"  # TensorBoard reads any "*tfevents*"
-        self.path = store.join("runs", run_id, "tensorboard", name)
+        self.path = posixpath.join(store.run(run_id).tensorboard, name)
         self.header = _record(_event(time.time(), 0, _bytes_field(3, b"brain.Event:2")))
         self.encoded: dict[int, bytes] = {}  # epoch -> its record, encoded once
 

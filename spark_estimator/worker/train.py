@@ -275,7 +275,7 @@ class _TrainingLoop:
                 "summary": self._training_summary(selection),
             }
             store = self.spec.store
-            store.write_bytes(store.result_path(self.spec.run_id), state_to_bytes(result))
+            store.write_bytes(store.run(self.spec.run_id).result, state_to_bytes(result))
         # process_group's closing barrier keeps every rank until rank 0 has written it
         return rank_summary(
             self.info,

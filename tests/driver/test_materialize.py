@@ -18,6 +18,7 @@ from spark_estimator.driver.cache_key import cache_key, source_fingerprint
 from spark_estimator.driver.materialize import WriteOptions
 from spark_estimator.driver.materialize import materialize as _materialize
 from spark_estimator.driver.validate import check_columns, check_sample_weight_col
+from spark_estimator.store import DatasetFolder
 
 pytestmark = pytest.mark.legacy  # materialization also runs on pyspark 3.5
 
@@ -53,7 +54,7 @@ def test_vectors_become_float_arrays_and_labels_keep_class_indices(spark, store)
     rows = sorted(read_split(data, "train"), key=lambda r: r["y"])
     assert rows == [{"v": [0.0, 5.0], "y": 1}, {"v": [1.0, 2.0], "y": 3}]
     assert data.rows("train") == 2 and data.rows("validation") == 0
-    assert store.read_json(posixpath.join(data.path, "_meta.json"))["rows"]["train"] == 2
+    assert store.read_json(DatasetFolder(data.path).meta)["rows"]["train"] == 2
 
 
 def test_fraction_split_is_seeded_complete_and_disjoint(regression_df, store, tmp_path):
@@ -89,7 +90,7 @@ def test_same_plan_and_columns_reuse_the_parquet(spark, store, tmp_path):
     assert not first.reused
     again = materialize(spark.read.parquet(path), store, *cols, validation=None, seed=0)
     assert again.reused and again.path == first.path and again.files == first.files
-    assert len(store.fs.ls(store.join("datasets"))) == 1
+    assert len(store.fs.ls(store.datasets)) == 1
 
 
 def test_changed_plan_columns_split_or_options_do_not_reuse(spark):
@@ -163,7 +164,7 @@ def test_a_new_spark_session_reuses_the_parquet_of_the_same_source(spark, store,
     assert result.returncode == 0, result.stderr[-3000:]
     other_session = json.loads(result.stdout.strip().splitlines()[-1])
     assert other_session == {"reused": True, "path": first.path}
-    meta = store.read_json(posixpath.join(first.path, "_meta.json"))
+    meta = store.read_json(DatasetFolder(first.path).meta)
     assert meta["source"]["key"] == posixpath.basename(first.path)
     assert "Filter" in meta["source"]["plan"]
     assert meta["source"]["files"] == len(df.inputFiles())
@@ -191,24 +192,25 @@ def test_empty_inputs_raise_and_leave_the_store_as_it_was(spark, store, regressi
     df = regression_df.withColumn("is_val", F.lit(False))
     with pytest.raises(ValueError, match="validation: the split 'is_val' selected no"):
         materialize(df, store, *specs(df, ["x"], ["y"]), validation="is_val", seed=0)
-    assert store.fs.ls(store.join("datasets")) == []
+    assert store.fs.ls(store.datasets) == []
 
 
 def test_each_write_has_its_own_folder_named_by_meta(regression_df, store):
     data = materialize(regression_df, store, *specs(regression_df, ["x"], ["y"]), 0.25, 0)
-    meta = store.read_json(posixpath.join(data.path, "_meta.json"))
+    meta = store.read_json(DatasetFolder(data.path).meta)
     assert data.write_id and meta["write_id"] == data.write_id
-    assert data.path == store.dataset_path(meta["source"]["key"])
+    assert data.path == store.dataset(meta["source"]["key"]).path
     for split in ("train", "validation"):
         assert all(f.startswith(f"{data.write_id}/{split}/") for f, _ in data.files[split])
     assert meta["row_lengths"] == {"x": 3}
     assert sorted(store.fs.ls(data.path, detail=False)) == [
-        posixpath.join(data.path, n) for n in ("_meta.json", data.write_id)
+        DatasetFolder(data.path).meta,
+        DatasetFolder(data.path).write(data.write_id),
     ]
 
 
 def test_vectors_and_labels_are_checked_by_the_write_and_failures_leave_no_trace(spark, store):
-    earlier = store.join("datasets", "earlier", "_meta.json")
+    earlier = store.dataset("earlier").meta
     store.write_bytes(earlier, b"{}")
     cases = [
         ([(Vectors.dense([1.0, 2.0]), 1), (None, 0)], "feature_cols: column 'v' has 1 null"),
@@ -235,7 +237,7 @@ def test_vectors_and_labels_are_checked_by_the_write_and_failures_leave_no_trace
     weight = check_sample_weight_col(weighted.schema, "w", ["x", "y"], "float32")
     with pytest.raises(ValueError, match="sample_weight_col: column 'w' has 1 null values"):
         _materialize(weighted, store, *specs(weighted, ["x"], ["y"]), None, 0, OPTIONS, weight)
-    assert store.fs.find(store.join("datasets")) == [earlier]
+    assert store.fs.find(store.datasets) == [earlier]
     assert store.read_bytes(earlier) == b"{}"
 
 
@@ -299,7 +301,8 @@ def test_the_executors_write_exactly_the_listed_files_in_a_deterministic_order(
     data = materialize(regression_df, store, *cols, 0.25, 0, options)
     listed = [f for split in data.files.values() for f, _ in split]
     written = [posixpath.relpath(p, data.path) for p in store.fs.find(data.path)]
-    assert sorted(written) == sorted(["_meta.json", *listed])  # no temporary or marker files
+    meta_name = posixpath.relpath(DatasetFolder(data.path).meta, data.path)
+    assert sorted(written) == sorted([meta_name, *listed])  # no temporary or marker files
     for split in ("train", "validation"):
         names = [posixpath.basename(f) for f, _ in data.files[split]]
         assert names == sorted(names) and len(names) <= 3

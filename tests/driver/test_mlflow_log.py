@@ -87,7 +87,7 @@ def test_an_mlflow_failure_is_a_warning_and_the_fit_returns_its_model(
             second = make_estimator(store=store, epochs=1, batch_size=32, mlflow_logging=True)
             model = second.fit(regression_df)
     assert isinstance(model, TorchModel) and model.getHistory()
-    assert store.exists(store.result_path(model.getRunId()))
+    assert store.exists(store.run(model.getRunId()).result)
     [record] = [r for r in caplog.records if r.name == "spark_estimator.driver.mlflow_log"]
     assert record.levelname == "WARNING" and "MlflowException" in record.getMessage()
     assert "Changing param values is not allowed" in record.getMessage()

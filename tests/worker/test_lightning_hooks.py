@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import posixpath
+
 import fsspec
 import pytest
 import torch
@@ -48,7 +50,8 @@ def test_checkpoints_go_through_the_store_atomically_and_elsewhere_by_their_url(
     store = Store.create(str(tmp_path / "store"))
     io = lightning_parts(pl)[1](store)
     state = {"state_dict": {"w": torch.arange(3.0)}, "epoch": 2, "loops": {"a": [1, 2]}}
-    inside, outside = store.join("runs", "r", "x.ckpt"), str(tmp_path / "elsewhere" / "y.ckpt")
+    inside = posixpath.join(store.run("r").lightning, "x.ckpt")
+    outside = str(tmp_path / "elsewhere" / "y.ckpt")
     for path in (inside, outside):
         io.save_checkpoint(state, path)
         loaded = io.load_checkpoint(path)
@@ -56,7 +59,7 @@ def test_checkpoints_go_through_the_store_atomically_and_elsewhere_by_their_url(
         assert loaded["loops"] == state["loops"]
         io.remove_checkpoint(path)
         assert not store.fs.exists(path)
-    assert store.fs.ls(store.join("runs", "r")) == []  # no temporary file left behind
+    assert store.fs.ls(store.run("r").lightning) == []  # no temporary file left behind
 
 
 def test_a_remote_stores_options_are_fsspecs_defaults_only_while_training():

@@ -38,10 +38,12 @@ def batches(splits: list[str], width: int = 2) -> list[pa.RecordBatch]:
 
 
 def target(store: Store, row_group_bytes: int = 2**20, compression: str = "snappy"):
-    dataset = store.join("datasets", "key")
-    return ParquetTarget(
-        store, posixpath.join(dataset, "write-1"), dataset, SPLIT, row_group_bytes, compression
-    )
+    dataset = store.dataset("key")
+    return ParquetTarget(store, dataset, "write-1", SPLIT, row_group_bytes, compression)
+
+
+def write_folder(t: ParquetTarget) -> str:
+    return t.dataset.write(t.write_id)
 
 
 def test_row_groups_hold_about_the_target_bytes_in_input_order():
@@ -76,7 +78,7 @@ def test_each_split_goes_to_its_own_file_in_order_without_the_split_column(store
         ("validation", "write-1/validation/part-00003.parquet"),
     ]
     for split, path, groups, _ in written:
-        parquet = pq.ParquetFile(posixpath.join(t.relative_to, path))
+        parquet = pq.ParquetFile(posixpath.join(t.dataset.path, path))
         rows = parquet.read().to_pylist()
         assert [r["i"] for r in rows] == [i for i, s in enumerate(splits) if s == split]
         assert rows[1]["x"] == [float(rows[1]["i"]), -float(rows[1]["i"])]
@@ -87,7 +89,7 @@ def test_each_split_goes_to_its_own_file_in_order_without_the_split_column(store
         # the int ids are dictionary encoded, the floats are not
         encodings = [meta.row_group(0).column(c).encodings for c in range(2)]
         assert "RLE_DICTIONARY" in encodings[0] and "RLE_DICTIONARY" not in encodings[1]
-    assert list_row_groups(store, t.folder, t.relative_to) == sorted(
+    assert list_row_groups(store, write_folder(t), t.dataset.path) == sorted(
         (p, g) for _, p, g, _ in written
     )
 
@@ -98,11 +100,11 @@ def test_uncompressed_and_a_split_without_rows_get_no_codec_and_no_file(store):
     assert [(s, p, g) for s, p, g, _ in written] == [
         ("train", "write-1/train/part-00000.parquet", [9])
     ]
-    meta = pq.ParquetFile(posixpath.join(t.relative_to, written[0][1])).metadata
+    meta = pq.ParquetFile(posixpath.join(t.dataset.path, written[0][1])).metadata
     assert meta.row_group(0).column(0).compression == "UNCOMPRESSED"
-    assert not store.exists(posixpath.join(t.folder, "validation"))
+    assert not store.exists(posixpath.dirname(t.path("validation", 0)))
     assert PartitionWriter(t, partition=1).write(iter([])) == []
-    assert store.fs.find(t.folder) == [posixpath.join(t.relative_to, written[0][1])]
+    assert store.fs.find(write_folder(t)) == [posixpath.join(t.dataset.path, written[0][1])]
 
 
 def test_each_file_reports_the_value_counts_of_its_own_rows(store):
@@ -127,14 +129,14 @@ def test_a_failed_attempt_leaves_no_file_and_a_retry_replaces_the_old_one(store)
     t = target(store, row_group_bytes=32)  # row groups are written before the failure
     rows = batches(["train", "validation"] * 8)
     first = PartitionWriter(t, 0).write(iter(rows[:1]))
-    paths = [posixpath.join(t.relative_to, p) for _, p, *_ in first]
+    paths = [posixpath.join(t.dataset.path, p) for _, p, *_ in first]
     before = {p: store.read_bytes(p) for p in paths}
     with pytest.raises(OSError, match="lost its disk"):
         PartitionWriter(t, 0).write(failing_after(rows, 3))
     assert {p: store.read_bytes(p) for p in paths} == before  # the earlier complete files
-    assert sorted(store.fs.find(t.folder)) == sorted(paths)  # no temporary file left
+    assert sorted(store.fs.find(write_folder(t))) == sorted(paths)  # no temporary file left
     retry = PartitionWriter(t, 0).write(iter(rows))
-    assert [posixpath.join(t.relative_to, p) for _, p, *_ in retry] == paths
+    assert [posixpath.join(t.dataset.path, p) for _, p, *_ in retry] == paths
     assert pq.read_table(paths[0]).column("i").to_pylist() == list(range(0, 16, 2))
     assert pq.read_table(paths[1]).column("i").to_pylist() == list(range(1, 16, 2))
 
@@ -142,12 +144,12 @@ def test_a_failed_attempt_leaves_no_file_and_a_retry_replaces_the_old_one(store)
 def test_a_temporary_file_left_by_a_killed_attempt_is_never_listed(store):
     t = target(store)
     written = PartitionWriter(t, 0).write(iter(batches(["train"] * 5)))
-    path = posixpath.join(t.relative_to, written[0][1])
+    path = posixpath.join(t.dataset.path, written[0][1])
     leftover = posixpath.join(
         posixpath.dirname(path), f".tmp-{uuid.uuid4().hex}-part-00001.parquet"
     )
     store.fs.pipe_file(leftover, b"PAR1 half a file")
-    assert list_row_groups(store, t.folder, t.relative_to) == [(written[0][1], [5])]
+    assert list_row_groups(store, write_folder(t), t.dataset.path) == [(written[0][1], [5])]
 
 
 def test_writes_through_any_fsspec_filesystem():
@@ -158,7 +160,7 @@ def test_writes_through_any_fsspec_filesystem():
         assert [(s, p) for s, p, *_ in written] == [
             ("validation", "write-1/validation/part-00007.parquet")
         ]
-        with store.fs.open(posixpath.join(t.relative_to, written[0][1]), "rb") as f:
+        with store.fs.open(posixpath.join(t.dataset.path, written[0][1]), "rb") as f:
             assert pq.read_table(f).column("i").to_pylist() == list(range(6))
         assert len(written[0][2]) > 1
     finally:

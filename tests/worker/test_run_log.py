@@ -5,12 +5,11 @@ import sys
 import time
 
 from spark_estimator import Store
-from spark_estimator.worker.run_log import RankLog, logs_folder, progress_path
+from spark_estimator.worker.run_log import RankLog
 
 
 def chunks(store: Store, run_id: str, rank: int) -> list[str]:
-    folder = store.join("runs", run_id, "logs", f"rank-{rank}")
-    return sorted(p for p in store.fs.find(folder))
+    return sorted(p for p in store.fs.find(store.run(run_id).rank_logs(rank)))
 
 
 def test_prints_stderr_and_logging_are_captured_in_order_and_still_written_through(
@@ -29,7 +28,7 @@ def test_prints_stderr_and_logging_are_captured_in_order_and_still_written_throu
     out, err = capsys.readouterr()  # the executor's own log still gets everything
     assert out == "first line\n" and err == "a warning\nwithout end"
     assert logging.getLogger().level == logging.WARNING  # restored
-    assert not store.exists(progress_path(store, "r"))  # rank 1 reports no progress
+    assert not store.exists(store.run("r").progress)  # rank 1 reports no progress
 
 
 def test_lines_are_flushed_while_the_task_runs(tmp_path, monkeypatch):
@@ -40,12 +39,12 @@ def test_lines_are_flushed_while_the_task_runs(tmp_path, monkeypatch):
         print("early")
         log.report(epoch=1, epochs=2, step=3, steps=4, loss=0.5, last=None)
         for _ in range(100):
-            if chunks(store, "r", 0) and store.exists(progress_path(store, "r")):
+            if chunks(store, "r", 0) and store.exists(store.run("r").progress):
                 break
             time.sleep(0.05)
         else:
             raise AssertionError("nothing flushed while the task ran")
-        assert store.read_json(progress_path(store, "r")) == {
+        assert store.read_json(store.run("r").progress) == {
             "launch_id": "launch",
             "epoch": 1,
             "epochs": 2,
@@ -55,7 +54,7 @@ def test_lines_are_flushed_while_the_task_runs(tmp_path, monkeypatch):
             "last": None,
         }
     assert chunks(store, "r", 0)[0].split("/")[-1] == "launch-000000000002-000001.log"
-    assert store.exists(logs_folder(store, "r"))
+    assert store.exists(store.run("r").logs)
 
 
 class FailsFirstLogWrite(Store):

@@ -1,5 +1,7 @@
 """TensorBoardLog: event files TensorBoard's own reader reads back, one per run."""
 
+from pathlib import Path
+
 import pytest
 
 from spark_estimator import Store
@@ -45,7 +47,7 @@ def test_tensorboard_reads_every_epoch_once_after_rewrites_and_a_resume(tmp_path
     first.write(HISTORY[:1])
     first.write(HISTORY[:1])  # rewritten, not appended
     TensorBoardLog(store, "r").write(HISTORY)  # a resumed task: the whole history again
-    folder = tmp_path / "runs" / "r" / "tensorboard"
+    folder = Path(store.run("r").tensorboard)
     assert len(list(folder.iterdir())) == 1
     scalars = read_scalars(folder)
     assert scalars["train/loss"] == [(1, 2.5), (2, 1.5)]
