@@ -9,8 +9,9 @@ Lightning is an optional extra: ``pip install 'spark-estimator[lightning]'``.
 
 from __future__ import annotations
 
+import functools
+
 from pyspark import keyword_only
-from pyspark.sql import DataFrame
 
 from .base_estimator import StoreEstimator, Training
 from .driver import run_manifest, validate, validate_lightning
@@ -79,21 +80,20 @@ class LightningEstimator(StoreEstimator, LightningParams):
         super().__init__()
         self._set(**self._input_kwargs)
 
-    def _check_training(self, num_proc: int, dataset: DataFrame | None) -> Training:
-        model = self.getModel()
+    def _training(self, num_proc: int) -> Training:
+        model, callbacks = self.getModel(), self.getCallbacks()
         pl = validate_lightning.check_module(model)
-        validate_lightning.check_callbacks(pl, self.getCallbacks())
+        validate_lightning.check_callbacks(pl, callbacks)
         trainer_args = validate_lightning.check_trainer_args(pl, self.getTrainerArgs())
         validate.check_positive("keep_checkpoints", self.getKeepCheckpoints(), optional=True)
-        bundle = validate_lightning.lightning_bundle(model, self.getCallbacks(), trainer_args)
+        bundle = validate_lightning.lightning_bundle(model, callbacks, trainer_args)
         fields = {
             **self._run_fields(num_proc),
             "accumulate_grad_batches": trainer_args.get("accumulate_grad_batches", 1),
         }
-        manifest = run_manifest.run_manifest(model, None, fields)
-        return Training(bundle, LoopSpec(keep_checkpoints=self.getKeepCheckpoints()), manifest)
-
-    def _check_callbacks(self, has_validation: bool) -> None:
-        pl = validate_lightning.check_module(self.getModel())
-        validate_lightning.check_callbacks(pl, self.getCallbacks())
-        validate_lightning.check_monitors(self.getModel(), self.getCallbacks(), has_validation)
+        return Training(
+            bundle,
+            LoopSpec(keep_checkpoints=self.getKeepCheckpoints()),
+            run_manifest.run_manifest(model, None, fields),
+            functools.partial(validate_lightning.check_monitors, model, callbacks),
+        )

@@ -13,6 +13,8 @@ from typing import Any
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
 
+from .spec import COLLECTIVE_TIMEOUT_S
+
 
 def _camel(name: str) -> str:
     return "".join(part.capitalize() for part in name.split("_"))
@@ -315,7 +317,7 @@ class FitParams(HasModelIO):
             store=None,
             use_gpu=True,
             run_id=None,
-            collective_timeout=600.0,
+            collective_timeout=COLLECTIVE_TIMEOUT_S,
             verbose=True,
             mlflow_logging=False,
         )

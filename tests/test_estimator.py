@@ -13,6 +13,7 @@ from pyspark.sql import functions as F
 import spark_estimator.base_estimator as estimator_module
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
+from spark_estimator.driver import loss_probe, run_manifest, validate, validate_training
 from spark_estimator.serialization import state_from_bytes
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
@@ -118,6 +119,56 @@ def test_refit_reuses_the_materialized_data(digits_fit):
         assert sum(seconds[s] for s in steps) == pytest.approx(seconds["total"], abs=0.01)
         assert seconds["training"] == max(r["seconds"] for r in ranks(store, fitted))
     assert second["fit_seconds"]["dataset"] < first["fit_seconds"]["dataset"]
+
+
+def test_a_fit_runs_each_driver_check_once(regression_df, store, spy):
+    checks = {
+        validate: ["check_columns", "check_column_names", "check_num_proc"],
+        validate_training: ["check_loop", "check_metrics", "check_callbacks"],
+        run_manifest: ["check_resume", "check_resume_data"],
+        loss_probe: ["check_loss"],
+    }
+
+    def spied():
+        return {name: spy(module, name) for module, names in checks.items() for name in names}
+
+    def est(run_id):
+        return make_estimator(
+            store=store,
+            epochs=1,
+            validation=0.25,
+            metrics={"mae": torch.nn.functional.l1_loss},
+            callbacks=[BestModel("validation.mae")],
+            run_id=run_id,
+        )
+
+    calls = spied()
+    est("checked-once").fit(regression_df)  # x is an array: probed once the data is known
+    assert calls.pop("check_loss") == [False, True]
+    assert {name: len(c) for name, c in calls.items()} == {
+        "check_columns": 1,
+        "check_column_names": 1,  # by check_columns
+        "check_num_proc": 1,
+        "check_loop": 1,
+        "check_metrics": 1,
+        "check_callbacks": 1,
+        "check_resume": 1,
+        "check_resume_data": 1,
+    }
+    path = est(None).materialize(regression_df)
+    calls = spied()
+    est("checked-once-on-parquet").fit_on_parquet(path)
+    assert calls.pop("check_loss") == [True]  # the columns are known from the Parquet
+    assert {name: len(c) for name, c in calls.items()} == {
+        "check_columns": 0,
+        "check_column_names": 1,
+        "check_num_proc": 1,
+        "check_loop": 1,
+        "check_metrics": 1,
+        "check_callbacks": 1,
+        "check_resume": 1,
+        "check_resume_data": 1,
+    }
 
 
 def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, store):
