@@ -290,6 +290,35 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             raise TrainingError(run_id, record, monitor.tail(record["rank"]))
         return summaries
 
+    def _check_columns(
+        self, dataset: DataFrame | None
+    ) -> tuple[list[ColumnSpec] | None, list[ColumnSpec] | None, ColumnSpec | None]:
+        """The feature, label and sample weight columns' specs, checked against the
+        DataFrame's schema; without one (fit_on_parquet) only their names (specs None)."""
+        feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
+        features = labels = schema = None
+        if dataset is not None:
+            schema = dataset.schema
+            features, labels = validate.check_columns(
+                schema, feature_cols, label_cols, self.getDtype()
+            )
+            validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
+        else:
+            validate.check_column_names(feature_cols, label_cols)
+        sample_weight = validate.check_sample_weight_col(
+            schema, self._sample_weight_col(), feature_cols + label_cols, self.getDtype()
+        )
+        validate.check_input_shapes(self.getInputShapes(), feature_cols, features)
+        validate.check_output_cols(self.getOutputCols(), [])
+        if self.getClassification():
+            validate.classification_cols(
+                self.getOutputCols(),
+                self.getProbabilityCol(),
+                self.getRawPredictionCol(),
+                label_cols,
+            )
+        return features, labels, sample_weight
+
     def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
         """Check every input on the driver; return what fit needs. No Spark job runs here.
 
@@ -334,35 +363,6 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             )
         )
         return _Checked(features, labels, sample_weight, training, num_proc, store, loader, probed)
-
-    def _check_columns(
-        self, dataset: DataFrame | None
-    ) -> tuple[list[ColumnSpec] | None, list[ColumnSpec] | None, ColumnSpec | None]:
-        """The feature, label and sample weight columns' specs, checked against the
-        DataFrame's schema; without one (fit_on_parquet) only their names (specs None)."""
-        feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
-        features = labels = schema = None
-        if dataset is not None:
-            schema = dataset.schema
-            features, labels = validate.check_columns(
-                schema, feature_cols, label_cols, self.getDtype()
-            )
-            validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
-        else:
-            validate.check_column_names(feature_cols, label_cols)
-        sample_weight = validate.check_sample_weight_col(
-            schema, self._sample_weight_col(), feature_cols + label_cols, self.getDtype()
-        )
-        validate.check_input_shapes(self.getInputShapes(), feature_cols, features)
-        validate.check_output_cols(self.getOutputCols(), [])
-        if self.getClassification():
-            validate.classification_cols(
-                self.getOutputCols(),
-                self.getProbabilityCol(),
-                self.getRawPredictionCol(),
-                label_cols,
-            )
-        return features, labels, sample_weight
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:
         """A given ``run_id`` is not finished, and its checkpoints (if any) can be resumed

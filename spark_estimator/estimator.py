@@ -119,11 +119,11 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             validate_training.check_callbacks(self.getCallbacks(), monitorable)
 
         return Training(
-            bundle,
-            loop,
-            self._manifest(num_proc, objects["optimizer"]),
-            check_callbacks,
-            functools.partial(
+            bundle=bundle,
+            loop=loop,
+            manifest=self._manifest(num_proc, objects["optimizer"]),
+            check_callbacks=check_callbacks,
+            probe_loss=functools.partial(
                 loss_probe.check_loss,
                 bundle,
                 input_shapes=self.getInputShapes(),

@@ -92,8 +92,8 @@ class LightningEstimator(StoreEstimator, LightningParams):
             "accumulate_grad_batches": trainer_args.get("accumulate_grad_batches", 1),
         }
         return Training(
-            bundle,
-            LoopSpec(keep_checkpoints=self.getKeepCheckpoints()),
-            run_manifest.run_manifest(model, None, fields),
-            functools.partial(validate_lightning.check_monitors, model, callbacks),
+            bundle=bundle,
+            loop=LoopSpec(keep_checkpoints=self.getKeepCheckpoints()),
+            manifest=run_manifest.run_manifest(model, None, fields),
+            check_callbacks=functools.partial(validate_lightning.check_monitors, model, callbacks),
         )

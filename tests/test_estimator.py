@@ -126,49 +126,31 @@ def test_a_fit_runs_each_driver_check_once(regression_df, store, spy):
         validate: ["check_columns", "check_column_names", "check_num_proc"],
         validate_training: ["check_loop", "check_metrics", "check_callbacks"],
         run_manifest: ["check_resume", "check_resume_data"],
-        loss_probe: ["check_loss"],
     }
+    once = {name: 1 for names in checks.values() for name in names}
 
-    def spied():
-        return {name: spy(module, name) for module, names in checks.items() for name in names}
-
-    def est(run_id):
-        return make_estimator(
-            store=store,
-            epochs=1,
-            validation=0.25,
-            metrics={"mae": torch.nn.functional.l1_loss},
-            callbacks=[BestModel("validation.mae")],
-            run_id=run_id,
+    def counted(fit, run_id: str) -> tuple[dict[str, int], list]:
+        calls = {name: spy(module, name) for module, names in checks.items() for name in names}
+        probes = spy(loss_probe, "check_loss")
+        fit(
+            make_estimator(
+                store=store,
+                epochs=1,
+                validation=0.25,
+                metrics={"mae": torch.nn.functional.l1_loss},
+                callbacks=[BestModel("validation.mae")],
+                run_id=run_id,
+            )
         )
+        return {name: len(results) for name, results in calls.items()}, probes
 
-    calls = spied()
-    est("checked-once").fit(regression_df)  # x is an array: probed once the data is known
-    assert calls.pop("check_loss") == [False, True]
-    assert {name: len(c) for name, c in calls.items()} == {
-        "check_columns": 1,
-        "check_column_names": 1,  # by check_columns
-        "check_num_proc": 1,
-        "check_loop": 1,
-        "check_metrics": 1,
-        "check_callbacks": 1,
-        "check_resume": 1,
-        "check_resume_data": 1,
-    }
-    path = est(None).materialize(regression_df)
-    calls = spied()
-    est("checked-once-on-parquet").fit_on_parquet(path)
-    assert calls.pop("check_loss") == [True]  # the columns are known from the Parquet
-    assert {name: len(c) for name, c in calls.items()} == {
-        "check_columns": 0,
-        "check_column_names": 1,
-        "check_num_proc": 1,
-        "check_loop": 1,
-        "check_metrics": 1,
-        "check_callbacks": 1,
-        "check_resume": 1,
-        "check_resume_data": 1,
-    }
+    calls, probes = counted(lambda est: est.fit(regression_df), "checked-once")
+    assert calls == once  # check_column_names by check_columns
+    assert probes == [False, True]  # x is an array: probed once its length is known
+    path = make_estimator(store=store, validation=0.25).materialize(regression_df)
+    calls, probes = counted(lambda est: est.fit_on_parquet(path), "checked-once-on-parquet")
+    assert calls == {**once, "check_columns": 0}  # the Parquet's columns, by parquet_dataset
+    assert probes == [True]  # the lengths are known from the dataset
 
 
 def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, store):
