@@ -4,8 +4,9 @@
 selected columns to Parquet in the store (reused when already there) -> run one barrier
 job of ``num_proc`` training tasks -> build a TorchModel from rank 0's result in the store.
 The seconds of each step go into the model's training summary (``fit_seconds``).
-Subclasses say what their executors train with: the objects pickled for them
-(``_check_training``), the callbacks they accept, and the executor loop (``_TRAINER``).
+Each subclass answers one hook, ``_training``, called once per fit: what its executors
+train with (the pickled objects, the loop, the run manifest's fields, the callback check,
+the loss probe); and names its executor loop (``_TRAINER``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import functools
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import NamedTuple
@@ -38,11 +39,17 @@ from .worker.task import training_task
 
 
 class Training(NamedTuple):
-    """What a subclass's ``_check_training`` hands back: the executors' objects."""
+    """What a subclass's ``_training`` answers: what the executors train with, and the
+    checks that wait for the data."""
 
     bundle: bytes  # the one cloudpickle the executors rebuild the objects from
     loop: LoopSpec | None  # our loop's parameters; None for Lightning (its Trainer's own)
     manifest: dict  # what checkpoints depend on besides the data (driver/run_manifest.py)
+    # checks the callbacks, given whether the fit has validation data
+    check_callbacks: Callable[[bool], None]
+    # (features, labels, sample_weight, *, row_lengths, transformation_fn) -> False when the
+    # columns' shapes are not known yet (driver/loss_probe.py); None: no loss to probe
+    probe_loss: Callable[..., bool] | None = None
 
 
 class _Checked(NamedTuple):
@@ -56,6 +63,26 @@ class _Checked(NamedTuple):
     store: Store
     loader: LoaderSpec
     probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
+
+
+_positive = validate.check_positive
+_optional_positive = functools.partial(validate.check_positive, optional=True)
+# the params checked on their value alone, in this order: param -> check(param, value)
+_PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
+    "dtype": functools.partial(validate.check_choice, choices=FLOAT_DTYPES),
+    "batch_size": _positive,
+    "epochs": _positive,
+    "partitions_per_process": _positive,
+    "reader_num_workers": _positive,
+    "row_group_size_mb": _positive,
+    "collective_timeout": _positive,
+    "shuffle_buffer_size": _optional_positive,
+    "train_steps_per_epoch": _optional_positive,
+    "validation_steps_per_epoch": _optional_positive,
+    "keep_checkpoints": _optional_positive,
+    "compression": functools.partial(validate.check_choice, choices=COMPRESSIONS),
+    "reader": validate.check_reader,
+}
 
 
 class _Clock:
@@ -100,29 +127,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         return self._set(**params)
 
     # -- what subclasses define ------------------------------------------------------------
-    def _check_training(self, num_proc: int, dataset: DataFrame | None) -> Training:
-        """Check the training objects and params; return what the executors get."""
+    def _training(self, num_proc: int) -> Training:
+        """Check the training objects and params; return what the executors train with."""
         raise NotImplementedError
-
-    def _check_callbacks(self, has_validation: bool) -> None:
-        """Check the callbacks, once it is known whether there is validation data."""
-        raise NotImplementedError
-
-    def _sample_weight_col(self) -> str | None:
-        return None
-
-    def _probe_loss(
-        self,
-        training: Training,
-        features: list[ColumnSpec],
-        labels: list[ColumnSpec],
-        sample_weight: ColumnSpec | None,
-        row_lengths: dict[str, int],
-        transformation_fn: bytes | None,
-    ) -> bool:
-        """Try the loss on a probe batch of these columns; False when their shapes are not
-        known yet. Estimators without a loss of their own have nothing to probe."""
-        return True
 
     # -- fit -----------------------------------------------------------------------------
     def _fit(self, dataset: DataFrame) -> TorchModel:
@@ -167,7 +174,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 self._sample_weight_col(),
                 self.getInputShapes(),
             )
-        self._check_callbacks(has_validation=data.rows("validation") > 0)
+        checked.training.check_callbacks(data.rows("validation") > 0)
         return self._train(spark, data, checked, clock)
 
     def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
@@ -191,18 +198,21 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
     def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
         store, training = checked.store, checked.training
         if not checked.probed:
-            self._probe_loss(
-                training,
+            training.probe_loss(
                 data.features,
                 data.labels,
                 data.sample_weight,
-                data.row_lengths,
-                checked.loader.transformation_fn,
+                row_lengths=data.row_lengths,
+                transformation_fn=checked.loader.transformation_fn,
             )
-        run_id = self.getRunId() or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-        manifest = {**training.manifest, **run_manifest.data_fields(data)}
-        run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
-        run_manifest.write_manifest(store, run_id, manifest)
+        run_id = self.getRunId()
+        if run_id is not None:  # the rest was checked before the data (_check_run_id)
+            run_manifest.check_resume_data(store, run_id, data)
+        else:
+            run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        run_manifest.write_manifest(
+            store, run_id, {**training.manifest, **run_manifest.data_fields(data)}
+        )
         spec = TrainSpec(
             bundle=training.bundle,
             data=data,
@@ -284,20 +294,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             raise TrainingError(run_id, record, monitor.tail(record["rank"]))
         return [RankSummary(**s) for s in summaries]
 
-    def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
-        """Check every input on the driver; return what fit needs. No Spark job runs here.
-
-        Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet.
-        """
-        for name in self._REQUIRED:
-            if not self.isDefined(name) or self.getOrDefault(name) is None:
-                raise ValueError(f"{name}: is required")
-        store = self.getStore()
-        if not isinstance(store, Store):
-            # the type only: the value may be a dict of credentials
-            raise TypeError(f"store: expected a spark_estimator.Store, got {type(store).__name__}")
+    def _check_columns(
+        self, dataset: DataFrame | None
+    ) -> tuple[list[ColumnSpec] | None, list[ColumnSpec] | None, ColumnSpec | None]:
+        """The feature, label and sample weight columns' specs, checked against the
+        DataFrame's schema; without one (fit_on_parquet) only their names (specs None)."""
         feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
-        validate.check_choice("dtype", self.getDtype(), FLOAT_DTYPES)
         features = labels = schema = None
         if dataset is not None:
             schema = dataset.schema
@@ -319,24 +321,24 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 self.getRawPredictionCol(),
                 label_cols,
             )
-        for name in (
-            "batch_size",
-            "epochs",
-            "partitions_per_process",
-            "reader_num_workers",
-            "row_group_size_mb",
-            "collective_timeout",
-        ):
-            validate.check_positive(name, self.getOrDefault(name))
-        for name in (
-            "shuffle_buffer_size",
-            "train_steps_per_epoch",
-            "validation_steps_per_epoch",
-            "keep_checkpoints",
-        ):
-            validate.check_positive(name, self.getOrDefault(name), optional=True)
-        validate.check_choice("compression", self.getCompression(), COMPRESSIONS)
-        validate.check_reader(self.getReader())
+        return features, labels, sample_weight
+
+    def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
+        """Check every input on the driver; return what fit needs. No Spark job runs here.
+
+        Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet,
+        and the callbacks once it is known whether it has validation rows.
+        """
+        for name in self._REQUIRED:
+            if not self.isDefined(name) or self.getOrDefault(name) is None:
+                raise ValueError(f"{name}: is required")
+        store = self.getStore()
+        if not isinstance(store, Store):
+            # the type only: the value may be a dict of credentials
+            raise TypeError(f"store: expected a spark_estimator.Store, got {type(store).__name__}")
+        for name, check in _PARAM_CHECKS.items():
+            check(name, self.getOrDefault(name))
+        features, labels, sample_weight = self._check_columns(dataset)
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         validate.check_no_dynamic_allocation(spark)
         if self.getMlflowLogging():
@@ -344,15 +346,10 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         slots = available_slots(spark, self.getNumProc())
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         validate.check_num_proc(num_proc, slots)
-        training = self._check_training(num_proc, dataset)
+        training = self._training(num_proc)
         if dataset is not None:
-            self._check_callbacks(has_validation=self.getValidation() is not None)
-        if (run_id := self.getRunId()) is not None:
-            if store.exists(store.run(run_id).result):
-                raise ValueError(
-                    f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
-                )
-            run_manifest.check_resume(store, run_id, training.manifest, self.getEpochs())
+            training.check_callbacks(self.getValidation() is not None)
+        self._check_run_id(store, training.manifest)
         loader = LoaderSpec(
             reader=self.getReader(),
             shuffle=self.getShuffle(),
@@ -363,10 +360,29 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
         )
-        probed = features is not None and self._probe_loss(
-            training, features, labels, sample_weight, {}, transformation_fn
+        probed = training.probe_loss is None or (
+            features is not None
+            and training.probe_loss(
+                features, labels, sample_weight, row_lengths={}, transformation_fn=transformation_fn
+            )
         )
         return _Checked(features, labels, sample_weight, training, num_proc, store, loader, probed)
+
+    def _check_run_id(self, store: Store, manifest: dict) -> None:
+        """A given ``run_id`` is not finished, and its checkpoints (if any) can be resumed
+        with this fit's training manifest; the data is checked once known (``_train``)."""
+        if (run_id := self.getRunId()) is None:
+            return
+        if store.exists(store.run(run_id).result):
+            raise ValueError(
+                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
+            )
+        run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
+
+    def _sample_weight_col(self) -> str | None:
+        """The sample weight column, for estimators with that param (TorchEstimator)."""
+        has = self.hasParam("sample_weight_col")
+        return self.getOrDefault("sample_weight_col") if has else None
 
     def _run_fields(self, num_proc: int) -> dict:
         """The params every run's checkpoints depend on (see driver/run_manifest.py)."""

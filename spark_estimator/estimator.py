@@ -7,13 +7,14 @@ The fit itself (validate, materialize, launch, build the TorchModel) is in
 
 from __future__ import annotations
 
+import functools
+
 from pyspark import keyword_only
-from pyspark.sql import DataFrame
 
 from .base_estimator import StoreEstimator, Training
 from .driver import loss_probe, run_manifest, validate_training
 from .params import EstimatorParams
-from .spec import ColumnSpec, LoopSpec, metric_keys
+from .spec import COLLECTIVE_TIMEOUT_S, SPLITS, LoopSpec, metric_keys
 
 # the params whose objects the executors rebuild from one pickle (worker/objects.py)
 _BUNDLED = (
@@ -95,7 +96,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         train_minibatch_fn=None,
         loss_constructors=None,
         keep_checkpoints=None,
-        collective_timeout=600.0,
+        collective_timeout=COLLECTIVE_TIMEOUT_S,
         verbose=True,
         mlflow_logging=False,
     ):
@@ -103,38 +104,33 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         self._set(**self._input_kwargs)
 
     # -- what the executors train with ------------------------------------------------
-    def _check_training(self, num_proc: int, dataset: DataFrame | None) -> Training:
+    def _training(self, num_proc: int) -> Training:
         loop = self._loop_spec()
         objects = {name: self.getOrDefault(name) for name in _BUNDLED}
         objects["optimizer"] = validate_training.with_learning_rate(
             objects["optimizer"], self.getLearningRate()
         )
-        bundle = validate_training.training_bundle(
+        bundle, metrics = validate_training.training_bundle(
             objects, self.getLabelCols(), loop.lr_scheduler_interval
         )
-        return Training(bundle, loop, self._manifest(num_proc, objects["optimizer"]))
+        names = ["loss", *metric_keys(list(metrics or {}), self.getLabelCols())]
 
-    def _sample_weight_col(self) -> str | None:
-        return self.getSampleWeightCol()
+        def check_callbacks(has_validation: bool) -> None:
+            splits = SPLITS if has_validation else ("train",)
+            monitorable = {f"{split}.{name}" for split in splits for name in names}
+            validate_training.check_callbacks(self.getCallbacks(), monitorable)
 
-    def _probe_loss(
-        self,
-        training: Training,
-        features: list[ColumnSpec],
-        labels: list[ColumnSpec],
-        sample_weight: ColumnSpec | None,
-        row_lengths: dict[str, int],
-        transformation_fn: bytes | None,
-    ) -> bool:
-        return loss_probe.check_loss(
-            training.bundle,
-            features,
-            labels,
-            sample_weight,
-            row_lengths=row_lengths,
-            input_shapes=self.getInputShapes(),
-            loss_weights=training.loop.loss_weights,
-            transformation_fn=transformation_fn,
+        return Training(
+            bundle=bundle,
+            loop=loop,
+            manifest=self._manifest(num_proc, objects["optimizer"]),
+            check_callbacks=check_callbacks,
+            probe_loss=functools.partial(
+                loss_probe.check_loss,
+                bundle,
+                input_shapes=self.getInputShapes(),
+                loss_weights=loop.loss_weights,
+            ),
         )
 
     def _manifest(self, num_proc: int, optimizer) -> dict:
@@ -164,10 +160,3 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         )
         validate_training.check_loop(loop, self.getLabelCols(), self.getTrainMinibatchFn())
         return loop
-
-    def _check_callbacks(self, has_validation: bool) -> None:
-        metrics = validate_training.check_metrics(self.getMetrics()) or {}
-        names = ["loss", *metric_keys(list(metrics), self.getLabelCols())]
-        splits = ("train", "validation") if has_validation else ("train",)
-        monitorable = {f"{split}.{name}" for split in splits for name in names}
-        validate_training.check_callbacks(self.getCallbacks(), monitorable)

@@ -9,12 +9,14 @@ Lightning is an optional extra: ``pip install 'spark-estimator[lightning]'``.
 
 from __future__ import annotations
 
+import functools
+
 from pyspark import keyword_only
-from pyspark.sql import DataFrame
 
 from .base_estimator import StoreEstimator, Training
 from .driver import run_manifest, validate_lightning
 from .params import LightningParams
+from .spec import COLLECTIVE_TIMEOUT_S
 
 
 class LightningEstimator(StoreEstimator, LightningParams):
@@ -73,27 +75,26 @@ class LightningEstimator(StoreEstimator, LightningParams):
         validation_steps_per_epoch=None,
         transformation_fn=None,
         keep_checkpoints=None,
-        collective_timeout=600.0,
+        collective_timeout=COLLECTIVE_TIMEOUT_S,
         verbose=True,
         mlflow_logging=False,
     ):
         super().__init__()
         self._set(**self._input_kwargs)
 
-    def _check_training(self, num_proc: int, dataset: DataFrame | None) -> Training:
-        model = self.getModel()
+    def _training(self, num_proc: int) -> Training:
+        model, callbacks = self.getModel(), self.getCallbacks()
         pl = validate_lightning.check_module(model)
-        validate_lightning.check_callbacks(pl, self.getCallbacks())
+        validate_lightning.check_callbacks(pl, callbacks)
         trainer_args = validate_lightning.check_trainer_args(pl, self.getTrainerArgs())
-        bundle = validate_lightning.lightning_bundle(model, self.getCallbacks(), trainer_args)
+        bundle = validate_lightning.lightning_bundle(model, callbacks, trainer_args)
         fields = {
             **self._run_fields(num_proc),
             "accumulate_grad_batches": trainer_args.get("accumulate_grad_batches", 1),
         }
-        manifest = run_manifest.run_manifest(model, None, fields)
-        return Training(bundle, None, manifest)
-
-    def _check_callbacks(self, has_validation: bool) -> None:
-        pl = validate_lightning.check_module(self.getModel())
-        validate_lightning.check_callbacks(pl, self.getCallbacks())
-        validate_lightning.check_monitors(self.getModel(), self.getCallbacks(), has_validation)
+        return Training(
+            bundle=bundle,
+            loop=None,
+            manifest=run_manifest.run_manifest(model, None, fields),
+            check_callbacks=functools.partial(validate_lightning.check_monitors, model, callbacks),
+        )

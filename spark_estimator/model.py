@@ -36,7 +36,8 @@ from .worker.predict import predict_batches
 
 
 class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
-    """A trained torch module as a Spark ML Transformer, made by ``TorchEstimator.fit``.
+    """A trained torch module as a Spark ML Transformer, made by the ``fit`` of
+    TorchEstimator and LightningEstimator.
 
     ``getHistory()`` has one dict per epoch, e.g. ``{"epoch": 1, "train": {"loss": 0.3},
     "validation": {"loss": 0.4}}``; ``getModel()`` is the trained module on CPU.

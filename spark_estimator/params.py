@@ -22,6 +22,7 @@ from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
 
 from . import param_accessors as accessors
+from .spec import COLLECTIVE_TIMEOUT_S
 
 
 def _to_optional_int(value: Any) -> int | None:
@@ -263,7 +264,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "seconds a training process waits for the others, to form the process group and "
             "in each collective, before it gives up (a process that died or hangs)",
             TypeConverters.toFloat,
-            default=600.0,
+            default=COLLECTIVE_TIMEOUT_S,
         ),
         ParamSpec(
             "verbose",

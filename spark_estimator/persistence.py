@@ -130,10 +130,6 @@ class ObjectParamsWriter(_FsspecOptions, MLWriter):
                 fs.rm(staging, recursive=True)
             raise
 
-    def saveImpl(self, path: str) -> None:
-        """MLWriter's hook: the stage written straight to ``path`` (``save`` stages it)."""
-        self._write_stage(*self._fs(path))
-
     def _write_stage(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
         weights = self.instance._weights() if hasattr(self.instance, "_weights") else None
         objects, weights_file = dumps_for_saving(
@@ -205,7 +201,7 @@ class ObjectParamsReader(_FsspecOptions, MLReader):
             raise TypeError(f"path: '{path}' holds a {metadata['class']}, not a {expected}")
         weights_path = posixpath.join(fs_path, WEIGHTS_FILE)
         weights = None
-        if fs.exists(weights_path):  # stages saved before weights.pt hold their tensors inline
+        if fs.exists(weights_path):  # written where a module had tensors (a TorchModel)
             weights = fs.cat_file(weights_path)
         objects = loads_saved(fs.cat_file(posixpath.join(fs_path, OBJECTS_FILE)), weights)
         instance = self.cls()  # loads_saved unpickled code: it trusts the saved stage

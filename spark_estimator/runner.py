@@ -24,6 +24,7 @@ from .driver.monitor import print_lines_by_default, show_line
 from .driver.validate import check_num_proc, check_positive
 from .failures import TrainingError, carried_failure
 from .serialization import dumps
+from .spec import COLLECTIVE_TIMEOUT_S
 from .worker.run_task import run_task
 
 
@@ -51,7 +52,7 @@ def run(
     use_gpu: bool = True,
     spark: SparkSession | None = None,
     rank0_only: bool = False,
-    collective_timeout: float = 600.0,
+    collective_timeout: float = COLLECTIVE_TIMEOUT_S,
 ) -> list | Any:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, one rank each.
 

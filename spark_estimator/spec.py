@@ -11,6 +11,7 @@ from .store import Store
 
 DATASET_FORMAT_VERSION = 3  # 3: files under a write folder, row lengths, data checks
 SPLITS = ("train", "validation")
+COLLECTIVE_TIMEOUT_S = 600.0  # the default of collective_timeout
 FLOAT_DTYPES = ("float32", "float64")
 READERS = ("arrow", "petastorm")
 LR_SCALINGS = ("none", "linear")
@@ -97,16 +98,16 @@ class DatasetInfo:
             labels=[ColumnSpec(**c) for c in meta["labels"]],
             files={s: [(f, list(g)) for f, g in files] for s, files in meta["files"].items()},
             reused=reused,
-            source=meta.get("source", {}),
-            sample_weight=ColumnSpec(**weight) if (weight := meta.get("sample_weight")) else None,
-            row_lengths=dict(meta.get("row_lengths") or {}),
-            write_id=meta.get("write_id"),
+            source=meta["source"],
+            sample_weight=ColumnSpec(**weight) if (weight := meta["sample_weight"]) else None,
+            row_lengths=dict(meta["row_lengths"]),
+            write_id=meta["write_id"],
         )
 
 
 @dataclass(frozen=True)
 class LoaderSpec:
-    """How each rank reads its shard (the loader parameters of TorchEstimator)."""
+    """How each rank reads its shard (the estimators' loader parameters)."""
 
     reader: str = "arrow"  # "arrow" | "petastorm"
     shuffle: bool = True
@@ -120,7 +121,8 @@ class LoaderSpec:
 
 @dataclass(frozen=True)
 class LoopSpec:
-    """How the training loop steps (the loop parameters of TorchEstimator)."""
+    """How the training loop steps: TorchEstimator's loop parameters (a LightningEstimator
+    sets only ``keep_checkpoints``; its Trainer steps)."""
 
     lr_scaling: str = "none"  # "none" | "linear" (learning rates x world size)
     backward_passes_per_step: int = 1
@@ -157,6 +159,6 @@ class TrainSpec:
     loader: LoaderSpec = field(default_factory=LoaderSpec)
     loop: LoopSpec | None = None  # our loop's (worker/train.py); None for Lightning's Trainer
     keep_checkpoints: int | None = None  # the last k epochs' checkpoints; None keeps all
-    collective_timeout: float = 600.0  # seconds any rank waits for the others
+    collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds any rank waits for the others
     launch_id: str = ""  # this fit call's id: names its failure record (failures.py)
     trainer: str = "torch"  # the loop: "torch" (worker/train.py) or "lightning"

@@ -96,6 +96,24 @@ def store(tmp_path) -> Store:
     return Store.create(str(tmp_path / "store"))
 
 
+@pytest.fixture
+def spy(monkeypatch):
+    """``spy(module, name)`` wraps the driver function ``module.name`` so that it still runs,
+    and returns the list its calls append their results to."""
+
+    def install(module, name: str) -> list:
+        results, real = [], getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            results.append(real(*args, **kwargs))
+            return results[-1]
+
+        monkeypatch.setattr(module, name, wrapper)
+        return results
+
+    return install
+
+
 def digits_rows(limit: int | None = None):
     from sklearn.datasets import load_digits
 

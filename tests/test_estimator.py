@@ -13,6 +13,7 @@ from pyspark.sql import functions as F
 import spark_estimator.base_estimator as estimator_module
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
+from spark_estimator.driver import loss_probe, run_manifest, validate, validate_training
 from spark_estimator.serialization import state_from_bytes
 from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
@@ -118,6 +119,38 @@ def test_refit_reuses_the_materialized_data(digits_fit):
         assert sum(seconds[s] for s in steps) == pytest.approx(seconds["total"], abs=0.01)
         assert seconds["training"] == max(r["seconds"] for r in ranks(store, fitted))
     assert second["fit_seconds"]["dataset"] < first["fit_seconds"]["dataset"]
+
+
+def test_a_fit_runs_each_driver_check_once(regression_df, store, spy):
+    checks = {
+        validate: ["check_columns", "check_column_names", "check_num_proc"],
+        validate_training: ["check_loop", "check_metrics", "check_callbacks"],
+        run_manifest: ["check_resume", "check_resume_data"],
+    }
+    once = {name: 1 for names in checks.values() for name in names}
+
+    def counted(fit, run_id: str) -> tuple[dict[str, int], list]:
+        calls = {name: spy(module, name) for module, names in checks.items() for name in names}
+        probes = spy(loss_probe, "check_loss")
+        fit(
+            make_estimator(
+                store=store,
+                epochs=1,
+                validation=0.25,
+                metrics={"mae": torch.nn.functional.l1_loss},
+                callbacks=[BestModel("validation.mae")],
+                run_id=run_id,
+            )
+        )
+        return {name: len(results) for name, results in calls.items()}, probes
+
+    calls, probes = counted(lambda est: est.fit(regression_df), "checked-once")
+    assert calls == once  # check_column_names by check_columns
+    assert probes == [False, True]  # x is an array: probed once its length is known
+    path = make_estimator(store=store, validation=0.25).materialize(regression_df)
+    calls, probes = counted(lambda est: est.fit_on_parquet(path), "checked-once-on-parquet")
+    assert calls == {**once, "check_columns": 0}  # the Parquet's columns, by parquet_dataset
+    assert probes == [True]  # the lengths are known from the dataset
 
 
 def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, store):

@@ -9,6 +9,7 @@ import torch
 from pyspark.sql import functions as F
 
 from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel, TrainingError
+from spark_estimator.driver import run_manifest, validate_lightning
 from spark_estimator.serialization import state_from_bytes
 from spark_estimator.summary import RankSummary
 from spark_estimator.worker import lightning_hooks
@@ -241,6 +242,22 @@ def test_a_failed_fit_resumes_from_its_last_checkpoint_as_if_it_had_not_failed(d
     expected = straight.getModel().state_dict()
     for name, value in resumed.getModel().state_dict().items():
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
+def test_a_fit_runs_each_driver_check_once(digits, spy):
+    store, train, _ = digits
+    names = ["check_module", "check_callbacks", "check_trainer_args", "check_monitors"]
+    calls = {name: spy(validate_lightning, name) for name in names}
+    calls.update({name: spy(run_manifest, name) for name in ("check_resume", "check_resume_data")})
+    lightning_estimator(
+        store,
+        epochs=1,
+        train_steps_per_epoch=2,
+        validation_steps_per_epoch=1,
+        callbacks=[EarlyStopping(monitor="val_loss")],
+        run_id="lightning-checked-once",
+    ).fit(train)
+    assert {name: len(c) for name, c in calls.items()} == dict.fromkeys(calls, 1)
 
 
 def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, monkeypatch):

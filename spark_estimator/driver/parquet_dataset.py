@@ -1,4 +1,4 @@
-"""Driver: describe Parquet already in the store, for ``TorchEstimator.fit_on_parquet``.
+"""Driver: describe Parquet already in the store, for the estimators' ``fit_on_parquet``.
 
 Either a dataset folder written by ``materialize`` (``train/``, ``validation/`` and
 ``_meta.json``), or any folder (or file) of Parquet for training plus an optional one for

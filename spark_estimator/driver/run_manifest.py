@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import DatasetInfo
+from ..spec import SPLITS, DatasetInfo
 from ..store import Store
 
 
@@ -40,7 +40,7 @@ def data_fields(data: DatasetInfo) -> dict:
     return {
         "data": {
             "dataset": data.source.get("key", data.path),
-            "rows": {split: data.rows(split) for split in ("train", "validation")},
+            "rows": {split: data.rows(split) for split in SPLITS},
         }
     }
 
@@ -61,25 +61,38 @@ def _normal(value):
 
 def check_resume(store: Store, run_id: str, manifest: dict, epochs: int) -> int:
     """The newest checkpointed epoch of ``run_id`` that this fit will resume from (0 when
-    none); a ValueError naming ``run_id`` when the fit cannot resume that run."""
+    none); a ValueError naming ``run_id`` when the fit cannot resume that run. A fit checks
+    its ``manifest`` without the data here, before any Spark job, and the data once it is
+    known (``check_resume_data``)."""
     done = store.checkpoint_epochs(run_id)
     if not done:
         return 0
-    path = store.run(run_id).manifest
-    saved = store.read_json(path) if store.exists(path) else {}
-    changed = _differences(saved, manifest)
-    if changed:
-        raise ValueError(
-            f"run_id: run '{run_id}' has checkpoints up to epoch {done[-1]} made with another "
-            f"{', '.join(changed)} (see {path}); a fit resumes a run only with the same "
-            "model, optimizer, data and process layout. Choose a new run_id."
-        )
+    _check_unchanged(store, run_id, manifest, done[-1])
     if done[-1] > epochs:
         raise ValueError(
             f"run_id: run '{run_id}' already has checkpoints up to epoch {done[-1]}, past "
             f"epochs={epochs}; raise epochs to continue it, or choose a new run_id"
         )
     return done[-1]
+
+
+def check_resume_data(store: Store, run_id: str, data: DatasetInfo) -> None:
+    """A ValueError naming ``run_id`` when the run has checkpoints made with other data."""
+    done = store.checkpoint_epochs(run_id)
+    if done:
+        _check_unchanged(store, run_id, data_fields(data), done[-1])
+
+
+def _check_unchanged(store: Store, run_id: str, manifest: dict, last_epoch: int) -> None:
+    path = store.run(run_id).manifest
+    saved = store.read_json(path) if store.exists(path) else {}
+    changed = _differences(saved, manifest)
+    if changed:
+        raise ValueError(
+            f"run_id: run '{run_id}' has checkpoints up to epoch {last_epoch} made with another "
+            f"{', '.join(changed)} (see {path}); a fit resumes a run only with the same "
+            "model, optimizer, data and process layout. Choose a new run_id."
+        )
 
 
 def write_manifest(store: Store, run_id: str, manifest: dict) -> None:

@@ -146,9 +146,9 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
 
 
-def check_reader(reader: str) -> None:
+def check_reader(name: str, reader: str) -> None:
     """The reader exists and, for petastorm, imports here (the executors share the stack)."""
-    check_choice("reader", reader, READERS)
+    check_choice(name, reader, READERS)
     if reader == "petastorm":
         require_petastorm()
 

@@ -159,8 +159,11 @@ def with_learning_rate(optimizer, learning_rate: float | None):
     return effective
 
 
-def training_bundle(objects: dict, label_cols: list[str], lr_scheduler_interval: str) -> bytes:
-    """Check the user's objects and return their one cloudpickle for the executors.
+def training_bundle(
+    objects: dict, label_cols: list[str], lr_scheduler_interval: str
+) -> tuple[bytes, dict[str, Callable] | None]:
+    """Check the user's objects; return their one cloudpickle for the executors, and the
+    metrics as checked (``check_metrics``).
 
     ``objects`` has the estimator's values of model, optimizer, loss, loss_constructors,
     metrics, lr_scheduler, callbacks and train_minibatch_fn.
@@ -174,7 +177,7 @@ def training_bundle(objects: dict, label_cols: list[str], lr_scheduler_interval:
         if name != "optimizer":  # the one left unchecked: a failure of the last pickle
             dumps(value, name)
     _check_scheduler(objects["lr_scheduler"], objects["optimizer"], lr_scheduler_interval)
-    return dumps(objects, "optimizer")
+    return dumps(objects, "optimizer"), objects["metrics"]
 
 
 def _check_scheduler(make_scheduler, optimizer, interval: str) -> None:

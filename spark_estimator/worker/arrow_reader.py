@@ -23,7 +23,7 @@ from ..store import Store
 from .convert import column_to_numpy
 from .shards import Piece
 
-Chunk = dict[str, np.ndarray]
+Chunk = dict[str, np.ndarray]  # one piece's columns as read (maybe read-only Arrow memory)
 
 
 def table_to_chunk(table, columns: list[ColumnSpec]) -> Chunk:

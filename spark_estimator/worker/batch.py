@@ -6,13 +6,13 @@ import torch
 
 from ..spec import ColumnSpec, TrainSpec
 from .convert import reshape_input
-from .loader import chunk_rows
+from .loader import Tensors, chunk_rows
 
 
 class Batch:
     """The tensors of one batch, transformed, moved to the device and shaped for forward()."""
 
-    def __init__(self, chunk: dict, spec: TrainSpec, device: torch.device, transform=None):
+    def __init__(self, chunk: Tensors, spec: TrainSpec, device: torch.device, transform=None):
         self.size = chunk_rows(chunk)
         if transform is not None:
             chunk = apply_transformation(transform, chunk, spec.data.columns, self.size)

@@ -22,12 +22,11 @@ import numpy as np
 import torch
 
 from ..spec import TrainSpec
-from .arrow_reader import ArrowReader
+from .arrow_reader import ArrowReader, Chunk
 from .petastorm_reader import PetastormReader
 from .shards import Piece, shard_pieces
 
-Chunk = dict[str, np.ndarray]  # one piece's columns as read (maybe read-only Arrow memory)
-Batch = dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]  # a batch's columns as the loader hands them over
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
 
@@ -35,7 +34,7 @@ def pass_generator(seed: int, pass_index: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + pass_index * 7919 + rank)
 
 
-def chunk_rows(chunk: Chunk | Batch) -> int:
+def chunk_rows(chunk: Chunk | Tensors) -> int:
     return len(next(iter(chunk.values())))
 
 
@@ -54,7 +53,7 @@ def _as_tensor(array: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Te
     return array.to(dtype)
 
 
-def _gather(parts: list, perm: torch.Tensor | None, template: Batch, pin: bool) -> Batch:
+def _gather(parts: list, perm: torch.Tensor | None, template: Tensors, pin: bool) -> Tensors:
     """The rows of ``parts`` in one new tensor per column (``pool[i] = rows[perm[i]]``).
 
     One copy per row: straight into place (``index_copy_`` with the inverse permutation),
@@ -85,12 +84,12 @@ def _gather(parts: list, perm: torch.Tensor | None, template: Batch, pin: bool) 
 def buffered_batches(
     chunks: Iterable[Chunk],
     sizes: list[int],
-    template: Batch,
+    template: Tensors,
     *,
     buffer_rows: int | None,
     generator: torch.Generator | None,
     pin_memory: bool = False,
-) -> Iterator[Batch]:
+) -> Iterator[Tensors]:
     """Cut a stream of chunks into batches of ``sizes`` rows.
 
     Without a generator rows keep their order. With one, rows pass through a shuffle buffer
@@ -159,7 +158,7 @@ class ShardLoader:
         self,
         read_chunks: Callable[[list[Piece]], Iterator[Chunk]],
         pieces: list[Piece],
-        template: Batch,
+        template: Tensors,
         *,
         shuffle: bool,
         shuffle_pieces: bool,
@@ -175,7 +174,7 @@ class ShardLoader:
         self.cache: dict[Piece, Chunk] | None = {} if cache else None
         self.rows = sum(p.rows for p in pieces)
 
-    def batches(self, sizes: list[int], pass_index: int) -> Iterator[Batch]:
+    def batches(self, sizes: list[int], pass_index: int) -> Iterator[Tensors]:
         """One pass: batches of ``sizes`` rows (summing to the shard's rows)."""
         if sum(sizes) > self.rows:
             raise ValueError(f"loader: {sum(sizes)} rows asked of a shard of {self.rows}")
@@ -230,7 +229,7 @@ def open_loader(spec: TrainSpec, split: str, world_size: int, rank: int, pin: bo
     )
 
 
-def _template(spec: TrainSpec, files, needs_shapes: bool) -> Batch:
+def _template(spec: TrainSpec, files, needs_shapes: bool) -> Tensors:
     """Zero rows of every column in its dtype; with the real row shapes (one row read) for
     a rank without rows, whose empty batches still go through forward()."""
     columns = spec.data.columns

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-SPLITS = ("train", "validation")
+from ..spec import SPLITS
 
 
 class EpochSums:

@@ -27,9 +27,9 @@ import numpy as np
 
 from ..spec import ColumnSpec
 from ..store import Store
+from .arrow_reader import Chunk
 from .shards import Piece
 
-Chunk = dict[str, np.ndarray]
 PETASTORM_STACK = (
     "petastorm 0.13.1 with pyspark 3.5.9, pyarrow 14.0.2, numpy 1.26, pandas 2.2.3 and "
     "setuptools<70 (pip install 'spark-estimator[petastorm]' on that stack)"

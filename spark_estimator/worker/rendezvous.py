@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ..failures import is_retried
+from ..spec import COLLECTIVE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 600.0
 LATER_FAILURE_DELAY_S = 3.0
 _FAILURES_KEY = "failures"
 
@@ -140,7 +140,7 @@ class RendezvousError(RuntimeError):
 def process_group(
     ctx,
     use_gpu: bool,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
     on_failure: Callable[[int, BaseException], None] | None = None,
 ) -> Iterator[RankInfo]:
     """Join the barrier job's process group for the duration of the ``with`` block.

@@ -28,7 +28,7 @@ def bundle(net=None, loss=None, **objects):
         train_minibatch_fn=None,
     )
     values.update(objects)
-    return vt.training_bundle(values, ["y"], "epoch")
+    return vt.training_bundle(values, ["y"], "epoch")[0]
 
 
 def probe(bundle_, labels=Y, sample_weight=None, row_lengths=KNOWN, **kw):

@@ -142,9 +142,9 @@ def test_choices_and_the_reader():
     validate.check_choice("dtype", "float64", ("float32", "float64"))
     with pytest.raises(ValueError, match=r"compression: must be one of \['snappy'\], got 'lzo'"):
         validate.check_choice("compression", "lzo", ("snappy",))
-    validate.check_reader("arrow")
+    validate.check_reader("reader", "arrow")
     with pytest.raises(ValueError, match="reader: must be one of"):
-        validate.check_reader("parquet")
+        validate.check_reader("reader", "parquet")
 
 
 def test_transformation_fn_must_be_a_picklable_function():

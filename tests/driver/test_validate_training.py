@@ -24,7 +24,7 @@ def bundle(net=None, label_cols=Y, interval="epoch", **objects):
         train_minibatch_fn=None,
     )
     values.update(objects)
-    return vt.training_bundle(values, label_cols, interval)
+    return vt.training_bundle(values, label_cols, interval)[0]
 
 
 def test_the_bundle_keeps_the_optimizer_on_the_models_parameters():
