@@ -52,10 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
 
-from spark_estimator.spec import ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
+from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
 from spark_estimator.store import Store
-from spark_estimator.worker.loader import DEFAULT_BUFFER_BYTES, open_loader
-from spark_estimator.worker.shards import StepPlan
+from spark_estimator.worker.data.loader import DEFAULT_BUFFER_BYTES, open_loader
+from spark_estimator.worker.data.shards import StepPlan
 
 SEED = 20240601
 FEATURES = 32

@@ -32,9 +32,9 @@ _WHERE = {
     "LightningEstimator": ".lightning_estimator",
     "TorchModel": ".model",
     "Store": ".store",
-    "TrainingError": ".failures",
+    "TrainingError": ".shared.failures",
     "run": ".runner",
-    "distributed": ".worker.distributed",
+    "distributed": ".distributed",
 }
 
 
@@ -52,10 +52,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from . import distributed
     from .estimator import TorchEstimator
-    from .failures import TrainingError
     from .lightning_estimator import LightningEstimator
     from .model import TorchModel
     from .runner import run
+    from .shared.failures import TrainingError
     from .store import Store
-    from .worker import distributed

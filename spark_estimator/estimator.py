@@ -1,8 +1,8 @@
 """Driver: TorchEstimator, the Spark ML Estimator that trains a torch model on a DataFrame
-with our own DistributedDataParallel loop (``worker/train.py``).
+with our own DistributedDataParallel loop (``worker/loop/train.py``).
 
 The fit itself (validate, materialize, launch, build the TorchModel) is in
-``base_estimator.py``; this module checks what the loop trains with.
+``driver/fit.py``; this module checks what the loop trains with.
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import functools
 
 from pyspark import keyword_only
 
-from .base_estimator import StoreEstimator, Training
 from .driver import loss_probe, run_manifest, validate_training
-from .params import EstimatorParams
-from .spec import COLLECTIVE_TIMEOUT_S, SPLITS, LoopSpec, metric_keys
+from .driver.fit import StoreEstimator, Training
+from .driver.params import EstimatorParams
+from .shared.spec import COLLECTIVE_TIMEOUT_S, SPLITS, LoopSpec, metric_keys
 
-# the params whose objects the executors rebuild from one pickle (worker/objects.py)
+# the params whose objects the executors rebuild from one pickle (worker/loop/objects.py)
 _BUNDLED = (
     "model",
     "optimizer",

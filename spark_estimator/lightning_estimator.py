@@ -2,8 +2,8 @@
 
 The module's own ``training_step``, ``validation_step`` and ``configure_optimizers`` run in
 a Lightning Trainer on every barrier task, with DDP over the job's process group, fed by
-the same data path as TorchEstimator (``worker/lightning_train.py``). The fit itself
-(validate, materialize, launch, build the TorchModel) is in ``base_estimator.py``.
+the same data path as TorchEstimator (``worker/lightning/train.py``). The fit itself
+(validate, materialize, launch, build the TorchModel) is in ``driver/fit.py``.
 Lightning is an optional extra: ``pip install 'spark-estimator[lightning]'``.
 """
 
@@ -13,10 +13,10 @@ import functools
 
 from pyspark import keyword_only
 
-from .base_estimator import StoreEstimator, Training
 from .driver import run_manifest, validate_lightning
-from .params import LightningParams
-from .spec import COLLECTIVE_TIMEOUT_S
+from .driver.fit import StoreEstimator, Training
+from .driver.params import LightningParams
+from .shared.spec import COLLECTIVE_TIMEOUT_S
 
 
 class LightningEstimator(StoreEstimator, LightningParams):

@@ -28,10 +28,10 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
 from .driver import validate
-from .params import ModelParams
-from .persistence import ObjectParamsReadWrite
-from .serialization import dumps
-from .spec import FLOAT_DTYPES
+from .driver.params import ModelParams
+from .driver.persistence import ObjectParamsReadWrite
+from .shared.serialization import dumps
+from .shared.spec import FLOAT_DTYPES
 from .worker.predict import predict_batches
 
 

@@ -22,9 +22,9 @@ from pyspark.sql import SparkSession
 from .driver.launch import available_slots, run_barrier_job
 from .driver.monitor import print_lines_by_default, show_line
 from .driver.validate import check_num_proc, check_positive
-from .failures import TrainingError, carried_failure
-from .serialization import dumps
-from .spec import COLLECTIVE_TIMEOUT_S
+from .shared.failures import TrainingError, carried_failure
+from .shared.serialization import dumps
+from .shared.spec import COLLECTIVE_TIMEOUT_S
 from .worker.run_task import run_task
 
 

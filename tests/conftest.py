@@ -181,7 +181,7 @@ def write_id_dataset(root, file_rows: list[int], row_group_size: int, split: str
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from spark_estimator.spec import ColumnSpec, DatasetInfo
+    from spark_estimator.shared.spec import ColumnSpec, DatasetInfo
 
     folder = root / split
     folder.mkdir(parents=True, exist_ok=True)

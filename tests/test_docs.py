@@ -1,4 +1,4 @@
-"""Docs that follow the code: docs/parameters.md and spark_estimator/param_accessors.py are
+"""Docs that follow the code: docs/parameters.md and spark_estimator/driver/param_accessors.py are
 what docs/gen_parameters.py writes from the params of TorchEstimator, LightningEstimator and
 TorchModel, and relative links in the user docs resolve."""
 
@@ -27,15 +27,16 @@ def test_parameters_md_is_up_to_date_with_the_code():
 
 def test_param_accessors_module_is_up_to_date_with_the_specs():
     text = load_generator().render_accessors()
-    assert (ROOT / "spark_estimator/param_accessors.py").read_text() == text, (
-        "spark_estimator/param_accessors.py is out of date: run docs/gen_parameters.py"
+    assert (ROOT / "spark_estimator/driver/param_accessors.py").read_text() == text, (
+        "spark_estimator/driver/param_accessors.py is out of date: run docs/gen_parameters.py"
     )
 
 
 def test_every_param_has_its_accessors_written_out():
-    from spark_estimator import LightningEstimator, TorchEstimator, TorchModel, param_accessors
+    from spark_estimator import LightningEstimator, TorchEstimator, TorchModel
+    from spark_estimator.driver import param_accessors
 
-    source = (ROOT / "spark_estimator/param_accessors.py").read_text()
+    source = (ROOT / "spark_estimator/driver/param_accessors.py").read_text()
     camel = load_generator()._camel
     for stage in (TorchEstimator(), LightningEstimator(), TorchModel()):
         for param in stage.params:

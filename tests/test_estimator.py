@@ -10,12 +10,12 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-import spark_estimator.base_estimator as estimator_module
+import spark_estimator.driver.fit as estimator_module
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
 from spark_estimator.driver import loss_probe, run_manifest, validate, validate_training
-from spark_estimator.serialization import state_from_bytes
-from spark_estimator.worker.petastorm_reader import require_petastorm
+from spark_estimator.shared.packages import require_petastorm
+from spark_estimator.shared.serialization import state_from_bytes
 from tests.conftest import LOCAL, cnn, digits_rows, linear_net, make_estimator, spark_session
 
 

@@ -16,8 +16,8 @@ from pyspark.sql import functions as F
 
 from spark_estimator import TorchModel
 from spark_estimator.callbacks import Callback
+from spark_estimator.shared.packages import require_petastorm
 from spark_estimator.store import DatasetFolder
-from spark_estimator.worker.petastorm_reader import require_petastorm
 from tests.conftest import linear_net, make_estimator, regression_rows
 
 

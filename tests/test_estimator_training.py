@@ -12,7 +12,7 @@ from pyspark.sql import functions as F
 
 from spark_estimator import Store
 from spark_estimator.callbacks import BestModel, Callback, EarlyStopping
-from spark_estimator.serialization import state_from_bytes
+from spark_estimator.shared.serialization import state_from_bytes
 from tests.conftest import LOCAL, linear_net, make_estimator, regression_rows, spark_session
 
 ROWS = 128  # 64 per process: batches of 8 and 16 cut each shard at the same rows

@@ -80,7 +80,7 @@ def test_mixed_precision_and_compression_on_nccl(tmp_path):
     result = run_on_gpu_spark(
         tmp_path,
         """
-        from spark_estimator.serialization import state_from_bytes
+        from spark_estimator.shared.serialization import state_from_bytes
         net = torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
         est = TorchEstimator(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.01),
                              loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],

@@ -10,9 +10,9 @@ from pyspark.sql import functions as F
 
 from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel, TrainingError
 from spark_estimator.driver import run_manifest, validate_lightning
-from spark_estimator.serialization import state_from_bytes
-from spark_estimator.summary import RankSummary
-from spark_estimator.worker import lightning_hooks
+from spark_estimator.shared import packages
+from spark_estimator.shared.serialization import state_from_bytes
+from spark_estimator.shared.summary import RankSummary
 from tests.conftest import LOCAL, cnn, digits_rows, spark_session
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -274,7 +274,7 @@ def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, mon
     for params, error, message in cases:
         with pytest.raises(error, match=message):
             lightning_estimator(store, **params).fit(train)
-    monkeypatch.setattr(lightning_hooks, "PACKAGES", ("no_such_lightning",))
+    monkeypatch.setattr(packages, "PACKAGES", ("no_such_lightning",))
     with pytest.raises(ImportError, match=r"spark-estimator\[lightning\]"):
         lightning_estimator(store).fit(train)
     assert sorted(p for p in store.fs.find(store.root)) == before

@@ -224,7 +224,7 @@ def test_a_model_saved_with_its_weights_inside_the_pickle_still_loads(spark, tmp
     """Models saved before weights.pt had the tensors in objects.pkl."""
     import cloudpickle
 
-    from spark_estimator.persistence import OBJECTS_FILE, WEIGHTS_FILE
+    from spark_estimator.driver.persistence import OBJECTS_FILE, WEIGHTS_FILE
 
     path = tmp_path / "model"
     TorchModel(model=fixed_net(), feature_cols=["x"]).save(str(path))

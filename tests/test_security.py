@@ -18,8 +18,8 @@ import torch
 
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import Callback
-from spark_estimator.persistence import OBJECTS_FILE, WEIGHTS_FILE
-from spark_estimator.serialization import state_from_bytes, state_to_bytes
+from spark_estimator.driver.persistence import OBJECTS_FILE, WEIGHTS_FILE
+from spark_estimator.shared.serialization import state_from_bytes, state_to_bytes
 from tests.conftest import linear_net, make_estimator
 
 

@@ -29,7 +29,7 @@ from dataclasses import asdict
 
 from pyspark.sql import DataFrame
 
-from ..spec import DATASET_FORMAT_VERSION, ColumnSpec
+from ..shared.spec import DATASET_FORMAT_VERSION, ColumnSpec
 from .launch import is_connect
 
 _CONTENT_LEAVES = {"LocalRelation", "Range", "OneRowRelation"}

@@ -1,7 +1,7 @@
 """Driver: the checks of a dataset's values, counted by the materialization's own write.
 
 ``counted_columns`` tells the executors' writer what to count in the batches it writes
-(``worker/column_stats.py``), so the data is not read twice: per column its null rows;
+(``shared/column_stats.py``), so the data is not read twice: per column its null rows;
 per array column its null elements and min/max length; per feature and float label its
 NaN and infinite values. ``check_observed`` turns the merged counts into the error naming
 the column, and ``check_row_lengths`` checks ``input_shapes`` against the row lengths (also
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from ..spec import ColumnSpec, DatasetInfo, column_param
-from ..worker.column_stats import CheckedColumn
+from ..shared.column_stats import CheckedColumn
+from ..shared.spec import ColumnSpec, DatasetInfo, column_param
 
 
 def checked_columns(

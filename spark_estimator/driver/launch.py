@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 from pyspark.sql import SparkSession
 
+from ..worker.job import barrier_job
+
 _LOCAL = re.compile(r"local\[(\*|\d+)(?:,\s*\d+)?\]")
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]")
 SLOT_WAIT_S = 30.0  # how long to wait for executors to register before counting slots
@@ -161,18 +163,9 @@ def run_barrier_job(
 ) -> list[dict]:
     """Run ``task`` on ``num_proc`` barrier tasks at once; return their summaries by rank.
     With ``retry``, Spark relaunches all tasks when one fails (see above)."""
-
-    def job(batches):  # runs on the executors
-        import pandas as pd
-
-        for _ in batches:  # the single input row carries nothing
-            pass
-        summary = task()
-        yield pd.DataFrame({"summary": [json.dumps(summary)]})
-
     with labelled_jobs(spark, description):
         summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
-            job, "summary string", barrier=True
+            barrier_job(task), "summary string", barrier=True
         )
         rows = (summaries.repartition(1) if retry else summaries).collect()
     return sorted((json.loads(r.summary) for r in rows), key=lambda s: s["rank"])

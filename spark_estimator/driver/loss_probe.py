@@ -24,12 +24,10 @@ import math
 
 import torch
 
-from ..serialization import loads
-from ..spec import ColumnSpec
-from ..worker.batch import apply_transformation
-from ..worker.convert import reshape_input
-from ..worker.loss import BatchLoss, LossFailed, as_outputs
-from ..worker.objects import build_losses
+from ..shared.serialization import loads
+from ..shared.spec import ColumnSpec
+from ..worker.loop.loss import LossFailed
+from ..worker.loop.probe import probe_loss
 
 _log = logging.getLogger(__name__)
 ROWS = 2  # more than one, for models that need it (batch norm is in eval mode anyway)
@@ -87,31 +85,17 @@ def check_loss(
         return False
     if sample_weight is not None:
         chunk[sample_weight.name] += 1
-    objects = loads(bundle)  # copies: the user's model and loss stay as they are
-    if objects.get("train_minibatch_fn") is not None:
-        return True
     try:
-        if transformation_fn is not None:
-            columns = features + labels + weights
-            chunk = apply_transformation(loads(transformation_fn), chunk, columns, ROWS)
-        inputs = [reshape_input(c.name, chunk[c.name], s) for c, s in zip(features, feature_shapes)]
-        losses = build_losses(objects["loss"], objects.get("loss_constructors"), len(labels))
-        model = objects["model"].cpu().eval()
-        with torch.no_grad():
-            outputs = as_outputs(model(*inputs))
-    except Exception:
-        return True  # not the loss's doing: the executors report it on the real rows
-    for loss_fn in losses:
-        if isinstance(loss_fn, torch.nn.Module):
-            loss_fn.cpu()
-    loss = BatchLoss(losses, labels, loss_weights, weighted_rows=sample_weight is not None)
-    try:
-        with torch.no_grad():
-            loss(
-                outputs,
-                [chunk[c.name] for c in labels],
-                chunk[sample_weight.name] if sample_weight is not None else None,
-            )
+        probe_loss(
+            loads(bundle),  # copies: the user's model and loss stay as they are
+            chunk,
+            features,
+            labels,
+            sample_weight,
+            feature_shapes,
+            loss_weights,
+            loads(transformation_fn) if transformation_fn is not None else None,
+        )
     except LossFailed as e:
         _log.warning(
             "%s; tried on the driver, on %d rows of zeros: training goes on, and the "

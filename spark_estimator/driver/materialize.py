@@ -5,7 +5,7 @@ column), so the two are complementary even when the source is not deterministic.
 are converted column-wise by Spark: vectors (dense or sparse) to arrays, features and float
 labels to ``dtype``, integral labels to int64 (class indices). The rows are repartitioned
 into ``num_files`` partitions, and each partition is written by its executor with pyarrow
-through the store's fsspec filesystem (``worker/parquet_writer.py``, run by ``mapInArrow``):
+through the store's fsspec filesystem (``worker/data/parquet_writer.py``, run by ``mapInArrow``):
 at most ``num_files`` files per split, row groups of about ``row_group_bytes``, each file
 moved into place only when complete. Spark's own writer is not used, so any fsspec store
 works with its ``storage_options`` alone (no Hadoop connector or configuration), and the
@@ -13,7 +13,7 @@ driver needs no SparkContext (Spark Connect). The executors return each file's r
 sizes, so no footer is read back.
 
 The same write checks the converted values: each executor counts them in the Arrow
-batches it writes (``worker/column_stats.py``; no extra pass over the data) and returns
+batches it writes (``shared/column_stats.py``; no extra pass over the data) and returns
 the counts with its files: nulls in every column (null rows, and null elements inside
 arrays), NaN and +-inf in features and float labels, and arrays of one length per column,
 whose lengths are also checked against ``input_shapes`` (see ``data_checks.py``). A failed
@@ -40,10 +40,10 @@ from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from ..spec import SPLITS, ColumnSpec, DatasetInfo
+from ..shared.column_stats import merge_stats
+from ..shared.spec import SPLITS, ColumnSpec, DatasetInfo
 from ..store import DatasetFolder, Store
-from ..worker.column_stats import merge_stats
-from ..worker.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
+from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
 from .data_checks import check_observed, check_row_lengths, checked_columns, counted_columns
 

@@ -22,8 +22,8 @@ import tempfile
 
 from pyspark.ml.param import Params
 
-from ..params import OBJECT_PARAMS
-from ..worker.tensorboard import epoch_scalars
+from ..shared.history import epoch_scalars
+from .params import OBJECT_PARAMS
 
 log = logging.getLogger(__name__)
 _MAX_PARAM_CHARS = 500  # MLflow limits a param's value; object reprs are cut to this

@@ -1,6 +1,6 @@
 """Driver: follow a running fit through the store: progress bar and the ranks' output.
 
-While the training job runs, a thread reads what the ranks write (``worker/run_log.py``)
+While the training job runs, a thread reads what the ranks write (``worker/observe/run_log.py``)
 every ``POLL_S`` seconds:
 
 - each new chunk of a rank's output is logged, line by line, as ``[rank <r>] <line>`` on

@@ -22,7 +22,7 @@ import posixpath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..spec import ColumnSpec, DatasetInfo, column_param
+from ..shared.spec import ColumnSpec, DatasetInfo, column_param
 from ..store import DatasetFolder, Store
 from .data_checks import check_row_lengths
 from .materialize import check_not_empty

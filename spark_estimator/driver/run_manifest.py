@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..spec import SPLITS, DatasetInfo
+from ..shared.spec import SPLITS, DatasetInfo
 from ..store import Store
 
 

@@ -17,9 +17,9 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..serialization import dumps
-from ..spec import READERS, ColumnSpec, column_param
-from ..worker.petastorm_reader import require_petastorm
+from ..shared.packages import require_petastorm
+from ..shared.serialization import dumps
+from ..shared.spec import READERS, ColumnSpec, column_param
 from .data_checks import check_shape_fits
 
 

@@ -9,8 +9,8 @@ import ast
 import inspect
 import textwrap
 
-from ..serialization import dumps
-from ..worker.lightning_hooks import PACKAGES, lightning_package
+from ..shared.packages import PACKAGES, lightning_package
+from ..shared.serialization import dumps
 
 # Trainer arguments the estimator sets itself, and the param to use instead
 RESERVED = {

@@ -2,7 +2,7 @@
 
 Like ``validate.py``: a ValueError or TypeError whose message starts with the parameter at
 fault, before any Spark job. ``training_bundle`` returns the one cloudpickle the executors
-rebuild everything from (``worker/objects.py``); each object is also pickled on its own
+rebuild everything from (``worker/loop/objects.py``); each object is also pickled on its own
 first, so a failure names the parameter that holds the unpicklable thing.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 
 from ..callbacks import Callback, _Monitor
-from ..serialization import dumps
-from ..spec import LR_SCALINGS, PRECISIONS, SCHEDULER_INTERVALS, LoopSpec
+from ..shared.serialization import dumps
+from ..shared.spec import LR_SCALINGS, PRECISIONS, SCHEDULER_INTERVALS, LoopSpec
 
 
 def _check_callable(name: str, value) -> None:

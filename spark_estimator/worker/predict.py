@@ -17,11 +17,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from ..serialization import loads
-from ..spec import ColumnSpec
-from .convert import column_to_tensor, reshape_input, tensor_to_arrow
-from .loss import as_outputs
-from .rendezvous import task_device
+from ..shared.serialization import loads
+from ..shared.spec import ColumnSpec
+from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow
+from .dist.rendezvous import task_device
+from .loop.loss import as_outputs
 
 
 def predict_batches(

@@ -21,10 +21,10 @@ import io
 import cloudpickle
 import torch
 
-from ..failures import carry_failure
-from ..serialization import loads
-from .rendezvous import process_group
-from .run_log import OutputCapture
+from ..shared.failures import carry_failure
+from ..shared.serialization import loads
+from .dist.rendezvous import process_group
+from .observe.run_log import OutputCapture
 
 OUTPUT_LINES = 1000  # the most lines of a rank's output sent back to the driver
 NOTE_LINES = 20  # the most of them shown in a failing rank's error

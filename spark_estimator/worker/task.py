@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..failures import read_failure, record_failure
-from ..spec import TrainSpec
-from .rendezvous import process_group
-from .run_log import RankLog
-from .train import train
+from ..shared.failures import read_failure, record_failure
+from ..shared.spec import TrainSpec
+from .dist.rendezvous import process_group
+from .loop.train import train
+from .observe.run_log import RankLog
 
 
 def training_task(spec: TrainSpec) -> dict:
@@ -17,7 +17,7 @@ def training_task(spec: TrainSpec) -> dict:
 
     When an earlier attempt of this launch already failed in the training code (Spark
     retried the stage after it), the task ends at once with ``{"aborted": True}`` and the
-    driver raises the recorded failure (see ``failures.py``).
+    driver raises the recorded failure (see ``shared/failures.py``).
     """
     from pyspark import BarrierTaskContext
 
@@ -34,7 +34,7 @@ def training_task(spec: TrainSpec) -> dict:
     with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
         with process_group(ctx, spec.use_gpu, spec.collective_timeout, on_failure) as info:
             if spec.trainer == "lightning":  # imported here: lightning is an optional extra
-                from .lightning_train import train_lightning
+                from .lightning.train import train_lightning
 
                 return asdict(train_lightning(spec, info, log.report))
             return asdict(train(spec, info, log.report))

@@ -3,10 +3,10 @@ import re
 import pytest
 import torch
 
-from spark_estimator.driver import validate_training as vt
 from spark_estimator.driver.loss_probe import check_loss
-from spark_estimator.serialization import dumps
-from spark_estimator.spec import ColumnSpec
+from spark_estimator.shared.serialization import dumps
+from spark_estimator.shared.spec import ColumnSpec
+from tests.driver.test_validate_training import bundle as training_bundle
 
 X = [ColumnSpec("x", "array", "float32")]
 Y = [ColumnSpec("y", "scalar", "float32")]
@@ -16,19 +16,9 @@ KNOWN = {"x": 3}  # the row lengths a dataset records
 
 
 def bundle(net=None, loss=None, **objects):
+    """The executors' pickle of a sigmoid regression trained with BCE (``objects`` override)."""
     net = net if net is not None else torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.Sigmoid())
-    values = dict(
-        model=net,
-        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-        loss=loss if loss is not None else torch.nn.BCELoss(),
-        loss_constructors=None,
-        metrics=None,
-        lr_scheduler=None,
-        callbacks=None,
-        train_minibatch_fn=None,
-    )
-    values.update(objects)
-    return vt.training_bundle(values, ["y"], "epoch")[0]
+    return training_bundle(net, loss=loss if loss is not None else torch.nn.BCELoss(), **objects)
 
 
 def probe(bundle_, labels=Y, sample_weight=None, row_lengths=KNOWN, **kw):

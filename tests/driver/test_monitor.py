@@ -7,7 +7,7 @@ import pytest
 from spark_estimator import Store
 from spark_estimator.driver import monitor as monitor_module
 from spark_estimator.driver.monitor import FitMonitor, _logging_configured
-from spark_estimator.worker.run_log import RankLog
+from spark_estimator.worker.observe.run_log import RankLog
 
 
 @pytest.fixture

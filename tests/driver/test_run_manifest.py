@@ -8,7 +8,7 @@ from spark_estimator.driver.run_manifest import (
     run_manifest,
     write_manifest,
 )
-from spark_estimator.spec import ColumnSpec, DatasetInfo
+from spark_estimator.shared.spec import ColumnSpec, DatasetInfo
 
 
 def dataset(rows=100):

@@ -17,7 +17,7 @@ from pyspark.sql.types import (
 )
 
 from spark_estimator.driver import validate
-from spark_estimator.spec import ColumnSpec
+from spark_estimator.shared.spec import ColumnSpec
 
 SCHEMA = StructType(
     [

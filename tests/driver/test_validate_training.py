@@ -5,8 +5,8 @@ import torch
 
 from spark_estimator.callbacks import BestModel, Callback, EarlyStopping
 from spark_estimator.driver import validate_training as vt
-from spark_estimator.serialization import loads
-from spark_estimator.spec import LoopSpec
+from spark_estimator.shared.serialization import loads
+from spark_estimator.shared.spec import LoopSpec
 
 Y = ["y"]
 

@@ -4,8 +4,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from spark_estimator.serialization import dumps
-from spark_estimator.spec import ColumnSpec
+from spark_estimator.shared.serialization import dumps
+from spark_estimator.shared.spec import ColumnSpec
 from spark_estimator.worker.predict import class_columns, predict_batches
 
 

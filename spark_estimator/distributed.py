@@ -1,0 +1,94 @@
+"""Executor: Horovod-style helpers for a function run by ``spark_estimator.run``.
+
+    from spark_estimator import distributed as sd
+    sd.rank(), sd.size(), sd.local_rank(), sd.local_size(), sd.device()
+    sd.allreduce(loss), sd.broadcast_object(config), sd.barrier()
+
+They read the running task's process group; outside one each raises a RuntimeError.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .worker.dist.rendezvous import current_rank_info
+
+
+def rank() -> int:
+    """This process's rank in the job, 0 .. size() - 1."""
+    return current_rank_info().rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return current_rank_info().world_size
+
+
+def local_rank() -> int:
+    """This process's rank among the job's processes on the same host."""
+    return current_rank_info().local_rank
+
+
+def local_size() -> int:
+    """The number of the job's processes on this host."""
+    return current_rank_info().local_size
+
+
+def device() -> torch.device:
+    """The device this task pinned: the GPU Spark assigned it, or the CPU."""
+    return current_rank_info().device
+
+
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum over ranks of ``tensor`` (a copy on the pinned device; NCCL
+    only reduces CUDA tensors), back on ``tensor``'s device."""
+    work = tensor.detach().to(current_rank_info().device, copy=True).contiguous()
+    dist.all_reduce(work, op=dist.ReduceOp.SUM)
+    return work.to(tensor.device)
+
+
+def allreduce(value, average: bool = True):
+    """The sum over ranks of ``value``, divided by ``size()`` when ``average``.
+
+    ``value`` is a tensor, a Python int or float, or a numpy integer or float scalar, and
+    the result is of the same kind (an integer average is a float). The input is not
+    modified.
+    """
+    world = size()
+    if isinstance(value, torch.Tensor):
+        total = _sum(value)
+        return total / world if average else total
+    if isinstance(value, (np.integer, np.floating)):
+        total = _sum(torch.from_numpy(np.asarray(value))).numpy()[()]
+        return total / world if average else total
+    if isinstance(value, (int, float)):
+        dtype = torch.float64 if isinstance(value, float) else torch.int64
+        total = _sum(torch.tensor(value, dtype=dtype)).item()
+        return total / world if average else total
+    raise TypeError(
+        f"allreduce: expected a tensor, a Python int or float or a numpy scalar, got "
+        f"{type(value).__name__}"
+    )
+
+
+def broadcast_object(obj: Any, root: int = 0) -> Any:
+    """``root``'s ``obj`` on every rank (any picklable object; the others pass anything)."""
+    info = current_rank_info()
+    if not 0 <= root < info.world_size:
+        raise ValueError(f"root: must be a rank in [0, {info.world_size}), got {root}")
+    holder = [obj if info.rank == root else None]
+    dist.broadcast_object_list(holder, src=root, device=info.device)
+    return holder[0]
+
+
+def barrier() -> None:
+    """Wait until every rank has reached this call."""
+    info = current_rank_info()
+    if info.device.type == "cuda":
+        dist.barrier(device_ids=[info.device.index])
+    else:
+        dist.barrier()

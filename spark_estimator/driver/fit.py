@@ -1,0 +1,412 @@
+"""Driver: the fit shared by TorchEstimator and LightningEstimator.
+
+``fit(df)`` runs four steps: validate every input (no Spark job yet) -> materialize the
+selected columns to Parquet in the store (reused when already there) -> run one barrier
+job of ``num_proc`` training tasks -> build a TorchModel from rank 0's result in the store.
+The seconds of each step go into the model's training summary (``fit_seconds``).
+Each subclass answers one hook, ``_training``, called once per fit: what its executors
+train with (the pickled objects, the loop, the run manifest's fields, the callback check,
+the loss probe); and names its executor loop (``_TRAINER``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import NamedTuple
+
+from pyspark.ml import Estimator
+from pyspark.sql import DataFrame, SparkSession
+
+from ..model import TorchModel
+from ..shared.failures import TrainingError, read_failure
+from ..shared.serialization import loads, state_from_bytes
+from ..shared.spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
+from ..shared.summary import RankSummary
+from ..store import Store
+from ..worker.task import training_task
+from . import mlflow_log, run_manifest, validate
+from .launch import available_slots, run_barrier_job
+from .materialize import COMPRESSIONS, WriteOptions, materialize
+from .monitor import FitMonitor
+from .parquet_dataset import parquet_dataset
+from .persistence import ObjectParamsReadWrite
+
+
+class Training(NamedTuple):
+    """What a subclass's ``_training`` answers: what the executors train with, and the
+    checks that wait for the data."""
+
+    bundle: bytes  # the one cloudpickle the executors rebuild the objects from
+    loop: LoopSpec | None  # our loop's parameters; None for Lightning (its Trainer's own)
+    manifest: dict  # what checkpoints depend on besides the data (driver/run_manifest.py)
+    # checks the callbacks, given whether the fit has validation data
+    check_callbacks: Callable[[bool], None]
+    # (features, labels, sample_weight, *, row_lengths, transformation_fn) -> False when the
+    # columns' shapes are not known yet (driver/loss_probe.py); None: no loss to probe
+    probe_loss: Callable[..., bool] | None = None
+
+
+class _Checked(NamedTuple):
+    """What ``_validate`` hands to the rest of a fit."""
+
+    features: list[ColumnSpec] | None  # None for fit_on_parquet: read from the Parquet
+    labels: list[ColumnSpec] | None
+    sample_weight: ColumnSpec | None
+    training: Training
+    num_proc: int
+    store: Store
+    loader: LoaderSpec
+    probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
+
+
+_positive = validate.check_positive
+_optional_positive = functools.partial(validate.check_positive, optional=True)
+# the params checked on their value alone, in this order: param -> check(param, value)
+_PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
+    "dtype": functools.partial(validate.check_choice, choices=FLOAT_DTYPES),
+    "batch_size": _positive,
+    "epochs": _positive,
+    "partitions_per_process": _positive,
+    "reader_num_workers": _positive,
+    "row_group_size_mb": _positive,
+    "collective_timeout": _positive,
+    "shuffle_buffer_size": _optional_positive,
+    "train_steps_per_epoch": _optional_positive,
+    "validation_steps_per_epoch": _optional_positive,
+    "keep_checkpoints": _optional_positive,
+    "compression": functools.partial(validate.check_choice, choices=COMPRESSIONS),
+    "reader": validate.check_reader,
+}
+
+
+class _Clock:
+    """The seconds of a fit's steps, as its training summary reports them."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = time.perf_counter() - start
+
+    def report(self, summaries: list[RankSummary]) -> dict[str, float]:
+        """Seconds of: validation; dataset (materialized, found in the store, or described
+        from the given Parquet); launch (the training job less the ranks' training: Spark
+        scheduling, process group, the ranks' set-up and teardown); training (the longest
+        rank's loop); result (the rest: the run's manifest before the job, reading the
+        result and building the model after it); total. Rounded to ms."""
+        job = self.seconds.pop("job")
+        training = max((s.seconds for s in summaries), default=0.0)
+        out = {**self.seconds, "launch": max(0.0, job - training), "training": training}
+        total = time.perf_counter() - self.started
+        out["result"] = total - sum(out.values())
+        out["total"] = total
+        return {k: round(v, 3) for k, v in out.items()}
+
+
+class StoreEstimator(Estimator, ObjectParamsReadWrite):
+    """Base of the estimators that train through a Store; not used directly."""
+
+    _BUNDLED: tuple[str, ...] = ()  # object params pickled together for the executors
+    _REQUIRED: tuple[str, ...] = ("model", "feature_cols", "label_cols", "store")
+    _TRAINER = "torch"  # the executor loop (worker/task.py)
+
+    def setParams(self, **params):
+        """Set several params at once by name, e.g. ``setParams(epochs=5, batch_size=64)``."""
+        return self._set(**params)
+
+    # -- what subclasses define ------------------------------------------------------------
+    def _training(self, num_proc: int) -> Training:
+        """Check the training objects and params; return what the executors train with."""
+        raise NotImplementedError
+
+    # -- fit -----------------------------------------------------------------------------
+    def _fit(self, dataset: DataFrame) -> TorchModel:
+        clock = _Clock()
+        with clock("validation"):
+            checked = self._validate(dataset.sparkSession, dataset)
+        with clock("dataset"):
+            data = self._materialize(dataset, checked)
+        return self._train(dataset.sparkSession, data, checked, clock)
+
+    def materialize(self, dataset: DataFrame) -> str:
+        """Write ``dataset``'s selected columns to Parquet in the store (or find them there)
+        and return the dataset folder, for ``fit_on_parquet``; the same as ``fit`` does first.
+        """
+        checked = self._validate(dataset.sparkSession, dataset)
+        return self._materialize(dataset, checked).path
+
+    def fit_on_parquet(self, path: str, validation_path: str | None = None, params=None):
+        """Train on Parquet already in the store, without a DataFrame or materialization.
+
+        ``path`` is a dataset folder returned by ``materialize`` (with the validation split
+        made there), or a folder or file of Parquet rows, absolute in the store's filesystem
+        or relative to its root; ``validation_path`` then optionally names validation rows
+        (the ``validation`` param, which splits DataFrames, must be unset).
+        Columns need numbers, lists of numbers or ML vector structs. ``params`` overrides
+        this estimator's params for this call, as in ``fit``.
+        """
+        if params:
+            return self.copy(params).fit_on_parquet(path, validation_path)
+        spark, clock = SparkSession.active(), _Clock()
+        with clock("validation"):
+            checked = self._validate(spark, None)
+        with clock("dataset"):
+            data = parquet_dataset(
+                checked.store,
+                path,
+                validation_path,
+                self.getFeatureCols(),
+                self.getLabelCols(),
+                self.getDtype(),
+                self.getValidation(),
+                self._sample_weight_col(),
+                self.getInputShapes(),
+            )
+        checked.training.check_callbacks(data.rows("validation") > 0)
+        return self._train(spark, data, checked, clock)
+
+    def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
+        options = WriteOptions(
+            num_files=self.getPartitionsPerProcess() * checked.num_proc,
+            row_group_bytes=int(self.getRowGroupSizeMb() * 2**20),
+            compression=self.getCompression(),
+        )
+        return materialize(
+            dataset,
+            checked.store,
+            checked.features,
+            checked.labels,
+            self.getValidation(),
+            self.getRandomSeed(),
+            options,
+            checked.sample_weight,
+            self.getInputShapes(),
+        )
+
+    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
+        store, training = checked.store, checked.training
+        if not checked.probed:
+            training.probe_loss(
+                data.features,
+                data.labels,
+                data.sample_weight,
+                row_lengths=data.row_lengths,
+                transformation_fn=checked.loader.transformation_fn,
+            )
+        run_id = self.getRunId()
+        if run_id is not None:  # the rest was checked before the data (_check_run_id)
+            run_manifest.check_resume_data(store, run_id, data)
+        else:
+            run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+        run_manifest.write_manifest(
+            store, run_id, {**training.manifest, **run_manifest.data_fields(data)}
+        )
+        spec = TrainSpec(
+            bundle=training.bundle,
+            data=data,
+            store=store,
+            run_id=run_id,
+            batch_size=self.getBatchSize(),
+            epochs=self.getEpochs(),
+            seed=self.getRandomSeed(),
+            use_gpu=self.getUseGpu(),
+            input_shapes=self.getInputShapes(),
+            loader=checked.loader,
+            loop=training.loop,
+            keep_checkpoints=self.getKeepCheckpoints(),
+            collective_timeout=self.getCollectiveTimeout(),
+            launch_id=uuid.uuid4().hex,
+            trainer=self._TRAINER,
+        )
+        with clock("job"):
+            summaries = self._launch(spark, spec, checked.num_proc)
+        store.write_json(store.run(run_id).ranks, [asdict(s) for s in summaries])
+        digests = {s.weights_digest for s in summaries}
+        if len(digests) != 1:
+            raise RuntimeError(
+                f"run {run_id}: ranks finished with different weights ({summaries}); "
+                "the model is not the same on every rank"
+            )
+        notes = sorted({s.device_note for s in summaries if s.device_note})
+        for note in notes:
+            warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=4)
+        result = state_from_bytes(store.read_bytes(store.run(run_id).result))
+        model = loads(training.bundle)["model"]
+        model.load_state_dict(result["model"])
+        fitted = TorchModel(
+            model=model.cpu().eval(),
+            feature_cols=self.getFeatureCols(),
+            input_shapes=self.getInputShapes(),
+            dtype=self.getDtype(),
+            output_cols=self.getOutputCols(),
+            classification=self.getClassification(),
+            probabilityCol=self.getProbabilityCol(),
+            rawPredictionCol=self.getRawPredictionCol(),
+            history=result["history"],
+            output_shapes=result["output_shapes"],
+            run_id=run_id,
+            training_summary={
+                **result["summary"],
+                "dataset_reused": data.reused,
+                "fit_seconds": clock.report(summaries),
+            },
+        )
+        if self.getMlflowLogging():
+            mlflow_log.log_fit(self, fitted)
+        return fitted
+
+    def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[RankSummary]:
+        """Run the training job (retried by Spark after a lost task, resuming from the last
+        checkpoint), following it from the driver (driver/monitor.py); raise the training
+        code's own error as a TrainingError, with the failing rank's last output lines."""
+        store, run_id = spec.store, spec.run_id
+        failure = store.run(run_id).failure(spec.launch_id)
+        monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose())
+        try:
+            with monitor:
+                summaries = run_barrier_job(
+                    spark,
+                    num_proc,
+                    functools.partial(training_task, spec),
+                    f"spark-estimator {run_id}",
+                    retry=True,
+                )
+        except Exception as e:
+            if (record := read_failure(failure, store)) is not None:
+                raise TrainingError(run_id, record, monitor.tail(record["rank"])) from e
+            if hasattr(e, "add_note") and monitor.tail():
+                e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
+            raise
+        if any(s.get("aborted") for s in summaries):
+            record = read_failure(failure, store)
+            raise TrainingError(run_id, record, monitor.tail(record["rank"]))
+        return [RankSummary(**s) for s in summaries]
+
+    def _check_columns(
+        self, dataset: DataFrame | None
+    ) -> tuple[list[ColumnSpec] | None, list[ColumnSpec] | None, ColumnSpec | None]:
+        """The feature, label and sample weight columns' specs, checked against the
+        DataFrame's schema; without one (fit_on_parquet) only their names (specs None)."""
+        feature_cols, label_cols = self.getFeatureCols(), self.getLabelCols()
+        features = labels = schema = None
+        if dataset is not None:
+            schema = dataset.schema
+            features, labels = validate.check_columns(
+                schema, feature_cols, label_cols, self.getDtype()
+            )
+            validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
+        else:
+            validate.check_column_names(feature_cols, label_cols)
+        sample_weight = validate.check_sample_weight_col(
+            schema, self._sample_weight_col(), feature_cols + label_cols, self.getDtype()
+        )
+        validate.check_input_shapes(self.getInputShapes(), feature_cols, features)
+        validate.check_output_cols(self.getOutputCols(), [])
+        if self.getClassification():
+            validate.classification_cols(
+                self.getOutputCols(),
+                self.getProbabilityCol(),
+                self.getRawPredictionCol(),
+                label_cols,
+            )
+        return features, labels, sample_weight
+
+    def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
+        """Check every input on the driver; return what fit needs. No Spark job runs here.
+
+        Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet,
+        and the callbacks once it is known whether it has validation rows.
+        """
+        for name in self._REQUIRED:
+            if not self.isDefined(name) or self.getOrDefault(name) is None:
+                raise ValueError(f"{name}: is required")
+        store = self.getStore()
+        if not isinstance(store, Store):
+            # the type only: the value may be a dict of credentials
+            raise TypeError(f"store: expected a spark_estimator.Store, got {type(store).__name__}")
+        for name, check in _PARAM_CHECKS.items():
+            check(name, self.getOrDefault(name))
+        features, labels, sample_weight = self._check_columns(dataset)
+        transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
+        validate.check_no_dynamic_allocation(spark)
+        if self.getMlflowLogging():
+            mlflow_log.check_installed()
+        slots = available_slots(spark, self.getNumProc())
+        num_proc = self.getNumProc() if self.getNumProc() is not None else slots
+        validate.check_num_proc(num_proc, slots)
+        training = self._training(num_proc)
+        if dataset is not None:
+            training.check_callbacks(self.getValidation() is not None)
+        self._check_run_id(store, training.manifest)
+        loader = LoaderSpec(
+            reader=self.getReader(),
+            shuffle=self.getShuffle(),
+            shuffle_buffer_size=self.getShuffleBufferSize(),
+            num_workers=self.getReaderNumWorkers(),
+            inmemory_cache_all=self.getInmemoryCacheAll(),
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
+            transformation_fn=transformation_fn,
+        )
+        probed = training.probe_loss is None or (
+            features is not None
+            and training.probe_loss(
+                features, labels, sample_weight, row_lengths={}, transformation_fn=transformation_fn
+            )
+        )
+        return _Checked(features, labels, sample_weight, training, num_proc, store, loader, probed)
+
+    def _check_run_id(self, store: Store, manifest: dict) -> None:
+        """A given ``run_id`` is not finished, and its checkpoints (if any) can be resumed
+        with this fit's training manifest; the data is checked once known (``_train``)."""
+        if (run_id := self.getRunId()) is None:
+            return
+        if store.exists(store.run(run_id).result):
+            raise ValueError(
+                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
+            )
+        run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
+
+    def _sample_weight_col(self) -> str | None:
+        """The sample weight column, for estimators with that param (TorchEstimator)."""
+        has = self.hasParam("sample_weight_col")
+        return self.getOrDefault("sample_weight_col") if has else None
+
+    def _run_fields(self, num_proc: int) -> dict:
+        """The params every run's checkpoints depend on (see driver/run_manifest.py)."""
+        return {
+            "num_proc": num_proc,
+            "batch_size": self.getBatchSize(),
+            "random_seed": self.getRandomSeed(),
+            "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
+        }
+
+    # -- persistence (ObjectParamsReadWrite) -----------------------------------------------
+    def _objects(self) -> dict:
+        # one pickle, so the optimizer still refers to the model's parameters when loaded
+        return {
+            name: self.getOrDefault(name)
+            for name in (*self._BUNDLED, "transformation_fn")
+            if self.isDefined(name)
+        }
+
+    def _extra_metadata(self) -> dict:
+        store = self.getStore()
+        return {"store_url": store.url if store is not None else None}
+
+    def _restore(self, objects: dict, metadata: dict) -> None:
+        self._set(**objects)
+        if metadata.get("store_url"):
+            self._set(store=Store(metadata["store_url"]))

@@ -1,0 +1,542 @@
+"""Spark ML Params of TorchEstimator, LightningEstimator and TorchModel (driver side).
+
+Each param is written once, as a ``ParamSpec`` (name, doc, type converter, default) in the
+``_specs`` of the class that declares it; ``SpecParams`` makes the real
+``pyspark.ml.param.Param`` of every spec and sets the defaults. The ``getX``/``setX``
+accessors (``batch_size`` -> ``getBatchSize``/``setBatchSize``) are plain methods of the
+mixins in ``driver/param_accessors.py``, which docs/gen_parameters.py writes from the specs (so
+editors and type checkers see them; tests/test_docs.py fails when it is out of date).
+Names follow Horovod's Spark estimator wherever it has the same concept, so migrating users
+keep them; Spark's ``probabilityCol`` and ``rawPredictionCol`` are also accepted as
+``probability_col`` and ``raw_prediction_col``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
+
+from ..shared.spec import COLLECTIVE_TIMEOUT_S
+from . import param_accessors as accessors
+
+
+def _to_optional_int(value: Any) -> int | None:
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def _to_optional_str(value: Any) -> str | None:
+    return None if value is None else TypeConverters.toString(value)
+
+
+def _to_optional_list_str(value: Any) -> list[str] | None:
+    return None if value is None else TypeConverters.toListString(value)
+
+
+def _to_optional_list_float(value: Any) -> list[float] | None:
+    return None if value is None else TypeConverters.toListFloat(value)
+
+
+def _to_optional_float(value: Any) -> float | None:
+    return None if value is None else TypeConverters.toFloat(value)
+
+
+def _to_input_shapes(value: Any) -> list[list[int]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s) for s in value
+    ):
+        raise TypeError(f"input_shapes: expected a list of int lists, got {value!r}")
+    return [list(s) for s in value]
+
+
+def _to_validation(value: Any) -> float | str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"validation: expected a fraction in (0, 1) or a boolean column name, got {value!r}"
+        )
+    return float(value)
+
+
+def _to_verbose(value: bool | int) -> bool:
+    """A boolean, or Horovod's levels 0, 1 and 2 (2, per-epoch lines there, shows the same
+    as 1 here: the bar already shows every epoch)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        if value not in (0, 1, 2):
+            raise ValueError(f"verbose: expected True/False or 0, 1 or 2, got {value!r}")
+        return bool(value)
+    raise TypeError(f"verbose: expected True/False or 0, 1 or 2, got {value!r}")
+
+
+NO_DEFAULT: Any = object()  # a param that has no default (isDefined is False until set)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """The one definition of a param: its name, doc, type converter and default."""
+
+    name: str
+    doc: str
+    converter: Callable[[Any], Any] = TypeConverters.identity
+    default: Any = NO_DEFAULT
+
+    def param(self) -> Param:
+        return Param(Params._dummy(), self.name, self.doc, typeConverter=self.converter)
+
+    def with_doc(self, doc: str) -> ParamSpec:
+        """The same param described for another stage (e.g. ``model``: what it trains)."""
+        return dataclasses.replace(self, doc=doc)
+
+
+def param_specs(cls: type) -> dict[str, ParamSpec]:
+    """Every ParamSpec ``cls`` declares or inherits, by name (a subclass's own comes last)."""
+    specs: dict[str, ParamSpec] = {}
+    for klass in reversed(cls.__mro__):
+        specs.update({spec.name: spec for spec in vars(klass).get("_specs", ())})
+    return specs
+
+
+class SpecParams(Params):
+    """Params declared as ``_specs``: a class gets the Param of each of its own specs as the
+    attribute of that name, and an instance gets every spec's default."""
+
+    _specs: ClassVar[tuple[ParamSpec, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for spec in vars(cls).get("_specs", ()):
+            setattr(cls, spec.name, spec.param())
+
+    def __init__(self):
+        super().__init__()
+        specs = param_specs(type(self)).values()
+        self._setDefault(**{s.name: s.default for s in specs if s.default is not NO_DEFAULT})
+
+
+# snake_case spellings of Spark's param names; the Params keep Spark's names
+SPARK_ALIASES = {"probability_col": "probabilityCol", "raw_prediction_col": "rawPredictionCol"}
+
+
+def spark_names(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the snake_case spellings of SPARK_ALIASES given Spark's names; both
+    spellings of one param are refused unless they agree."""
+    named = dict(kwargs)
+    for alias, name in SPARK_ALIASES.items():
+        if alias in named:
+            value = named.pop(alias)
+            if name in named and named[name] != value:
+                raise ValueError(
+                    f"{alias}, {name}: two spellings of one param with different values "
+                    f"({value!r} and {named[name]!r}); give one of them"
+                )
+            named[name] = value
+    return named
+
+
+class HasClassification(
+    accessors.HasClassificationAccessors, HasProbabilityCol, HasRawPredictionCol, SpecParams
+):
+    """Reading the model's output as class logits, with Spark ML's classifier columns
+    (``probabilityCol``/``probability_col``, ``rawPredictionCol``/``raw_prediction_col``:
+    either spelling as a keyword, ``getProbabilityCol``/``setProbabilityCol`` for both)."""
+
+    _specs = (
+        ParamSpec(
+            "classification",
+            "read the model's single output as class logits: [B, C] with C >= 2 classes "
+            "(softmax) or [B] / [B, 1] (one binary logit, sigmoid); transform then adds the "
+            "class index as a double (the prediction column), probabilityCol and "
+            "rawPredictionCol (ML vectors), like Spark ML classifiers",
+            TypeConverters.toBoolean,
+            default=False,
+        ),
+    )
+
+    def _set(self, **kwargs: Any):
+        """Sets params by name, taking the snake_case spellings too (the estimators'
+        keywords and ``setParams`` come through here)."""
+        return super()._set(**spark_names(kwargs))
+
+    def setProbabilityCol(self, value: str):
+        """Sets the value of `probabilityCol`: the class probabilities' column."""
+        return self._set(probabilityCol=value)
+
+    def setRawPredictionCol(self, value: str):
+        """Sets the value of `rawPredictionCol`: the logits' column."""
+        return self._set(rawPredictionCol=value)
+
+
+class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
+    """What both the estimator and the fitted model need to feed the network."""
+
+    _specs = (
+        ParamSpec(
+            "feature_cols",
+            "input columns; each becomes one positional argument of the model's forward()",
+            TypeConverters.toListString,
+        ),
+        ParamSpec(
+            "input_shapes",
+            "optional shape per feature column, e.g. [[-1, 1, 8, 8]]: -1 first (the batch "
+            "dimension, one per row), then the shape of one row",
+            _to_input_shapes,
+            default=None,
+        ),
+        ParamSpec(
+            "output_cols",
+            "names of the output columns of transform(); default 'prediction' for one model "
+            "output, 'prediction_0', 'prediction_1', ... for several",
+            _to_optional_list_str,
+            default=None,
+        ),
+    )
+
+
+class FitParams(accessors.FitParamsAccessors, HasModelIO):
+    """The params of a fit that do not depend on how the model trains: the data, how it
+    is materialized and read, the processes, the store and the run (shared by
+    TorchEstimator and LightningEstimator)."""
+
+    _specs = (
+        ParamSpec("model", "the module to train"),
+        ParamSpec(
+            "label_cols",
+            "label columns; with several, the model returns one output per label",
+            TypeConverters.toListString,
+        ),
+        ParamSpec(
+            "batch_size",
+            "the most rows in one step on each process: each pass over a shard is cut into "
+            "ceil(largest shard / batch_size) near-equal batches, the same count on every "
+            "process",
+            TypeConverters.toInt,
+            default=32,
+        ),
+        ParamSpec(
+            "epochs", "number of passes over the training data", TypeConverters.toInt, default=1
+        ),
+        ParamSpec(
+            "num_proc",
+            "number of training processes (barrier tasks); default: every task slot of the cluster",
+            _to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "validation",
+            "fraction of rows held out for validation (a seeded random split), or the name of a "
+            "boolean or 0/1 column marking validation rows; default none",
+            _to_validation,
+            default=None,
+        ),
+        ParamSpec(
+            "random_seed",
+            "seed of the validation split, the shuffling and torch's generators",
+            TypeConverters.toInt,
+            default=0,
+        ),
+        ParamSpec(
+            "store", "the Store holding materialized data, checkpoints and results", default=None
+        ),
+        ParamSpec(
+            "use_gpu",
+            "train on the GPU Spark assigned to each task; falls back to CPU where none is",
+            TypeConverters.toBoolean,
+            default=True,
+        ),
+        ParamSpec(
+            "run_id",
+            "name of this run's folder in the store; generated when not set. A fit with the "
+            "run_id of an unfinished run resumes from its last checkpoint",
+            _to_optional_str,
+            default=None,
+        ),
+        ParamSpec(
+            "collective_timeout",
+            "seconds a training process waits for the others, to form the process group and "
+            "in each collective, before it gives up (a process that died or hangs)",
+            TypeConverters.toFloat,
+            default=COLLECTIVE_TIMEOUT_S,
+        ),
+        ParamSpec(
+            "verbose",
+            "show a progress bar on the driver during fit (epoch, steps, running loss; a widget "
+            "in Jupyter with ipywidgets) and print the processes' output above it when no "
+            "logging is configured for the 'spark_estimator.worker' logger (their lines are "
+            "logged there either way). True/False, or Horovod's 0, 1, 2: 0 is False, 1 and 2 "
+            "are True (2 shows the same as 1)",
+            _to_verbose,
+            default=True,
+        ),
+        ParamSpec(
+            "mlflow_logging",
+            "log the fit to MLflow (pip install spark-estimator[mlflow]): params, per-epoch "
+            "metrics and the fitted TorchModel as artifacts, into the active MLflow run or a new "
+            "run named by run_id in the current experiment",
+            TypeConverters.toBoolean,
+            default=False,
+        ),
+        ParamSpec(
+            "callbacks",
+            "list of callbacks run on every process (see each estimator)",
+            default=None,
+        ),
+        # -- materialization ----------------------------------------------------------------
+        ParamSpec(
+            "partitions_per_process",
+            "Parquet files written per training process and split when materializing",
+            TypeConverters.toInt,
+            default=4,
+        ),
+        ParamSpec(
+            "row_group_size_mb",
+            "target size of a Parquet row group in MiB: the unit of reading and of shuffling "
+            "the read order",
+            TypeConverters.toFloat,
+            default=32.0,
+        ),
+        ParamSpec(
+            "compression",
+            "Parquet compression of materialized data: uncompressed, snappy, gzip or zstd",
+            TypeConverters.toString,
+            default="snappy",
+        ),
+        ParamSpec(
+            "dtype",
+            "float type of features and non-integral labels: float32 or float64",
+            TypeConverters.toString,
+            default="float32",
+        ),
+        # -- loading --------------------------------------------------------------------------
+        ParamSpec(
+            "reader",
+            "'arrow' (pyarrow, the default) or 'petastorm' (needs the legacy petastorm stack)",
+            TypeConverters.toString,
+            default="arrow",
+        ),
+        ParamSpec(
+            "shuffle",
+            "shuffle training rows every epoch (row-group order plus a shuffle buffer)",
+            TypeConverters.toBoolean,
+            default=True,
+        ),
+        ParamSpec(
+            "shuffle_buffer_size",
+            "rows in each process's shuffle buffer; default: as many as fit in 256 MiB",
+            _to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "reader_num_workers",
+            "background threads reading row groups ahead of training, per process",
+            TypeConverters.toInt,
+            default=2,
+        ),
+        ParamSpec(
+            "inmemory_cache_all",
+            "keep each process's shard in memory after the first epoch",
+            TypeConverters.toBoolean,
+            default=False,
+        ),
+        ParamSpec(
+            "train_steps_per_epoch",
+            "batches (forward and backward passes) per epoch, with any "
+            "backward_passes_per_step; default one exact pass over the training rows",
+            _to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "validation_steps_per_epoch",
+            "validation batches per process and epoch; default all validation rows",
+            _to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "transformation_fn",
+            "function applied to every training and validation batch on the executors: a dict "
+            "column -> tensor (CPU) in, a dict with the same columns and rows out",
+            default=None,
+        ),
+        ParamSpec(
+            "keep_checkpoints",
+            "how many of the latest epochs' checkpoints to keep in the store (TorchEstimator "
+            "also keeps the best epoch's, with a BestModel callback); default all",
+            _to_optional_int,
+            default=None,
+        ),
+    )
+
+
+_FIT = param_specs(FitParams)
+
+
+class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
+    """The params of TorchEstimator's own training loop."""
+
+    _specs = (
+        _FIT["model"].with_doc("the torch.nn.Module to train"),
+        ParamSpec("optimizer", "a torch.optim.Optimizer built on the model's parameters"),
+        ParamSpec(
+            "learning_rate",
+            "when set, the learning rate of every param group of the optimizer for this fit "
+            "(before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object "
+            "itself is left unchanged. Default: the optimizer's own rates",
+            _to_optional_float,
+            default=None,
+        ),
+        ParamSpec(
+            "loss",
+            "a loss module or a function (output, label) -> scalar tensor, or a list of them, "
+            "one per label column; not needed with loss_constructors",
+            default=None,
+        ),
+        # -- the training loop ----------------------------------------------------------------
+        ParamSpec(
+            "lr_scaling",
+            "'none' (default: learning rates as given) or 'linear' (multiplied by the number of "
+            "processes, Horovod's recipe for a global batch num_proc x batch_size); the rates "
+            "used are in the model's training summary",
+            TypeConverters.toString,
+            default="none",
+        ),
+        ParamSpec(
+            "backward_passes_per_step",
+            "batches whose gradients are accumulated per optimizer step; only the last one "
+            "communicates (DDP no_sync)",
+            TypeConverters.toInt,
+            default=1,
+        ),
+        ParamSpec(
+            "gradient_compression",
+            "'none', 'fp16' or 'bf16': the dtype gradients are averaged across processes in",
+            TypeConverters.toString,
+            default="none",
+        ),
+        ParamSpec(
+            "mixed_precision",
+            "'none', 'fp16' or 'bf16': torch.autocast for forward and loss (fp16 adds a "
+            "GradScaler); meant for GPUs, on CPU it runs torch's CPU autocast",
+            TypeConverters.toString,
+            default="none",
+        ),
+        ParamSpec(
+            "metrics",
+            "dict name -> function (output, label) -> tensor (a batch mean), or a list of "
+            "functions named by __name__; averaged over all rows per epoch for train and "
+            "validation and stored in the history",
+            default=None,
+        ),
+        ParamSpec(
+            "loss_weights",
+            "one weight per label column: the loss is sum(weight_i * loss_i)",
+            _to_optional_list_float,
+            default=None,
+        ),
+        ParamSpec(
+            "sample_weight_col",
+            "numeric column of per-row loss weights: the batch loss is mean(weight * row loss)",
+            _to_optional_str,
+            default=None,
+        ),
+        ParamSpec(
+            "lr_scheduler",
+            "function optimizer -> torch LR scheduler, called on each process after lr_scaling",
+            default=None,
+        ),
+        ParamSpec(
+            "lr_scheduler_interval",
+            "'epoch' (default) or 'step': when the LR scheduler steps; ReduceLROnPlateau steps "
+            "per epoch on the validation (else training) loss",
+            TypeConverters.toString,
+            default="epoch",
+        ),
+        _FIT["callbacks"].with_doc(
+            "list of spark_estimator.callbacks.Callback (EarlyStopping, BestModel or your "
+            "own), run on every process"
+        ),
+        ParamSpec(
+            "terminate_on_nan",
+            "fail with an error naming the epoch and step when a training loss is NaN or "
+            "infinite (checked at the end of each epoch); the last good checkpoint is kept",
+            TypeConverters.toBoolean,
+            default=True,
+        ),
+        ParamSpec(
+            "train_minibatch_fn",
+            "your own training step fn(model, optimizer, loss_fn, inputs, labels) -> (outputs, "
+            "loss) that does zero_grad, forward, backward and optimizer.step; loss_fn(outputs, "
+            "labels) is the estimator's loss for the batch",
+            default=None,
+        ),
+        ParamSpec(
+            "loss_constructors",
+            "list of functions () -> loss, called on each process (for losses that cannot be "
+            "pickled): one for every label column, or one per label column",
+            default=None,
+        ),
+    )
+
+
+class LightningParams(accessors.LightningParamsAccessors, FitParams):
+    """The params of LightningEstimator that TorchEstimator does not have."""
+
+    _specs = (
+        _FIT["model"].with_doc(
+            "the lightning.pytorch.LightningModule (or pytorch_lightning.LightningModule) to "
+            "train: its training_step, validation_step and configure_optimizers"
+        ),
+        _FIT["callbacks"].with_doc(
+            "list of Lightning callbacks (EarlyStopping, ModelCheckpoint or your own), run on "
+            "every process; with a ModelCheckpoint that monitors a value, the fitted model has "
+            "the weights of its best checkpoint"
+        ),
+        ParamSpec(
+            "trainer_args",
+            "dict of further lightning Trainer arguments, e.g. {'precision': 'bf16-mixed', "
+            "'gradient_clip_val': 1.0, 'accumulate_grad_batches': 2}; the ones the estimator "
+            "sets itself (accelerator, devices, strategy, num_nodes, max_epochs, callbacks, "
+            "plugins, ...) are refused",
+            default=None,
+        ),
+    )
+
+
+class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
+    """The params of TorchModel: the trained module and how to feed it."""
+
+    _specs = (
+        _FIT["model"].with_doc("the trained torch.nn.Module"),
+        _FIT["dtype"].with_doc(
+            "float type the features are cast to for the model: float32 or float64 (the "
+            "estimator's dtype, set by fit)"
+        ),
+    )
+
+
+# Params whose values are Python objects: persisted by pickle, not in JSON metadata.
+OBJECT_PARAMS = (
+    "model",
+    "optimizer",
+    "loss",
+    "store",
+    "transformation_fn",
+    "metrics",
+    "lr_scheduler",
+    "callbacks",
+    "train_minibatch_fn",
+    "loss_constructors",
+    "trainer_args",
+)
+
+
+def json_params(instance: Params) -> dict[str, Any]:
+    """The explicitly set params of ``instance`` that go into Spark ML's JSON metadata."""
+    return {p.name: v for p, v in instance._paramMap.items() if p.name not in OBJECT_PARAMS}

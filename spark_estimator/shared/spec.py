@@ -1,0 +1,164 @@
+"""Plain data handed from the driver to the executors (pickled into the barrier job).
+
+No Spark imports here: the executor side reads these, the driver side builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..store import Store
+
+DATASET_FORMAT_VERSION = 3  # 3: files under a write folder, row lengths, data checks
+SPLITS = ("train", "validation")
+COLLECTIVE_TIMEOUT_S = 600.0  # the default of collective_timeout
+FLOAT_DTYPES = ("float32", "float64")
+READERS = ("arrow", "petastorm")
+LR_SCALINGS = ("none", "linear")
+PRECISIONS = ("none", "fp16", "bf16")  # for mixed_precision and gradient_compression
+SCHEDULER_INTERVALS = ("epoch", "step")
+# torch dtypes by name: this module is imported by executor code that needs no torch
+PRECISION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str):
+    """The torch dtype named ``name`` (``float32``, ``bfloat16``...)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def column_param(role: str) -> str:
+    """The estimator param naming a column of ``role`` (feature, label or sample_weight)."""
+    return "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    """How one input column is stored in Parquet and turned into a tensor."""
+
+    name: str
+    kind: str  # "scalar" | "array" | "vector" (an ML vector; materialized as an array)
+    dtype: str  # "float32" | "float64" | "int64" (integral labels: class indices)
+
+    @property
+    def integral(self) -> bool:
+        return self.dtype == "int64"
+
+    @property
+    def torch_dtype(self):
+        return torch_dtype(self.dtype)
+
+
+@dataclass
+class DatasetInfo:
+    """Where a Parquet dataset lives in the store and how its rows are laid out."""
+
+    path: str  # the dataset folder in the store; file paths below are relative to it
+    features: list[ColumnSpec]
+    labels: list[ColumnSpec]
+    # split -> [(file path relative to ``path``, [rows of each row group])]
+    files: dict[str, list[tuple[str, list[int]]]]
+    reused: bool = False  # found complete in the store rather than written by this fit
+    source: dict = field(default_factory=dict)  # what the cache key was computed from
+    sample_weight: ColumnSpec | None = None  # per-row loss weights (sample_weight_col)
+    # array/vector column -> its values per row, the same in every row (checked when written)
+    row_lengths: dict[str, int] = field(default_factory=dict)
+    write_id: str | None = None  # the write folder under ``path`` holding the files
+
+    @property
+    def columns(self) -> list[ColumnSpec]:
+        return self.features + self.labels + ([self.sample_weight] if self.sample_weight else [])
+
+    def rows(self, split: str) -> int:
+        return sum(sum(groups) for _, groups in self.files.get(split, []))
+
+    def row_length(self, column: ColumnSpec) -> int | None:
+        """Values per row of ``column``: 1 for scalars; None where it was not recorded."""
+        return 1 if column.kind == "scalar" else self.row_lengths.get(column.name)
+
+    def to_json(self) -> dict:
+        return {
+            "format_version": DATASET_FORMAT_VERSION,
+            "features": [asdict(c) for c in self.features],
+            "labels": [asdict(c) for c in self.labels],
+            "sample_weight": asdict(self.sample_weight) if self.sample_weight else None,
+            "files": self.files,
+            "rows": {s: self.rows(s) for s in SPLITS},
+            "row_lengths": self.row_lengths,
+            "write_id": self.write_id,
+            "source": self.source,
+        }
+
+    @classmethod
+    def from_json(cls, path: str, meta: dict, reused: bool) -> DatasetInfo:
+        return cls(
+            path=path,
+            features=[ColumnSpec(**c) for c in meta["features"]],
+            labels=[ColumnSpec(**c) for c in meta["labels"]],
+            files={s: [(f, list(g)) for f, g in files] for s, files in meta["files"].items()},
+            reused=reused,
+            source=meta["source"],
+            sample_weight=ColumnSpec(**weight) if (weight := meta["sample_weight"]) else None,
+            row_lengths=dict(meta["row_lengths"]),
+            write_id=meta["write_id"],
+        )
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """How each rank reads its shard (the estimators' loader parameters)."""
+
+    reader: str = "arrow"  # "arrow" | "petastorm"
+    shuffle: bool = True
+    shuffle_buffer_size: int | None = None  # rows; None: as many as fit in 256 MiB
+    num_workers: int = 2  # background reader threads
+    inmemory_cache_all: bool = False
+    train_steps_per_epoch: int | None = None
+    validation_steps_per_epoch: int | None = None
+    transformation_fn: bytes | None = None  # cloudpickled fn(dict of tensors) -> dict
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    """How the training loop steps: TorchEstimator's loop parameters (a LightningEstimator
+    sets only ``keep_checkpoints``; its Trainer steps)."""
+
+    lr_scaling: str = "none"  # "none" | "linear" (learning rates x world size)
+    backward_passes_per_step: int = 1
+    gradient_compression: str = "none"  # "none" | "fp16" | "bf16"
+    mixed_precision: str = "none"  # "none" | "fp16" | "bf16"
+    loss_weights: tuple[float, ...] | None = None  # one per label column
+    lr_scheduler_interval: str = "epoch"  # "epoch" | "step"
+    terminate_on_nan: bool = True
+
+
+def metric_keys(metric_names: list[str], label_cols: list[str]) -> list[str]:
+    """History keys of the metrics: the metric's name, suffixed by the label column when
+    there are several label columns (``accuracy_y1``)."""
+    if len(label_cols) == 1:
+        return list(metric_names)
+    return [f"{name}_{label}" for name in metric_names for label in label_cols]
+
+
+@dataclass
+class TrainSpec:
+    """Everything a training task needs besides its BarrierTaskContext."""
+
+    # cloudpickle of a dict of the user's objects: model, optimizer, loss, loss_constructors,
+    # metrics, lr_scheduler, callbacks, train_minibatch_fn (see worker/loop/objects.py)
+    bundle: bytes
+    data: DatasetInfo
+    store: Store
+    run_id: str
+    batch_size: int
+    epochs: int
+    seed: int
+    use_gpu: bool
+    input_shapes: list[list[int]] | None
+    loader: LoaderSpec = field(default_factory=LoaderSpec)
+    loop: LoopSpec | None = None  # our loop's (worker/loop/train.py); None for Lightning's Trainer
+    keep_checkpoints: int | None = None  # the last k epochs' checkpoints; None keeps all
+    collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds any rank waits for the others
+    launch_id: str = ""  # this fit call's id: names its failure record (shared/failures.py)
+    trainer: str = "torch"  # the loop: "torch" (worker/loop/train.py) or "lightning"

@@ -1,0 +1,1 @@
+"""Executor: a rank's data: shards, Parquet reads and writes, batches as tensors."""

@@ -1,0 +1,104 @@
+"""Executor: one rank's data, the same for both trainers, and the summary the rank returns.
+
+``RankData`` opens the rank's training and validation loaders (``loader.py``) and says how
+many batches the rank takes of them: ``steps_per_epoch`` training batches per epoch
+(``train_steps_per_epoch``, default one exact pass; the same on every rank, ``StepPlan``)
+and its validation batch sizes. ``training_steps`` is the training stream both loops draw
+from: seeded passes over the shard, one after another, with no end, cut into epochs and
+groups of one optimizer step each, resumable after the batches a run already drew.
+``rank_summary`` builds what the rank reports to the driver (``summary.RankSummary``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+from ...shared.serialization import state_dict_digest
+from ...shared.spec import TrainSpec
+from ...shared.summary import RankSummary
+from ..dist.ddp import CompressionState, gradient_path
+from ..dist.rendezvous import RankInfo
+from ..dist.shm_allreduce import SharedMemoryAllreduce
+from .loader import ShardLoader, open_loader
+from .shards import StepPlan, eval_sizes
+
+
+def training_steps(
+    loader: ShardLoader, plan: StepPlan, group: int, epoch_steps: int, start: int = 0
+) -> Iterator[tuple[dict, float, bool]]:
+    """(batch, loss weight, last of its group) for every batch, pass after pass, no end,
+    beginning after the first ``start`` batches (those are read, not returned); groups of
+    ``group`` batches within epochs of ``epoch_steps`` (``StepPlan.schedule``)."""
+    schedule = plan.schedule(group, epoch_steps, start)
+    first_pass, skip = divmod(start, plan.steps)
+    for pass_index in itertools.count(first_pass + 1):
+        chunks = itertools.islice(loader.batches(plan.batch_sizes, pass_index), skip, None)
+        for chunk, (weight, last) in zip(chunks, schedule):
+            yield chunk, weight, last
+        skip = 0
+
+
+class RankData:
+    """This rank's loaders of both splits and its batch counts.
+
+    Validation batches are cut one of two ways: ``batch_size`` rows each in order, so ranks
+    may run different counts (our loop, whose validation runs no collectives), or with
+    ``lockstep`` like a training pass (``StepPlan``), the same count on every rank (a
+    Lightning Trainer, whose validation may synchronize logged values). Either way at most
+    ``validation_steps_per_epoch`` batches.
+    """
+
+    def __init__(self, spec: TrainSpec, info: RankInfo, lockstep: bool):
+        world, rank, batch_size = info.world_size, info.rank, spec.batch_size
+        pin = info.device.type == "cuda"
+        self.train = open_loader(spec, "train", world, rank, pin)
+        self.plan = StepPlan(spec.data.rows("train"), world, rank, batch_size)
+        self.steps_per_epoch = spec.loader.train_steps_per_epoch or self.plan.steps
+        self.validation = open_loader(spec, "validation", world, rank, pin)
+        self.has_validation = spec.data.rows("validation") > 0  # on any rank
+        most = spec.loader.validation_steps_per_epoch
+        if lockstep:
+            plan = StepPlan(spec.data.rows("validation"), world, rank, batch_size)
+            self.validation_sizes = [s for s in plan.batch_sizes if s][:most]
+        else:
+            self.validation_sizes = eval_sizes(self.validation.rows, batch_size, most)
+
+    def training_steps(self, group: int, start: int) -> Iterator[tuple[dict, float, bool]]:
+        """The training stream in epochs of ``steps_per_epoch`` batches (``training_steps``)."""
+        return training_steps(self.train, self.plan, group, self.steps_per_epoch, start)
+
+
+def rank_summary(
+    info: RankInfo,
+    data: RankData,
+    hook: CompressionState | SharedMemoryAllreduce | None,
+    weights: dict,
+    batches_per_epoch: list[int],
+    optimizer_steps_per_epoch: list[int],
+    started: float,
+) -> RankSummary:
+    """What this rank did: ``hook`` is the DDP gradient hook's state (None without one),
+    ``weights`` the final state dict, ``started`` when training began (``time.time()``)."""
+    compression = hook if isinstance(hook, CompressionState) else None
+    return RankSummary(
+        rank=info.rank,
+        local_rank=info.local_rank,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        device=str(info.device),
+        device_note=info.device_note,
+        gradient_path=gradient_path(hook),
+        communicated_dtypes=sorted(compression.sent) if compression else None,
+        gradient_allreduces=hook.calls if hook else None,
+        train_rows=data.train.rows,
+        validation_rows=data.validation.rows,
+        validation_batches_per_epoch=len(data.validation_sizes),
+        batches_per_epoch=batches_per_epoch,
+        optimizer_steps_per_epoch=optimizer_steps_per_epoch,
+        weights_digest=state_dict_digest(weights),
+        seconds=round(time.time() - started, 3),
+    )

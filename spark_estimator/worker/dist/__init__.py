@@ -1,0 +1,1 @@
+"""Executor: the process group, device pinning and gradient communication."""

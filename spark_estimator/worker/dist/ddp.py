@@ -1,0 +1,89 @@
+"""Executor: the model wrapped in DistributedDataParallel, and how its gradients travel.
+
+When every rank is a CPU process on one host, gradient buckets are averaged through shared
+memory (``shm_allreduce.py``) rather than gloo's sockets. Otherwise DDP's own allreduce is
+used (gloo or NCCL), unless gradient compression is asked for.
+
+Compression is a DDP communication hook: each gradient bucket is cast to fp16 or bf16,
+divided by the world size, summed across ranks in that dtype and cast back, so half as
+many bytes cross the network. The hook records the dtype it communicated and how many
+bucket allreduces it ran, which the rank summary reports. It is our own hook rather than
+torch's ``bf16_compress_hook``, which refuses to run on gloo (CPU) though gloo sums bf16.
+"""
+
+# no ``from __future__ import annotations``: DDP checks the hook's return annotation object
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ...shared.spec import PRECISION_DTYPES, torch_dtype
+from .rendezvous import RankInfo
+from .shm_allreduce import SharedMemoryAllreduce
+
+
+class CompressionState:
+    """The hook's state: the dtype to communicate in; what it actually sent and how often."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.sent: set[str] = set()
+        self.calls = 0  # bucket allreduces
+
+
+def compressed_allreduce(state: CompressionState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average a gradient bucket across ranks in ``state.dtype``."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(state.dtype).div_(dist.get_world_size())
+    state.sent.add(str(compressed.dtype).removeprefix("torch."))
+    state.calls += 1
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def shared_memory_allreduce(
+    state: SharedMemoryAllreduce, bucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average a gradient bucket through shared memory."""
+    future = torch.futures.Future()
+    future.set_result(state.average_(bucket.buffer()))
+    return future
+
+
+def wrap_model(
+    model: torch.nn.Module, info: RankInfo, compression: str, timeout_s: float
+) -> tuple[DistributedDataParallel, "CompressionState | SharedMemoryAllreduce | None"]:
+    """DDP around ``model`` (which broadcasts rank 0's weights to every rank) and the state
+    of its communication hook: a ``CompressionState``, a ``SharedMemoryAllreduce`` (every
+    rank a CPU process on one host; waits bounded by ``timeout_s``) or None (DDP's own)."""
+    device = info.device
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+    if compression != "none":  # asked for: it is about the bytes on the network
+        state = CompressionState(torch_dtype(PRECISION_DTYPES[compression]))
+        ddp.register_comm_hook(state, compressed_allreduce)
+        return ddp, state
+    shared = open_shared_memory(info, timeout_s)
+    if shared is not None:
+        ddp.register_comm_hook(shared, shared_memory_allreduce)
+    return ddp, shared
+
+
+def open_shared_memory(info: RankInfo, timeout_s: float) -> SharedMemoryAllreduce | None:
+    """The shared-memory allreduce when every rank is a CPU process on this host and all
+    can map it, else None (on every rank: a collective whenever the ranks qualify)."""
+    if info.device.type != "cpu" or not 1 < info.world_size == info.local_size:
+        return None
+    return SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
+
+
+def gradient_path(state: "CompressionState | SharedMemoryAllreduce | None") -> str:
+    """How the gradients travelled, for the rank's summary."""
+    if isinstance(state, SharedMemoryAllreduce):
+        return "shared memory"
+    return f"{dist.get_backend()}{' compressed' if state is not None else ''}"

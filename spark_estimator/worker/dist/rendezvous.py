@@ -1,0 +1,241 @@
+"""Executor: pin the device Spark assigned, join the job's torch.distributed process group.
+
+Rank 0 starts a TCPStore on an OS-chosen port (bound before anyone is told of it, so no
+other process can take the port in between) and shares the address and a random secret
+through the barrier context's ``allGather``; every rank then joins one process group (gloo
+on CPU, NCCL on GPU). Every wait for other ranks is bounded by ``timeout_s``. When the block
+ends normally every rank waits for the others before leaving; when it raises, the first
+failing rank's error is the one Spark reports (see ``_first_failure``). The group and rank
+0's server are closed when the task ends, failed or not, because PySpark reuses workers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ...shared.failures import is_retried
+from ...shared.spec import COLLECTIVE_TIMEOUT_S
+
+log = logging.getLogger(__name__)
+
+LATER_FAILURE_DELAY_S = 3.0
+_FAILURES_KEY = "failures"
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this task sits in the job: its ranks, the device it pinned, and, when it fell
+    back to CPU although ``use_gpu`` asked for a GPU, why (``device_note``)."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # rank among the job's tasks on this host
+    local_size: int
+    device: torch.device
+    device_note: str | None = None
+
+
+_current: RankInfo | None = None
+
+
+def current_rank_info() -> RankInfo:
+    """The RankInfo of the process group this task is in; RuntimeError outside of one."""
+    if _current is None:
+        raise RuntimeError(
+            "not inside a spark-estimator task: call this from a function run by "
+            "spark_estimator.run or from the training loop's hooks"
+        )
+    return _current
+
+
+def local_ranks(hosts: Sequence[str], rank: int) -> tuple[int, int]:
+    """(local rank, local size) of ``rank`` given the host of every rank."""
+    same = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return same.index(rank), len(same)
+
+
+def cuda_ordinal(address: str, visible_devices: str | None) -> int:
+    """The torch device index of the GPU Spark calls ``address``.
+
+    Spark's addresses are the ids its discovery script printed (physical ids). Where
+    ``CUDA_VISIBLE_DEVICES`` restricts the process, torch numbers only the visible GPUs,
+    so a listed id maps to its position in that list.
+    """
+    if visible_devices:
+        visible = [v.strip() for v in visible_devices.split(",")]
+        if address in visible:
+            return visible.index(address)
+    return int(address)
+
+
+def select_device(
+    use_gpu: bool,
+    gpu_addresses: Sequence[str],
+    cuda_available: bool,
+    visible_devices: str | None = None,
+) -> tuple[torch.device, str | None]:
+    """The device for this task and, when falling back to CPU, the reason why.
+
+    ``gpu_addresses`` are the GPU addresses Spark assigned to the task
+    (``TaskContext.resources()["gpu"].addresses``); the first one is used.
+    """
+    if not use_gpu:
+        return torch.device("cpu"), None
+    if not gpu_addresses:
+        return torch.device("cpu"), (
+            "use_gpu=True but Spark assigned no GPU to this task (set "
+            "spark.task.resource.gpu.amount); training on CPU"
+        )
+    if not cuda_available:
+        return torch.device("cpu"), (
+            f"use_gpu=True and Spark assigned GPU {gpu_addresses[0]}, but torch has no CUDA "
+            "support here; training on CPU"
+        )
+    return torch.device("cuda", cuda_ordinal(gpu_addresses[0], visible_devices)), None
+
+
+def task_gpu_addresses(resources: Mapping) -> list[str]:
+    gpu = resources.get("gpu")
+    return list(gpu.addresses) if gpu is not None else []
+
+
+def task_device(ctx, use_gpu: bool, warn: bool = True) -> tuple[torch.device, str | None]:
+    """Pin the device for the running Spark task ``ctx`` and size torch's threads; return
+    the device and, on a CPU fallback, the reason (the driver turns it into one warning).
+
+    With ``warn`` the reason is also written to the executor's own log (its stderr),
+    bypassing the capture of the rank's output (``run_log``): every rank would repeat it
+    there, and it would open every ``TrainingError`` of a CPU cluster."""
+    device, reason = select_device(
+        use_gpu,
+        task_gpu_addresses(ctx.resources()),
+        torch.cuda.is_available(),
+        os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+    if reason and warn:
+        print(f"spark-estimator task {ctx.partitionId()}: {reason}", file=sys.__stderr__)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, ctx.cpus()))
+    return device, reason
+
+
+class RendezvousError(RuntimeError):
+    """The job's process group could not be formed."""
+
+
+@contextmanager
+def process_group(
+    ctx,
+    use_gpu: bool,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    on_failure: Callable[[int, BaseException], None] | None = None,
+) -> Iterator[RankInfo]:
+    """Join the barrier job's process group for the duration of the ``with`` block.
+
+    ``timeout_s`` bounds every wait for the other ranks: forming the group, and each
+    collective (a rank that died or hangs makes the others raise after that long).
+    ``on_failure(rank, error)`` is called, before the error propagates, for the job's
+    first failure unless it is one that a retry may cure (see ``shared/failures.py``), and for a
+    rendezvous that cannot form.
+    """
+    global _current
+    infos = ctx.getTaskInfos()
+    rank, world_size = ctx.partitionId(), len(infos)
+    device, note = task_device(ctx, use_gpu)
+    hosts = [info.address.rsplit(":", 1)[0] for info in infos]
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store, server = _rendezvous(ctx, rank, world_size, hosts[0], timeout)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    except Exception as e:
+        error = RendezvousError(
+            f"rendezvous: rank {rank} of {world_size} could not form the process group "
+            f"within collective_timeout={timeout_s:g} s ({type(e).__name__}: {e}). Every "
+            f"task must reach the TCP port rank 0 opened on {hosts[0]}; check firewalls and "
+            "that all executors can run at once."
+        )
+        if on_failure is not None:
+            on_failure(rank, error)
+        raise error from e
+    _current = RankInfo(rank, world_size, *local_ranks(hosts, rank), device, note)
+    try:
+        yield _current
+        # nobody leaves while another rank still works: a gloo peer that closes its
+        # connections early fails the others' collectives (and their setup)
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+    except BaseException as e:  # sys.exit() in the code too
+        first = _first_failure(store)
+        if first and on_failure is not None and not is_retried(e):
+            on_failure(rank, e)
+        if not first:
+            log.warning(
+                "rank %d failed (%s) after another rank did; raising in %.0f s",
+                rank,
+                type(e).__name__,
+                LATER_FAILURE_DELAY_S,
+            )
+            time.sleep(LATER_FAILURE_DELAY_S)
+        raise
+    finally:
+        _current = None
+        dist.destroy_process_group()
+        del store, server  # rank 0's TCPStore stops listening when released
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _rendezvous(ctx, rank: int, world_size: int, host: str, timeout: timedelta):
+    """The job's key-value store: (a store private to this job, rank 0's server or None).
+
+    Rank 0 starts a TCPStore server on an OS-chosen port and shares host, port and a random
+    secret through the barrier context's ``allGather`` (Spark's own channel). Every rank
+    then uses only keys under that secret, so a stranger who connects to the port cannot
+    join or disturb the group without it. The server lives as long as the group.
+    """
+    server = None
+    if rank == 0:
+        server = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        address = json.dumps({"host": host, "port": server.port, "secret": secrets.token_hex(16)})
+    else:
+        address = ""
+    master = json.loads(ctx.allGather(address)[0])
+    client = server or dist.TCPStore(
+        master["host"], master["port"], world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"spark-estimator/{master['secret']}/", client), server
+
+
+def _first_failure(store) -> bool:
+    """Whether no other rank of the job has failed before this one.
+
+    When one rank raises, the others usually fail a moment later inside a collective
+    ("connection closed by peer"), and Spark reports whichever task failure reaches it
+    first. So the first rank to fail claims that in the job's TCPStore and raises at once;
+    later ones wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job
+    with the original error and kills them.
+    """
+    try:
+        return store.add(_FAILURES_KEY, 1) == 1
+    except Exception:  # the store went away with rank 0: a failure came first
+        return False

@@ -1,0 +1,1 @@
+"""Executor: a Lightning Trainer on a barrier task (LightningEstimator)."""

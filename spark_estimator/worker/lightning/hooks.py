@@ -1,0 +1,283 @@
+"""Executor: the pieces that put a Lightning Trainer on a barrier task.
+
+``lightning_parts`` builds our plug-ins on the base classes of the Lightning package a module
+was written against (``shared/packages.py`` finds it):
+
+- ``TaskEnvironment``: a ClusterEnvironment that tells Lightning the task's rank and world
+  size. Every task counts as a node of one device (node_rank = rank), so a job whose tasks
+  share a host or not looks the same. The process group is already formed by
+  ``rendezvous.process_group``, and Lightning's DDP strategy then uses it as it is.
+- ``StoreCheckpointIO``: Lightning's checkpoint files (ours and a ModelCheckpoint's) are
+  written atomically through the store's filesystem, with its storage options.
+- ``EpochRecorder``: a Checkpoint callback that runs after the user's callbacks at each
+  epoch end. It seeds the epoch (``resume.seed_epoch``), reports progress, writes the
+  epoch's record into the history (the training_step losses and everything logged per
+  epoch, averaged over ranks), counts the epoch's batches drawn and optimizer steps, writes
+  the epoch's checkpoint to the store, and carries the run's own state (history, data
+  position) inside Lightning's checkpoint.
+- ``SharedMemoryGradients``: a callback that gives the DDP model the shared-memory
+  gradient allreduce (``ddp.py``) when every rank is a CPU process on one host. Lightning's
+  own ``ddp_comm_hook`` option registers hooks on CUDA only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import fsspec
+import torch
+import torch.distributed as dist
+
+from ...shared.serialization import state_from_bytes, state_to_bytes
+from ...store import Store
+from ..dist.ddp import shared_memory_allreduce
+from ..loop.checkpoints import Checkpoints
+from ..loop.resume import seed_epoch
+from ..observe.run_log import FLUSH_S
+from ..observe.tensorboard import TensorBoardLog
+
+
+def url(store: Store, path: str) -> str:
+    """``path`` of the store as a URL Lightning's own fsspec calls resolve the same way."""
+    return path if store.protocol == "file" else store.fs.unstrip_protocol(path)
+
+
+@contextlib.contextmanager
+def fsspec_defaults(store: Store) -> Iterator[None]:
+    """Make the store's storage options fsspec's defaults for its protocol while the block
+    runs, so Lightning's own filesystem calls (a ModelCheckpoint listing its folder) reach a
+    remote store with its credentials; restored afterwards (Python workers are reused)."""
+    if store.protocol == "file" or not store.storage_options:
+        yield
+        return
+    conf = fsspec.config.conf
+    saved = conf.get(store.protocol)
+    conf[store.protocol] = {**(saved or {}), **store.storage_options}
+    try:
+        yield
+    finally:
+        if saved is None:
+            conf.pop(store.protocol, None)
+        else:
+            conf[store.protocol] = saved
+
+
+def _file_store(store: Store, path: str) -> Store:
+    """The store that holds ``path``: ours, or (another filesystem) that filesystem's root."""
+    protocol = fsspec.core.split_protocol(str(path))[0] or "file"
+    if protocol in ("file", "local") and store.protocol == "file" or protocol == store.protocol:
+        return store
+    return Store(f"{protocol}://" if protocol != "file" else "/")
+
+
+def epoch_metrics(trainer) -> dict[str, float]:
+    """The values logged for the epoch in the loop that just ran (training or validation),
+    as floats; a value logged with on_step and on_epoch appears once, by its own name."""
+    results = getattr(trainer, "_results", None)
+    values = results.metrics(False)["callback"] if results is not None else {}
+    out = {}
+    for name, value in values.items():
+        if name.endswith("_epoch") and name[: -len("_epoch")] in values:
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            out[name] = float(value.item())
+        elif isinstance(value, (int, float)):
+            out[name] = float(value)
+    return out
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each name's mean over the ranks that logged it (one collective)."""
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, values)
+    names = sorted({name for rank_values in gathered for name in rank_values})
+    return {
+        name: sum(v[name] for v in gathered if name in v) / sum(name in v for v in gathered)
+        for name in names
+    }
+
+
+def lightning_parts(pl):
+    """Our plug-in classes built on package ``pl`` (lightning.pytorch or pytorch_lightning)."""
+
+    class TaskEnvironment(pl.plugins.ClusterEnvironment):
+        def __init__(self, rank: int, world_size: int):
+            super().__init__()
+            self._rank, self._world_size = rank, world_size
+
+        @property
+        def creates_processes_externally(self) -> bool:
+            return True  # Spark started them
+
+        @property
+        def main_address(self) -> str:
+            return "127.0.0.1"  # unused: the process group exists before the Trainer
+
+        @property
+        def main_port(self) -> int:
+            return 0
+
+        @staticmethod
+        def detect() -> bool:
+            return False
+
+        def world_size(self) -> int:
+            return self._world_size
+
+        def set_world_size(self, size: int) -> None:
+            self._world_size = size
+
+        def global_rank(self) -> int:
+            return self._rank
+
+        def set_global_rank(self, rank: int) -> None:
+            self._rank = rank
+
+        def local_rank(self) -> int:
+            return 0
+
+        def node_rank(self) -> int:
+            return self._rank
+
+    class StoreCheckpointIO(pl.plugins.CheckpointIO):
+        def __init__(self, store: Store):
+            super().__init__()
+            self.store = store
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            _file_store(self.store, path).write_bytes(str(path), state_to_bytes(checkpoint))
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None):
+            data = _file_store(self.store, path).read_bytes(str(path))
+            return state_from_bytes(data, weights_only=weights_only is not False)
+
+        def remove_checkpoint(self, path) -> None:
+            _file_store(self.store, path).remove(str(path))
+
+    class EpochRecorder(pl.callbacks.Checkpoint):
+        """Our per-epoch record and checkpoint; the run's state travels in Lightning's
+        checkpoint (``state_dict``), so a resumed Trainer restores it with the rest."""
+
+        def __init__(self, store: Store, run_id: str, seed: int, keep: int | None, report):
+            self.store, self.run_id, self.seed = store, run_id, seed
+            self.checkpoints = Checkpoints(store, run_id, keep)
+            self.report: Callable[..., None] | None = report
+            self.reported = 0.0
+            self.history: list[dict] = []
+            self.batches_drawn = 0
+            self.output_shapes: list[list[int]] | None = None
+            self.stopped = False
+            self.first_inputs: list[torch.Tensor] | None = None  # for the output shapes
+            self.loss_sum: torch.Tensor | float = 0.0  # sum of loss x rows (on the device)
+            self.rows = 0
+            self.validation: dict[str, float] = {}
+            self.lrs: list[float] = []
+            self.epochs = 0
+            self.steps_per_epoch = 0
+            self.tensorboard = None
+            # per epoch of this attempt: batches drawn from the training stream, and optimizer
+            # steps (trainer.global_step's growth: each optimizer's steps, counted by Lightning)
+            self.batches_per_epoch: list[int] = []
+            self.optimizer_steps_per_epoch: list[int] = []
+            self.counted = (0, 0)  # (batches_drawn, global_step) at the last epoch's end
+
+        @property
+        def state_key(self) -> str:
+            return "spark_estimator"
+
+        def state_dict(self) -> dict:
+            return {
+                "history": self.history,
+                "batches_drawn": self.batches_drawn,
+                "output_shapes": self.output_shapes,
+                "stopped": self.stopped,
+            }
+
+        def load_state_dict(self, state: dict) -> None:
+            self.history = list(state["history"])
+            self.batches_drawn = state["batches_drawn"]
+            self.output_shapes = state["output_shapes"]
+            self.stopped = state["stopped"]
+
+        def on_train_start(self, trainer, pl_module) -> None:  # after a resume's restore
+            self.epochs = trainer.max_epochs
+            self.counted = (self.batches_drawn, trainer.global_step)
+            if trainer.is_global_zero:
+                self.tensorboard = TensorBoardLog(self.store, self.run_id)
+            if self.stopped:  # resumed from the checkpoint of the epoch that stopped it
+                trainer.should_stop = True
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            seed_epoch(self.seed, trainer.current_epoch + 1, trainer.global_rank)
+            self.loss_sum, self.rows = 0.0, 0
+            self.validation = {}
+            self.lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            rows = _batch_rows(batch)
+            if isinstance(loss, torch.Tensor) and rows:
+                self.loss_sum = self.loss_sum + loss.detach().double() * rows
+                self.rows += rows
+            if self.report is not None and time.monotonic() - self.reported >= FLUSH_S:
+                self._progress(trainer, batch_idx + 1)
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if not trainer.sanity_checking:
+                self.validation = epoch_metrics(trainer)
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            epoch = trainer.current_epoch + 1
+            values = [float(self.loss_sum), self.rows]
+            sums = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
+            dist.all_reduce(sums)
+            train = {"loss": float(sums[0] / sums[1]) if sums[1] else None}
+            logged = {f"train/{k}": v for k, v in epoch_metrics(trainer).items()}
+            logged.update({f"validation/{k}": v for k, v in self.validation.items()})
+            record = {"epoch": epoch, "lr": self.lrs, "train": train}
+            for key, value in mean_over_ranks(logged).items():
+                split, name = key.split("/", 1)
+                record.setdefault(split, {})[name] = value
+            self.history.append(record)
+            drawn, steps = self.batches_drawn, trainer.global_step
+            self.batches_per_epoch.append(drawn - self.counted[0])
+            self.optimizer_steps_per_epoch.append(steps - self.counted[1])
+            self.counted = (drawn, steps)
+            self.stopped = bool(trainer.should_stop)
+            trainer.save_checkpoint(url(self.store, self.checkpoints.path(epoch)))
+            if trainer.is_global_zero:
+                self.checkpoints.prune()
+                self.tensorboard.write(self.history)
+                self._progress(trainer, self.steps_per_epoch, at_epoch_end=True)
+
+        def _progress(self, trainer, step: int, at_epoch_end: bool = False) -> None:
+            if self.report is None:
+                return
+            self.reported = time.monotonic()
+            last = self.history[-1] if self.history else None
+            running = float(self.loss_sum) / self.rows if self.rows else None
+            self.report(
+                epoch=trainer.current_epoch + 1,
+                epochs=self.epochs,
+                step=step,
+                steps=self.steps_per_epoch,
+                loss=last["train"]["loss"] if at_epoch_end else running,
+                last=last,
+            )
+
+    class SharedMemoryGradients(pl.Callback):
+        def __init__(self, shared):
+            self.shared = shared
+
+        def on_train_start(self, trainer, pl_module) -> None:  # DDP wraps the module by now
+            trainer.strategy.model.register_comm_hook(self.shared, shared_memory_allreduce)
+
+    return TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients
+
+
+def _batch_rows(batch) -> int:
+    if isinstance(batch, dict) and batch:
+        return len(next(iter(batch.values())))
+    return 0

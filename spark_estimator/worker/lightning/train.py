@@ -1,0 +1,207 @@
+"""Executor: one rank of a LightningEstimator fit, a Lightning Trainer on our process group.
+
+Each rank unpickles the LightningModule, its callbacks and ``trainer_args``, and runs
+``Trainer.fit`` with DDP over the process group the task already joined (see
+``lightning_hooks.py``): one device per task, ``max_epochs = epochs``. The data comes from
+our loader (``rank_data.py``): each epoch is ``train_steps_per_epoch`` batches (default one
+exact pass) of an endless, seeded stream over the rank's shard, every rank the same number
+of batches. A batch is a dict column name -> tensor (features shaped by ``input_shapes``,
+labels, on the device).
+
+After every epoch rank 0 writes Lightning's full checkpoint to the run's checkpoints in the
+store, and a fit that finds one resumes from the newest (``ckpt_path``): model, optimizers,
+schedulers, loops, callbacks (EarlyStopping, ModelCheckpoint) and our history and data
+position. At the end rank 0 writes the result: the final weights, or those of the best
+checkpoint of a ModelCheckpoint that monitors a value; every rank returns its
+``RankSummary``, with the batches and optimizer steps its Trainer ran per epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+
+from ...shared.packages import lightning_package
+from ...shared.serialization import loads, state_to_bytes
+from ...shared.spec import TrainSpec
+from ...shared.summary import RankSummary, training_summary
+from ..data.batch import Batch
+from ..data.rank_data import RankData, rank_summary
+from ..dist.ddp import open_shared_memory
+from ..dist.rendezvous import RankInfo
+from ..loop.loss import as_outputs
+from ..loop.resume import agree_on_checkpoint
+from .hooks import fsspec_defaults, lightning_parts, url
+
+# Trainer arguments whose defaults differ from Lightning's; trainer_args may set them. The
+# driver shows progress and the history goes to TensorBoard, so no logger or bar by default;
+# our driver checks replace the sanity-check validation.
+DEFAULTS = {
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "num_sanity_val_steps": 0,
+}
+
+
+class _Batches:
+    """Batches for Lightning: ``steps`` dicts per iteration; ``draw()`` gives the chunks."""
+
+    def __init__(self, steps: int, draw: Callable, to_dict: Callable):
+        self.steps, self.draw, self.to_dict = steps, draw, to_dict
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self):
+        for chunk in itertools.islice(self.draw(), self.steps):
+            yield self.to_dict(chunk)
+
+
+def train_lightning(
+    spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None
+) -> RankSummary:
+    """Train this rank; return its summary (rank 0 also writes the result to the store)."""
+    objects = loads(spec.bundle)
+    module = objects["model"]
+    pl = lightning_package(module)
+    TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients = lightning_parts(pl)
+    rank, world, device = info.rank, info.world_size, info.device
+    store, run_id = spec.store, spec.run_id
+    recorder = EpochRecorder(
+        store, run_id, spec.seed, spec.keep_checkpoints, report if rank == 0 else None
+    )
+    checkpoints = recorder.checkpoints
+
+    transform = loads(spec.loader.transformation_fn) if spec.loader.transformation_fn else None
+
+    names = [c.name for c in spec.data.features + spec.data.labels]
+
+    def to_dict(chunk) -> dict:
+        batch = Batch(chunk, spec, device, transform)
+        if recorder.output_shapes is None and recorder.first_inputs is None:
+            recorder.first_inputs = [t[:1].detach().to("cpu") for t in batch.inputs]
+        return dict(zip(names, batch.inputs + batch.labels))
+
+    # lockstep: every rank runs as many validation batches (Lightning may sync what is logged)
+    data = RankData(spec, info, lockstep=True)
+    started = time.time()
+    recorder.steps_per_epoch = data.steps_per_epoch
+    stream = None
+
+    def draw_training():
+        nonlocal stream
+        if stream is None:  # after Lightning restored the recorder: start where it was
+            stream = data.training_steps(1, recorder.batches_drawn)
+        for chunk, _weight, _last in stream:
+            recorder.batches_drawn += 1
+            yield chunk
+
+    train_data = _Batches(data.steps_per_epoch, draw_training, to_dict)
+    val_data = None
+    if data.has_validation:
+        sizes = data.validation_sizes  # in order, so every pass is the same (pass index 1)
+        val_data = _Batches(len(sizes), lambda: data.validation.batches(sizes, 1), to_dict)
+
+    resume_epoch = agree_on_checkpoint(checkpoints, rank, device)
+    callbacks = list(objects.get("callbacks") or [])
+    shared = open_shared_memory(info, spec.collective_timeout)
+    if shared is not None:
+        callbacks.append(SharedMemoryGradients(shared))
+    trainer = pl.Trainer(
+        **{**DEFAULTS, **(objects.get("trainer_args") or {})},
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=[device.index] if device.type == "cuda" else 1,
+        num_nodes=world,
+        strategy=pl.strategies.DDPStrategy(cluster_environment=TaskEnvironment(rank, world)),
+        plugins=[StoreCheckpointIO(store)],
+        max_epochs=spec.epochs,
+        callbacks=[*callbacks, recorder],
+        enable_checkpointing=True,
+        default_root_dir=url(store, store.run(run_id).lightning),
+        use_distributed_sampler=False,
+    )
+    ckpt_path = url(store, checkpoints.path(resume_epoch)) if resume_epoch else None
+    try:
+        with fsspec_defaults(store):
+            trainer.fit(module, train_data, val_data, ckpt_path=ckpt_path)
+    finally:
+        if stream is not None:
+            stream.close()
+        if shared is not None:
+            shared.close()
+    module = module.cpu()
+    weights = {k: v.detach().to("cpu") for k, v in module.state_dict().items()}
+    if rank == 0:
+        if recorder.output_shapes is None and recorder.first_inputs is not None:
+            recorder.output_shapes = _output_shapes(module, recorder.first_inputs)
+        selection, best = _best_checkpoint(pl, trainer)
+        result = {
+            "model": best if best is not None else weights,
+            "history": recorder.history,
+            "output_shapes": recorder.output_shapes,
+            "summary": _summary(pl, trainer, recorder, world, resume_epoch, selection),
+        }
+        store.write_bytes(store.run(run_id).result, state_to_bytes(result))
+    return rank_summary(
+        info,
+        data,
+        shared,
+        weights,
+        recorder.batches_per_epoch,
+        recorder.optimizer_steps_per_epoch,
+        started,
+    )
+
+
+def _output_shapes(module, inputs: list[torch.Tensor]) -> list[list[int]]:
+    """The shapes of forward()'s outputs for one row, without the batch dimension."""
+    was_training = module.training
+    module.eval()
+    with torch.no_grad():
+        outputs = as_outputs(module(*inputs))
+    module.train(was_training)
+    return [list(o.shape[1:]) for o in outputs]
+
+
+def _best_checkpoint(pl, trainer) -> tuple[dict | None, dict | None]:
+    """(selection, weights) of the first ModelCheckpoint that monitors a value and saved a
+    best checkpoint; (None, None) without one."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, pl.callbacks.ModelCheckpoint) and cb.monitor and cb.best_model_path:
+            saved = trainer.strategy.checkpoint_io.load_checkpoint(cb.best_model_path)
+            score = cb.best_model_score
+            selection = {
+                "epoch": int(saved["epoch"]) + 1,
+                "monitor": cb.monitor,
+                "value": float(score) if score is not None else None,
+                "path": cb.best_model_path,
+            }
+            return selection, saved["state_dict"]
+    return None, None
+
+
+def _summary(pl, trainer, recorder, world: int, resume_epoch: int, selection) -> dict:
+    stopped_by = [
+        cb.stopped_epoch + 1
+        for cb in trainer.callbacks
+        if isinstance(cb, pl.callbacks.EarlyStopping) and cb.stopped_epoch
+    ]
+    return {
+        **training_summary(
+            world,
+            trainer.max_epochs,
+            recorder.history,
+            resume_epoch,
+            stopped_by[0] if stopped_by else None,
+            selection,
+            recorder.checkpoints.epochs(),
+        ),
+        "trainer": "lightning",
+        "lightning_version": pl.__version__,
+        "precision": str(trainer.precision),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+    }

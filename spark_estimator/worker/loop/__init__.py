@@ -1,0 +1,1 @@
+"""Executor: the one training loop (TorchEstimator) and its parts."""

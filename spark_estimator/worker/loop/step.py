@@ -1,0 +1,106 @@
+"""Executor: one training step on one batch: forward, loss, backward, optimizer step.
+
+With ``backward_passes_per_step = k`` the optimizer steps once per group of k batches; the
+first k - 1 backward passes run under DDP's ``no_sync``, so gradients are accumulated
+locally and only the group's last pass communicates. Each batch's loss is scaled by the
+weight the step plan gives it, so the group's gradient is the exact mean over the group's
+rows on all ranks: k batches of n rows give the gradient of one batch of k x n rows.
+
+``mixed_precision`` runs forward and loss under ``torch.autocast`` in fp16 or bf16 on the
+task's device (CUDA, or CPU where torch's CPU autocast is used); fp16 adds a GradScaler.
+A ``train_minibatch_fn`` replaces all of this with the user's own step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ...shared.spec import PRECISION_DTYPES, LoopSpec, torch_dtype
+from ..data.batch import Batch
+from .loss import as_outputs
+from .objects import TrainingObjects
+
+
+class Stepper:
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        objects: TrainingObjects,
+        loop: LoopSpec,
+        device: torch.device,
+    ):
+        self.ddp, self.objects, self.device = ddp, objects, device
+        self.accumulate = loop.backward_passes_per_step > 1
+        self.step_scheduler = objects.scheduler is not None and loop.lr_scheduler_interval == "step"
+        precision = PRECISION_DTYPES.get(loop.mixed_precision)
+        self.autocast_dtype = torch_dtype(precision) if precision else None
+        self.scaler = torch.amp.GradScaler(device.type) if loop.mixed_precision == "fp16" else None
+
+    def autocast(self):
+        """The autocast context of ``mixed_precision`` (also used for validation)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def __call__(self, batch: Batch, weight: float, last: bool):
+        """Train on ``batch``; step the optimizer when ``last`` in its group. Returns the
+        model's outputs (a list) and the batch's unweighted loss."""
+        if self.objects.train_minibatch_fn is not None:
+            outputs, loss = self._custom(batch)
+        else:
+            sync = last or not self.accumulate
+            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                with self.autocast():
+                    outputs = as_outputs(self.ddp(*batch.inputs))
+                    loss = self.objects.loss(outputs, batch.labels, batch.sample_weight)
+                scaled = loss * weight
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            if last:
+                self._optimizer_step()
+        if last and self.step_scheduler:
+            self.objects.scheduler.step()
+        return outputs, loss
+
+    def _optimizer_step(self) -> None:
+        optimizer = self.objects.optimizer
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def _custom(self, batch: Batch):
+        def loss_fn(outputs, labels):
+            return self.objects.loss(as_outputs(outputs), labels, batch.sample_weight)
+
+        result = self.objects.train_minibatch_fn(
+            self.ddp, self.objects.optimizer, loss_fn, batch.inputs, batch.labels
+        )
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(
+                f"train_minibatch_fn: must return (outputs, loss), got {type(result).__name__}"
+            )
+        outputs, loss = result
+        if not isinstance(loss, torch.Tensor):
+            loss = torch.tensor(float(loss), device=self.device)
+        return as_outputs(outputs), loss
+
+    def load_state_dict(self, checkpoint: dict) -> None:
+        """Take scaler and scheduler state back from a checkpoint."""
+        if self.scaler is not None and "scaler" in checkpoint:
+            self.scaler.load_state_dict(checkpoint["scaler"])
+        if self.objects.scheduler is not None and "lr_scheduler" in checkpoint:
+            self.objects.scheduler.load_state_dict(checkpoint["lr_scheduler"])
+
+    def state_dict(self) -> dict:
+        """Scaler and scheduler state, for checkpoints."""
+        state = {}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        if self.objects.scheduler is not None:
+            state["lr_scheduler"] = self.objects.scheduler.state_dict()
+        return state

@@ -1,0 +1,313 @@
+"""Executor: the training loop run by every barrier task (one rank each).
+
+Each rank rebuilds the user's objects from the pickled bundle (``objects.py``), wraps the
+model in DistributedDataParallel (``ddp.py``; DDP broadcasts rank 0's initial weights),
+streams its shard through the loader (``rank_data.py``) and trains ``epochs`` epochs. An
+epoch is one exact pass over the training rows, or ``train_steps_per_epoch`` batches of an
+endless sequence of passes (a batch is one forward and backward pass). With
+``backward_passes_per_step = k`` an epoch's batches form groups of k, one optimizer step
+each, across pass boundaries; the epoch's last group may be short, so an epoch always ends
+with an optimizer step (``shards.py``). ``step.py`` does the work of one batch. Per epoch
+the ranks run exactly two collectives besides DDP's: one allreduce of the epoch's loss and
+metric sums (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks).
+Rank 0 then writes the epoch's checkpoint (``checkpoints.py``); at the end it writes the
+result, and every rank returns its ``RankSummary``. A run that finds checkpoints of its
+``run_id`` continues after the newest (``resume.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
+from ...shared.serialization import loads, state_to_bytes
+from ...shared.spec import TrainSpec, metric_keys
+from ...shared.summary import RankSummary, training_summary
+from ..data.batch import Batch
+from ..data.rank_data import RankData, rank_summary
+from ..dist.ddp import wrap_model
+from ..dist.rendezvous import RankInfo
+from ..dist.shm_allreduce import SharedMemoryAllreduce
+from ..observe.run_log import FLUSH_S
+from ..observe.tensorboard import TensorBoardLog
+from .checkpoints import Checkpoints
+from .loss import as_outputs, batch_metrics
+from .metrics import EpochSums
+from .objects import build_objects
+from .resume import (
+    agree_on_checkpoint,
+    callback_states,
+    load_checkpoint,
+    restore_callbacks,
+    seed_epoch,
+)
+from .step import Stepper
+
+_PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
+
+
+def train(
+    spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None = None
+) -> RankSummary:
+    """Train on this rank; return a summary of what it did.
+    Rank 0 passes its progress to ``report`` (see run_log.py)."""
+    loop = _TrainingLoop(spec, info, report)
+    try:
+        loop.run()
+        return loop.finish()
+    finally:
+        loop.steps.close()
+        if isinstance(loop.hook, SharedMemoryAllreduce):
+            loop.hook.close()
+
+
+class _TrainingLoop:
+    """One rank's training run: set up in ``__init__``, ``run`` the epochs, ``finish``."""
+
+    def __init__(self, spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None):
+        self.spec, self.info, self.device = spec, info, info.device
+        lead = info.rank == 0
+        self.report = report if lead else None
+        self.reported = 0.0  # when progress was last reported (time.monotonic)
+        self.tensorboard = TensorBoardLog(spec.store, spec.run_id) if lead else None
+        rank, world = info.rank, info.world_size
+        self.objects = build_objects(spec, world, self.device)
+        fn = spec.loader.transformation_fn
+        self.transform = loads(fn) if fn else None
+        self.ddp, self.hook = wrap_model(
+            self.objects.model, info, spec.loop.gradient_compression, spec.collective_timeout
+        )
+        self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
+
+        self.data = RankData(spec, info, lockstep=False)
+        self.steps_per_epoch = self.data.steps_per_epoch
+        # what each epoch of this attempt ran, counted: batches and optimizer steps
+        self.batches_run: list[int] = []
+        self.optimizer_steps_run: list[int] = []
+        self.has_validation = self.data.has_validation
+
+        labels = [c.name for c in spec.data.labels]
+        self.metric_names = metric_keys(list(self.objects.metrics), labels)
+        self.checkpoints = Checkpoints(spec.store, spec.run_id, spec.keep_checkpoints)
+        callbacks = self.objects.callbacks
+        self.best = next((cb for cb in callbacks if isinstance(cb, BestModel)), None)
+        self.state = TrainingState(rank, world, self.objects.model, self.objects.optimizer)
+        self.output_shapes: list[list[int]] | None = None
+        self.started = time.time()
+        self.start_epoch, self.batches_drawn, self.stopped = 0, 0, False
+        resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
+        if resume_epoch:
+            self._restore(resume_epoch)
+        # the rates training starts with: scaled and scheduled, or restored on resume
+        self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
+        group = spec.loop.backward_passes_per_step
+        self.steps = self.data.training_steps(group, self.batches_drawn)
+
+    def _restore(self, epoch: int) -> None:
+        """Continue from the checkpoint of ``epoch`` (see resume.py)."""
+        saved = load_checkpoint(self.checkpoints, epoch)
+        objects = self.objects
+        objects.model.load_state_dict(saved["model"])
+        objects.optimizer.load_state_dict(saved["optimizer"])
+        self.stepper.load_state_dict(saved)
+        restore_callbacks(objects.callbacks, saved["callbacks"])
+        if self.best is not None and self.best.best_epoch is not None:
+            best = self.best.best_epoch
+            source = saved if best == epoch else load_checkpoint(self.checkpoints, best)
+            self.best.best_state = source["model"]
+        self.state.history = list(saved["history"])
+        self.output_shapes = saved["output_shapes"]
+        self.start_epoch, self.batches_drawn = epoch, saved["batches_drawn"]
+        self.stopped = saved["stop_training"]
+
+    # -- the epochs -----------------------------------------------------------------------
+    def run(self) -> None:
+        callbacks, state = self.objects.callbacks, self.state
+        for cb in callbacks:
+            cb.on_train_begin(state)
+        last = self.start_epoch if self.stopped else self.spec.epochs
+        for epoch in range(self.start_epoch + 1, last + 1):
+            seed_epoch(self.spec.seed, epoch, self.info.rank)
+            state.epoch = epoch
+            for cb in callbacks:
+                cb.on_epoch_begin(epoch, state)
+            lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
+            sums = EpochSums(self.metric_names, self.device)
+            self._train_epoch(epoch, sums)
+            if self.has_validation:
+                self._validate(epoch, sums)
+            sums.reduce()  # the epoch's one collective for loss and metrics
+            if self.spec.loop.terminate_on_nan and sums.non_finite_steps:
+                raise self._nan_error(sums, epoch)
+            record = {"epoch": epoch, "lr": lrs, "train": sums.record("train")}
+            if self.has_validation:
+                record["validation"] = sums.record("validation")
+            state.history.append(record)
+            self._progress(epoch, self.steps_per_epoch)
+            self._step_scheduler(record)
+            for cb in callbacks:
+                cb.on_epoch_end(epoch, record, state)
+            stop = self._agree_to_stop(state.stop_training)
+            if self.info.rank == 0:
+                self._write_checkpoint(epoch, stop)
+                self.tensorboard.write(state.history)
+            if stop:
+                break
+        for cb in callbacks:
+            cb.on_train_end(state)
+
+    def _progress(self, epoch: int, step: int, sums: EpochSums | None = None) -> None:
+        """Report rank 0's progress: at an epoch's end (no ``sums``), else at most every
+        FLUSH_S, with the epoch's running loss and the last finished epoch's record."""
+        if self.report is None or (sums and time.monotonic() - self.reported < FLUSH_S):
+            return
+        self.reported = time.monotonic()
+        last = self.state.history[-1] if self.state.history else None
+        self.report(
+            epoch=epoch,
+            epochs=self.spec.epochs,
+            step=step,
+            steps=self.steps_per_epoch,
+            loss=sums.running_loss("train") if sums else last["train"]["loss"],
+            last=last,
+        )
+
+    def _train_epoch(self, epoch: int, sums: EpochSums) -> None:
+        """Train on the epoch's ``steps_per_epoch`` batches; its last one ends a group, so
+        the epoch ends with an optimizer step."""
+        self.ddp.train()
+        objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
+        batches = optimizer_steps = 0
+        for chunk, weight, last in itertools.islice(self.steps, self.steps_per_epoch):
+            batches += 1
+            self.batches_drawn += 1
+            batch = Batch(chunk, self.spec, self.device, self.transform)
+            outputs, loss = self.stepper(batch, weight, last)
+            optimizer_steps += last
+            if self.output_shapes is None:
+                self.output_shapes = [list(o.shape[1:]) for o in outputs]
+            if batch.size:
+                metrics = batch_metrics(objects.metrics, outputs, batch.labels)
+                sums.add("train", loss, batch.size, metrics)
+                if check_nan:
+                    sums.check_finite(loss, batches)
+            if batches < self.steps_per_epoch:  # the epoch's end is reported by run()
+                self._progress(epoch, batches, sums)
+        self.batches_run.append(batches)
+        self.optimizer_steps_run.append(optimizer_steps)
+
+    def _validate(self, epoch: int, sums: EpochSums) -> None:
+        """Add this rank's validation batches to ``sums`` (no collectives: ranks may have
+        different batch counts, so this runs on the module, not the DDP wrapper)."""
+        model, objects = self.objects.model, self.objects
+        model.eval()
+        with torch.no_grad(), self.stepper.autocast():
+            for chunk in self.data.validation.batches(self.data.validation_sizes, epoch):
+                batch = Batch(chunk, self.spec, self.device, self.transform)
+                outputs = as_outputs(model(*batch.inputs))
+                loss = objects.loss(outputs, batch.labels, batch.sample_weight)
+                metrics = batch_metrics(objects.metrics, outputs, batch.labels)
+                sums.add("validation", loss, batch.size, metrics)
+
+    def _step_scheduler(self, record: dict) -> None:
+        scheduler = self.objects.scheduler
+        if scheduler is None or self.spec.loop.lr_scheduler_interval != "epoch":
+            return
+        if isinstance(scheduler, _PLATEAU):
+            split = "validation" if self.has_validation else "train"
+            scheduler.step(monitored_value(record, f"{split}.loss"))
+        else:
+            scheduler.step()
+
+    def _agree_to_stop(self, requested: bool) -> bool:
+        """Rank 0's stop request, the same on every rank."""
+        flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    def _write_checkpoint(self, epoch: int, stop: bool) -> None:
+        state = {
+            "model": self.objects.model.state_dict(),
+            "optimizer": self.objects.optimizer.state_dict(),
+            "history": self.state.history,
+            "callbacks": callback_states(self.objects.callbacks),
+            "output_shapes": self.output_shapes,
+            "batches_drawn": self.batches_drawn,
+            "stop_training": stop,
+            **self.stepper.state_dict(),
+        }
+        best_epoch = self.best.best_epoch if self.best else None
+        self.checkpoints.write(epoch, state, {best_epoch} if best_epoch else set())
+
+    def _nan_error(self, sums: EpochSums, epoch: int) -> Exception:
+        """The error every rank raises when a training loss was not finite this epoch."""
+        world = self.info.world_size
+        # the first bad step over all ranks, ties to the lowest rank: step * world + rank
+        first = int(sums.first_bad_step.item())
+        code = first * world + self.info.rank if first >= 0 else torch.iinfo(torch.int64).max
+        code = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.all_reduce(code, op=dist.ReduceOp.MIN)
+        step, rank = divmod(int(code.item()), world)
+        last = self.checkpoints.last()
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        return FloatingPointError(
+            f"terminate_on_nan: the training loss was NaN or infinite at epoch {epoch}, step "
+            f"{step} (rank {rank}; {sums.non_finite_steps} such steps this epoch); training "
+            f"stopped and {kept}"
+        )
+
+    # -- the end --------------------------------------------------------------------------
+    def finish(self) -> RankSummary:
+        """Rank 0 writes the result; every rank returns its summary."""
+        model = self.objects.model
+        weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+        if self.info.rank == 0:
+            selection = self.best.selection() if self.best else None
+            result = {
+                "model": self.best.best_state if selection else weights,
+                "history": self.state.history,
+                "output_shapes": self.output_shapes,
+                "summary": self._training_summary(selection),
+            }
+            store = self.spec.store
+            store.write_bytes(store.run(self.spec.run_id).result, state_to_bytes(result))
+        # process_group's closing barrier keeps every rank until rank 0 has written it
+        return rank_summary(
+            self.info,
+            self.data,
+            self.hook,
+            weights,
+            self.batches_run,
+            self.optimizer_steps_run,
+            self.started,
+        )
+
+    def _training_summary(self, selection: dict | None) -> dict:
+        loop, history = self.spec.loop, self.state.history
+        stopped_by = [
+            cb.stopped_epoch
+            for cb in self.objects.callbacks
+            if isinstance(cb, EarlyStopping) and cb.stopped_epoch
+        ]
+        return {
+            **training_summary(
+                self.info.world_size,
+                self.spec.epochs,
+                history,
+                self.start_epoch,
+                stopped_by[0] if stopped_by else None,
+                selection,
+                self.checkpoints.epochs(),
+            ),
+            "lr_scaling": loop.lr_scaling,
+            "base_learning_rates": self.objects.base_lrs,
+            "learning_rates": self.start_lrs,
+            "backward_passes_per_step": loop.backward_passes_per_step,
+            "gradient_compression": loop.gradient_compression,
+            "mixed_precision": loop.mixed_precision,
+        }

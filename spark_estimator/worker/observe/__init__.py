@@ -1,0 +1,1 @@
+"""Executor: what a rank shows of itself: its output and progress, TensorBoard events."""

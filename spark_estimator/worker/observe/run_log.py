@@ -1,0 +1,177 @@
+"""Executor: what a rank prints and logs, and how far training got, written to the store.
+
+While a training task runs, ``RankLog`` copies the lines the process writes to
+``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too) and the
+records of Python ``logging`` (INFO and above, on the root logger) into a buffer. A
+background thread writes the buffer every ``CHUNK_S`` seconds (when it holds lines, and at
+the end) as a new chunk file, so it works on stores that cannot append (S3)::
+
+    runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log
+
+Lines leave the buffer only once written: a write that fails (a store that failed for a
+moment) is tried again at the next flush, and the last one, at the end of the task, up to
+``FINAL_ATTEMPTS`` times, so a failing rank's last lines reach its ``TrainingError``.
+
+Rank 0 also reports progress (epoch, step, the epoch's running training loss, the last
+epoch's record) in ``runs/<run_id>/progress.json``, rewritten every ``FLUSH_S`` seconds. The
+driver's ``driver/monitor.py`` reads both while the job runs.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import posixpath
+import sys
+import threading
+import time
+
+from ...store import Store
+
+FLUSH_S = 0.5  # progress
+CHUNK_S = 2.0  # output lines: a chattier pace would mean many small files in the store
+FINAL_ATTEMPTS = 3  # writes of the last lines tried before the task ends without them
+_FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+
+
+class _Tee(io.TextIOBase):
+    """A text stream that writes through to ``stream`` and hands whole lines to ``sink``."""
+
+    def __init__(self, stream, sink):
+        self.stream, self.sink, self.partial = stream, sink, ""
+
+    def write(self, text: str) -> int:
+        self.stream.write(text)
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.sink(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        if self.partial:
+            self.sink(self.partial)
+            self.partial = ""
+
+    def __getattr__(self, name):  # fileno, encoding, isatty: those of the real stream
+        return getattr(self.stream, name)
+
+
+class _Handler(logging.Handler):
+    def __init__(self, sink):
+        super().__init__(logging.INFO)
+        self.sink = sink
+        self.setFormatter(_FORMAT)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            for line in self.format(record).split("\n"):
+                self.sink(line)
+        except Exception:
+            self.handleError(record)
+
+
+class OutputCapture:
+    """Hands every line written to ``sys.stdout`` / ``sys.stderr`` (still written through)
+    and every root ``logging`` record at INFO and above to ``sink``, while entered."""
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def __enter__(self) -> OutputCapture:
+        self.stdout, self.stderr = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.sink), _Tee(sys.stderr, self.sink)
+        root = logging.getLogger()
+        self.handler, self.root_level = _Handler(self.sink), root.level
+        root.addHandler(self.handler)
+        if root.getEffectiveLevel() > logging.INFO:
+            root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for tee in (sys.stdout, sys.stderr):
+            if isinstance(tee, _Tee):
+                tee.close_line()
+        sys.stdout, sys.stderr = self.stdout, self.stderr
+        root = logging.getLogger()
+        root.removeHandler(self.handler)
+        root.setLevel(self.root_level)
+
+
+class RankLog:
+    """Capture this rank's output and progress for the driver (a context manager)."""
+
+    def __init__(self, store: Store, run_id: str, launch_id: str, rank: int, attempt: int):
+        self.store, self.rank = store, rank
+        run = store.run(run_id)
+        self.prefix = posixpath.join(run.rank_logs(rank), f"{launch_id}-{attempt:012d}-")
+        self.progress_file = run.progress
+        self.launch_id = launch_id
+        self.lines: list[str] = []
+        self.seq, self.chunk_written = 0, time.monotonic()
+        self.lock = threading.Lock()
+        self.progress: dict | None = None
+        self.progress_written: dict | None = None
+        self.stop = threading.Event()
+
+    def add_line(self, line: str) -> None:
+        with self.lock:
+            self.lines.append(line)
+
+    def report(self, **progress) -> None:
+        """Rank 0's progress (JSON values), written at the next flush."""
+        if self.rank == 0:
+            with self.lock:
+                self.progress = {"launch_id": self.launch_id, **progress}
+
+    def flush(self, final: bool = False) -> None:
+        """Write new progress; new lines too at the end or after ``CHUNK_S`` seconds.
+
+        Lines leave the buffer only once their chunk is written: after a failed write the
+        next flush writes them again (under the same chunk name), with any newer lines."""
+        chunk_due = final or time.monotonic() - self.chunk_written >= CHUNK_S
+        with self.lock:
+            lines = list(self.lines) if chunk_due else []
+            progress = self.progress
+        if lines:
+            text = "".join(line + "\n" for line in lines)
+            self.store.write_bytes(f"{self.prefix}{self.seq + 1:06d}.log", text.encode())
+            self.seq += 1
+            self.chunk_written = time.monotonic()
+            with self.lock:
+                del self.lines[: len(lines)]
+        if progress is not None and progress != self.progress_written:
+            self.store.write_json(self.progress_file, progress)
+            self.progress_written = progress
+
+    def _flush_loop(self) -> None:
+        while not self.stop.wait(FLUSH_S):
+            try:
+                self.flush()
+            except Exception as e:  # the store failed for a moment: the lines are kept
+                _report_unwritten(e)
+
+    def __enter__(self) -> RankLog:
+        self.capture = OutputCapture(self.add_line).__enter__()
+        self.thread = threading.Thread(target=self._flush_loop, name="rank-log", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.capture.__exit__(*exc)
+        self.stop.set()
+        self.thread.join()
+        for attempt in range(FINAL_ATTEMPTS):  # the last lines, the failing rank's included
+            try:
+                self.flush(final=True)
+                return
+            except Exception as e:  # never hide the task's own outcome behind the log's
+                _report_unwritten(e)
+                if attempt + 1 < FINAL_ATTEMPTS:
+                    time.sleep(FLUSH_S)
+
+
+def _report_unwritten(error: Exception) -> None:
+    print(f"spark-estimator: could not write the rank's log: {error}", file=sys.__stderr__)

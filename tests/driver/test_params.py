@@ -1,0 +1,209 @@
+import inspect
+
+import pytest
+import torch
+
+from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel
+from spark_estimator.driver.params import SPARK_ALIASES
+
+
+def make(**kw):
+    net = torch.nn.Linear(2, 1)
+    base = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+    )
+    base.update(kw)
+    return TorchEstimator(**base)
+
+
+def test_defaults():
+    est = make()
+    assert est.getBatchSize() == 32 and est.getEpochs() == 1
+    assert est.getNumProc() is None and est.getValidation() is None
+    assert est.getRandomSeed() == 0 and est.getUseGpu() is True
+    assert est.getRunId() is None and est.getInputShapes() is None and est.getOutputCols() is None
+    assert (est.getPartitionsPerProcess(), est.getRowGroupSizeMb()) == (4, 32.0)
+    assert (est.getCompression(), est.getDtype(), est.getReader()) == ("snappy", "float32", "arrow")
+    assert est.getShuffle() is True and est.getShuffleBufferSize() is None
+    assert est.getReaderNumWorkers() == 2 and est.getInmemoryCacheAll() is False
+    assert est.getTrainStepsPerEpoch() is None and est.getValidationStepsPerEpoch() is None
+    assert est.getTransformationFn() is None
+    assert est.getCollectiveTimeout() == 600.0
+
+
+def test_data_path_params_round_trip():
+    def scale(batch):
+        return batch
+
+    est = make(
+        partitions_per_process=2,
+        row_group_size_mb=8,
+        compression="zstd",
+        dtype="float64",
+        reader="petastorm",
+        shuffle=False,
+        shuffle_buffer_size=1000,
+        reader_num_workers=4,
+        inmemory_cache_all=True,
+        train_steps_per_epoch=10,
+        validation_steps_per_epoch=3,
+        transformation_fn=scale,
+    )
+    assert est.getRowGroupSizeMb() == 8.0 and est.getPartitionsPerProcess() == 2
+    assert (est.getCompression(), est.getDtype(), est.getReader()) == (
+        "zstd",
+        "float64",
+        "petastorm",
+    )
+    assert not est.getShuffle() and est.getShuffleBufferSize() == 1000
+    assert est.getReaderNumWorkers() == 4 and est.getInmemoryCacheAll()
+    assert (est.getTrainStepsPerEpoch(), est.getValidationStepsPerEpoch()) == (10, 3)
+    assert est.getTransformationFn() is scale
+    assert est.setShuffleBufferSize(None).getShuffleBufferSize() is None
+
+
+def test_getters_and_setters_round_trip(tmp_path):
+    store = Store(str(tmp_path))
+    est = make()
+    assert est.setBatchSize(64) is est
+    est.setEpochs(3).setNumProc(2).setValidation(0.25).setRandomSeed(7).setUseGpu(False)
+    est.setRunId("r").setInputShapes([[-1, 2]]).setOutputCols(["p"]).setStore(store)
+    est.setFeatureCols(["a", "b"]).setLabelCols(["c"])
+    assert (est.getBatchSize(), est.getEpochs(), est.getNumProc()) == (64, 3, 2)
+    assert (est.getValidation(), est.getRandomSeed(), est.getUseGpu()) == (0.25, 7, False)
+    assert est.getRunId() == "r" and est.getInputShapes() == [[-1, 2]]
+    assert est.getOutputCols() == ["p"] and est.getStore() is store
+    assert est.getFeatureCols() == ["a", "b"] and est.getLabelCols() == ["c"]
+
+
+def test_param_converters_reject_bad_types():
+    with pytest.raises(TypeError):
+        make(batch_size="many")
+    with pytest.raises(TypeError, match="input_shapes"):
+        make(input_shapes=[-1, 2])
+    with pytest.raises(TypeError, match="validation"):
+        make(validation=True)
+    assert make(validation="is_val").getValidation() == "is_val"
+
+
+@pytest.mark.parametrize("value, shown", [(0, False), (1, True), (2, True), (False, False)])
+def test_verbose_takes_horovods_levels_and_booleans(value, shown):
+    assert make(verbose=value).getVerbose() is shown
+    assert make().setVerbose(value).getVerbose() is shown
+
+
+@pytest.mark.parametrize("value", [3, -1, "yes", 1.0])
+def test_verbose_refuses_other_values_naming_it(value):
+    with pytest.raises((TypeError, ValueError), match="verbose"):
+        make(verbose=value)
+
+
+def test_copy_with_extra_changes_only_the_copy():
+    est = make(epochs=2)
+    other = est.copy({est.epochs: 5})
+    assert other.getEpochs() == 5 and est.getEpochs() == 2
+    assert other.getModel() is est.getModel() and other.uid == est.uid
+
+
+def test_explain_params_documents_every_param():
+    text = make().explainParams()
+    for name in (
+        "model",
+        "optimizer",
+        "loss",
+        "feature_cols",
+        "label_cols",
+        "input_shapes",
+        "output_cols",
+        "batch_size",
+        "epochs",
+        "num_proc",
+        "validation",
+        "random_seed",
+        "collective_timeout",
+        "store",
+        "use_gpu",
+        "run_id",
+        "partitions_per_process",
+        "row_group_size_mb",
+        "compression",
+        "dtype",
+        "reader",
+        "shuffle",
+        "shuffle_buffer_size",
+        "reader_num_workers",
+        "inmemory_cache_all",
+        "train_steps_per_epoch",
+        "validation_steps_per_epoch",
+        "transformation_fn",
+        "lr_scaling",
+        "backward_passes_per_step",
+        "gradient_compression",
+        "mixed_precision",
+        "metrics",
+        "loss_weights",
+        "sample_weight_col",
+        "lr_scheduler",
+        "lr_scheduler_interval",
+        "callbacks",
+        "terminate_on_nan",
+        "train_minibatch_fn",
+        "loss_constructors",
+        "keep_checkpoints",
+    ):
+        assert f"{name}:" in text
+
+
+def test_model_params_and_accessors():
+    net = torch.nn.Linear(2, 1)
+    model = TorchModel(model=net, feature_cols=["x"], history=[{"epoch": 1}], run_id="r")
+    assert model.getModel() is net and model.getFeatureCols() == ["x"]
+    assert model.getHistory() == [{"epoch": 1}] and model.getRunId() == "r"
+    assert model.setOutputCols(["p"]).getOutputCols() == ["p"]
+    assert "feature_cols:" in model.explainParams()
+
+
+@pytest.mark.parametrize("cls", [TorchEstimator, LightningEstimator, TorchModel])
+def test_init_keywords_are_the_params_with_their_one_default(cls):
+    stage = cls()
+    keywords = dict(inspect.signature(cls.__init__).parameters)
+    del keywords["self"]
+    names = {p.name for p in stage.params}
+    assert names <= set(keywords)
+    for keyword, argument in keywords.items():
+        name = SPARK_ALIASES.get(keyword, keyword)
+        if name not in names:
+            assert cls is TorchModel and keyword in TorchModel._NOT_PARAMS
+            continue
+        param = stage.getParam(name)
+        default = stage.getOrDefault(param) if stage.hasDefault(param) else None
+        assert repr(argument.default) == repr(default), keyword
+
+
+@pytest.mark.parametrize("stage", [make, LightningEstimator, TorchModel])
+def test_spark_columns_take_both_spellings(stage):
+    snake = stage(probability_col="p", raw_prediction_col="r")
+    spark = stage(probabilityCol="p", rawPredictionCol="r")
+    for one in (snake, spark):
+        assert (one.getProbabilityCol(), one.getRawPredictionCol()) == ("p", "r")
+        assert {"probabilityCol", "rawPredictionCol"} <= {p.name for p in one.params}
+        assert not {"probability_col", "raw_prediction_col"} & {p.name for p in one.params}
+    assert stage(probability_col="p", probabilityCol="p").getProbabilityCol() == "p"
+    assert snake.setProbabilityCol("q").getProbabilityCol() == "q"
+
+
+def test_set_params_takes_the_snake_case_spelling():
+    est = make().setParams(probability_col="p", raw_prediction_col="r")
+    assert (est.getProbabilityCol(), est.getRawPredictionCol()) == ("p", "r")
+
+
+@pytest.mark.parametrize("stage", [make, LightningEstimator, TorchModel])
+def test_both_spellings_with_different_values_are_refused_naming_them(stage):
+    with pytest.raises(ValueError, match="probability_col, probabilityCol"):
+        stage(probability_col="p", probabilityCol="q")
+    with pytest.raises(ValueError, match="raw_prediction_col, rawPredictionCol"):
+        stage(raw_prediction_col="r", rawPredictionCol="s")

@@ -1,0 +1,135 @@
+import numpy as np
+import pytest
+import torch
+
+from spark_estimator.shared.spec import LoaderSpec, TrainSpec
+from spark_estimator.worker.data.loader import buffered_batches, open_loader
+from spark_estimator.worker.data.shards import StepPlan
+from tests.conftest import write_id_dataset
+
+
+def train_spec(data, store, seed=0, **loader) -> TrainSpec:
+    return TrainSpec(
+        bundle=b"",
+        data=data,
+        store=store,
+        run_id="r",
+        batch_size=4,
+        epochs=1,
+        seed=seed,
+        use_gpu=False,
+        input_shapes=None,
+        loader=LoaderSpec(**loader),
+    )
+
+
+def epoch_ids(spec, world, batch, pass_index, split="train"):
+    """Per rank, the list of batches (as id lists) of one pass."""
+    total = spec.data.rows(split)
+    out = []
+    for rank in range(world):
+        loader = open_loader(spec, split, world, rank, pin=False)
+        sizes = StepPlan(total, world, rank, batch).batch_sizes
+        out.append([b["y"].tolist() for b in loader.batches(sizes, pass_index)])
+    return out
+
+
+@pytest.mark.parametrize("world,buffer", [(1, None), (3, 5), (4, 1)])
+def test_every_row_once_per_epoch_across_ranks_with_equal_steps(tmp_path, store, world, buffer):
+    data = write_id_dataset(tmp_path, [10, 1, 12], row_group_size=4)  # 23 rows
+    spec = train_spec(data, store, shuffle_buffer_size=buffer)
+    for pass_index in (1, 2):
+        ranks = epoch_ids(spec, world, 3, pass_index)
+        assert len({len(batches) for batches in ranks}) == 1
+        seen = sorted(i for batches in ranks for batch in batches for i in batch)
+        assert seen == list(range(23))
+
+
+def test_shuffled_order_is_seeded_reproducible_and_new_each_epoch(tmp_path, store):
+    data = write_id_dataset(tmp_path, [30, 30], row_group_size=6)
+    spec = train_spec(data, store, seed=7, shuffle_buffer_size=12)
+    first = epoch_ids(spec, 2, 5, 1)
+    assert epoch_ids(spec, 2, 5, 1) == first
+    assert epoch_ids(spec, 2, 5, 2) != first
+    assert epoch_ids(train_spec(data, store, seed=8, shuffle_buffer_size=12), 2, 5, 1) != first
+    # each rank keeps its own rows: shuffling never moves rows across shards
+    assert sorted(i for b in first[0] for i in b) == list(range(30))
+
+
+def test_without_shuffle_rows_come_in_file_order(tmp_path, store):
+    data = write_id_dataset(tmp_path, [7, 7], row_group_size=3)
+    ranks = epoch_ids(train_spec(data, store, shuffle=False), 2, 3, 1)
+    assert [i for b in ranks[0] for i in b] == list(range(7))
+    assert [i for b in ranks[1] for i in b] == list(range(7, 14))
+    assert ranks == epoch_ids(train_spec(data, store, shuffle=False), 2, 3, 2)
+
+
+def test_validation_is_read_in_order_even_with_shuffle(tmp_path, store):
+    data = write_id_dataset(tmp_path, [9], row_group_size=2, split="validation")
+    loader = open_loader(train_spec(data, store, shuffle=True), "validation", 1, 0, pin=False)
+    assert [b["y"].tolist() for b in loader.batches([4, 4, 1], 3)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8],
+    ]
+
+
+def test_the_shuffle_buffer_is_bounded():
+    chunks = [{"y": np.arange(i, i + 4)} for i in range(0, 40, 4)]
+    gen = torch.Generator().manual_seed(0)
+    template = {"y": torch.empty(0, dtype=torch.int64)}
+    batches = list(
+        buffered_batches(iter(chunks), [2] * 20, template, buffer_rows=10, generator=gen)
+    )
+    # the buffer fills to >= 10 rows (three chunks) before the first batch is drawn
+    assert set(batches[0]["y"].tolist()) <= set(range(12))
+    assert sorted(torch.cat([b["y"] for b in batches]).tolist()) == list(range(40))
+    assert [b["y"].tolist() for b in batches] != [[i, i + 1] for i in range(0, 40, 2)]
+
+
+def test_in_memory_cache_reads_once_and_yields_the_same_batches(tmp_path, store):
+    data = write_id_dataset(tmp_path, [20], row_group_size=5)
+    cached = open_loader(train_spec(data, store, inmemory_cache_all=True), "train", 1, 0, False)
+    streamed = open_loader(train_spec(data, store), "train", 1, 0, False)
+    reads = []
+    read = cached.read_chunks
+    cached.read_chunks = lambda pieces: (reads.append(len(pieces)), read(pieces))[1]
+    sizes = StepPlan(20, 1, 0, 6).batch_sizes
+    for pass_index in (1, 2, 3):
+        got = [b["y"].tolist() for b in cached.batches(sizes, pass_index)]
+        assert got == [b["y"].tolist() for b in streamed.batches(sizes, pass_index)]
+    assert reads == [4, 0, 0]
+    # a transformation changing a batch in place must not corrupt the cache
+    for batch in cached.batches(sizes, 4):
+        batch["y"] += 1000
+    assert sorted(i for b in cached.batches(sizes, 5) for i in b["y"].tolist()) == list(range(20))
+
+
+def test_a_rank_without_rows_gets_empty_batches_with_row_shapes(tmp_path, store):
+    data = write_id_dataset(tmp_path, [3], row_group_size=3)
+    spec = train_spec(data, store)
+    loader = open_loader(spec, "train", 4, 3, pin=False)
+    (batch,) = loader.batches(StepPlan(3, 4, 3, 2).batch_sizes, 1)
+    assert batch["x"].shape == (0, 2) and batch["y"].dtype == torch.int64
+
+
+def test_asking_for_more_rows_than_the_shard_has_is_an_error(tmp_path, store):
+    data = write_id_dataset(tmp_path, [3], row_group_size=3)
+    loader = open_loader(train_spec(data, store), "train", 1, 0, pin=False)
+    with pytest.raises(ValueError, match="loader: 4 rows asked of a shard of 3"):
+        next(loader.batches([4], 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_buffer_is_pinned_and_batches_copy_without_blocking(tmp_path, store):
+    from spark_estimator.worker.data.batch import Batch
+
+    data = write_id_dataset(tmp_path, [20], row_group_size=5)
+    spec = train_spec(data, store, shuffle_buffer_size=8)
+    loader = open_loader(spec, "train", 1, 0, pin=True)
+    batches = list(loader.batches(StepPlan(20, 1, 0, 6).batch_sizes, 1))
+    assert all(b["x"].is_pinned() and b["y"].is_pinned() for b in batches)
+    on_gpu = Batch(batches[0], spec, torch.device("cuda:0"))
+    torch.cuda.synchronize()
+    assert on_gpu.inputs[0].is_cuda and torch.equal(on_gpu.labels[0].cpu(), batches[0]["y"])

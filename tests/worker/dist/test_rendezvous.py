@@ -1,0 +1,129 @@
+import json
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spark_estimator.worker.dist.rendezvous import (
+    RendezvousError,
+    cuda_ordinal,
+    current_rank_info,
+    local_ranks,
+    process_group,
+    select_device,
+    task_gpu_addresses,
+)
+
+
+class FakeResource:
+    def __init__(self, addresses):
+        self.addresses = addresses
+
+
+def test_cpu_when_gpu_not_wanted():
+    assert select_device(False, ["0"], True) == (torch.device("cpu"), None)
+
+
+def test_uses_the_gpu_address_spark_assigned():
+    device, reason = select_device(True, ["3"], cuda_available=True)
+    assert device == torch.device("cuda", 3) and reason is None
+
+
+def test_falls_back_to_cpu_without_an_assigned_gpu():
+    device, reason = select_device(True, [], cuda_available=True)
+    assert device.type == "cpu" and "assigned no GPU" in reason
+
+
+def test_falls_back_to_cpu_without_cuda():
+    device, reason = select_device(True, ["0"], cuda_available=False)
+    assert device.type == "cpu" and "no CUDA" in reason
+
+
+def test_task_gpu_addresses_reads_spark_resources():
+    assert task_gpu_addresses({"gpu": FakeResource(["1", "2"])}) == ["1", "2"]
+    assert task_gpu_addresses({}) == []
+
+
+def test_spark_gpu_address_maps_to_the_visible_device_index():
+    assert cuda_ordinal("3", None) == 3
+    assert cuda_ordinal("3", "2,3") == 1  # CUDA_VISIBLE_DEVICES renumbers the GPUs
+    assert cuda_ordinal("0", "") == 0
+    device, _ = select_device(True, ["5"], True, visible_devices="4,5,6")
+    assert device == torch.device("cuda", 1)
+
+
+def test_local_rank_counts_tasks_on_the_same_host():
+    hosts = ["a", "b", "a", "a", "b"]
+    assert [local_ranks(hosts, r) for r in range(5)] == [(0, 3), (0, 2), (1, 3), (2, 3), (1, 2)]
+
+
+def test_no_rank_info_outside_a_task():
+    with pytest.raises(RuntimeError, match="not inside a spark-estimator task"):
+        current_rank_info()
+
+
+class FakeTaskInfo:
+    def __init__(self, address):
+        self.address = address
+
+
+class FakeBarrierContext:
+    """The parts of BarrierTaskContext that process_group uses, for one process."""
+
+    def __init__(self, rank, world_size, master=None):
+        self.rank, self.world_size, self.master, self.sent = rank, world_size, master, []
+
+    def getTaskInfos(self):
+        return [FakeTaskInfo("127.0.0.1:7077")] * self.world_size
+
+    def partitionId(self):
+        return self.rank
+
+    def resources(self):
+        return {}
+
+    def cpus(self):
+        return 1
+
+    def allGather(self, message):
+        self.sent.append(message)
+        return [message if self.master is None else self.master] + [""] * (self.world_size - 1)
+
+
+def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards():
+    ctx = FakeBarrierContext(0, 1)
+    with process_group(ctx, use_gpu=False, timeout_s=5) as info:
+        assert info.rank == 0 and dist.is_initialized()
+        address = json.loads(ctx.sent[0])
+        assert len(address["secret"]) == 32  # random per job, shared only via Spark
+        stranger = dist.TCPStore(
+            "127.0.0.1", address["port"], is_master=False, timeout=timedelta(seconds=5)
+        )
+        # the job's keys live under the secret: a client without it sees none of them
+        assert stranger.check([f"spark-estimator/{address['secret']}/failures"]) is False
+    assert not dist.is_initialized()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", address["port"]), timeout=2).close()
+
+
+def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = json.dumps({"host": "127.0.0.1", "port": port, "secret": "0" * 32})
+    failures = []
+    started = time.monotonic()
+    with pytest.raises(RendezvousError, match="rendezvous: rank 1 of 2 could not form"):
+        with process_group(
+            FakeBarrierContext(1, 2, master),
+            use_gpu=False,
+            timeout_s=2,
+            on_failure=lambda rank, e: failures.append((rank, type(e).__name__)),
+        ):
+            pass
+    assert time.monotonic() - started < 20
+    assert failures == [(1, "RendezvousError")]
+    assert not dist.is_initialized()
