@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .worker.dist.rendezvous import current_rank_info
+from .worker.comm.rendezvous import current_rank_info
 
 
 def rank() -> int:

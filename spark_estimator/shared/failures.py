@@ -34,7 +34,7 @@ import torch.distributed as dist
 from ..store import Store
 
 # the tag of the errors of a peer that died or hung during a shared-memory gradient
-# allreduce (worker/dist/shm_allreduce.py), which stands in for gloo's on one host
+# allreduce (worker/comm/shm_allreduce.py), which stands in for gloo's on one host
 SHM_TAG = "shm-allreduce/"
 _CARRIED = "spark-estimator failure record: "  # starts the note of carry_failure
 

@@ -19,8 +19,8 @@ import torch
 
 from ..shared.serialization import loads
 from ..shared.spec import ColumnSpec
+from .comm.rendezvous import task_device
 from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow
-from .dist.rendezvous import task_device
 from .loop.loss import as_outputs
 
 

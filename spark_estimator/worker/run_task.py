@@ -23,7 +23,7 @@ import torch
 
 from ..shared.failures import carry_failure
 from ..shared.serialization import loads
-from .dist.rendezvous import process_group
+from .comm.rendezvous import process_group
 from .observe.run_log import OutputCapture
 
 OUTPUT_LINES = 1000  # the most lines of a rank's output sent back to the driver

@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from ..shared.failures import read_failure, record_failure
 from ..shared.spec import TrainSpec
-from .dist.rendezvous import process_group
+from .comm.rendezvous import process_group
 from .loop.train import train
 from .observe.run_log import RankLog
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from ...shared.serialization import state_dict_digest
 from ...shared.spec import TrainSpec
 from ...shared.summary import RankSummary
-from ..dist.ddp import CompressionState, gradient_path
-from ..dist.rendezvous import RankInfo
-from ..dist.shm_allreduce import SharedMemoryAllreduce
+from ..comm.ddp import CompressionState, gradient_path
+from ..comm.rendezvous import RankInfo
+from ..comm.shm_allreduce import SharedMemoryAllreduce
 from .loader import ShardLoader, open_loader
 from .shards import StepPlan, eval_sizes
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ...shared.serialization import state_from_bytes, state_to_bytes
 from ...store import Store
-from ..dist.ddp import shared_memory_allreduce
+from ..comm.ddp import shared_memory_allreduce
 from ..loop.checkpoints import Checkpoints
 from ..loop.resume import seed_epoch
 from ..observe.run_log import FLUSH_S

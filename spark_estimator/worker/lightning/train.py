@@ -28,10 +28,10 @@ from ...shared.packages import lightning_package
 from ...shared.serialization import loads, state_to_bytes
 from ...shared.spec import TrainSpec
 from ...shared.summary import RankSummary, training_summary
+from ..comm.ddp import open_shared_memory
+from ..comm.rendezvous import RankInfo
 from ..data.batch import Batch
 from ..data.rank_data import RankData, rank_summary
-from ..dist.ddp import open_shared_memory
-from ..dist.rendezvous import RankInfo
 from ..loop.loss import as_outputs
 from ..loop.resume import agree_on_checkpoint
 from .hooks import fsspec_defaults, lightning_parts, url

@@ -28,11 +28,11 @@ from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_valu
 from ...shared.serialization import loads, state_to_bytes
 from ...shared.spec import TrainSpec, metric_keys
 from ...shared.summary import RankSummary, training_summary
+from ..comm.ddp import wrap_model
+from ..comm.rendezvous import RankInfo
+from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
 from ..data.rank_data import RankData, rank_summary
-from ..dist.ddp import wrap_model
-from ..dist.rendezvous import RankInfo
-from ..dist.shm_allreduce import SharedMemoryAllreduce
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
 from .checkpoints import Checkpoints

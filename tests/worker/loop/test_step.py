@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from spark_estimator.shared.spec import ColumnSpec, LoopSpec
-from spark_estimator.worker.dist.ddp import wrap_model
-from spark_estimator.worker.dist.rendezvous import RankInfo
+from spark_estimator.worker.comm.ddp import wrap_model
+from spark_estimator.worker.comm.rendezvous import RankInfo
 from spark_estimator.worker.loop.loss import BatchLoss
 from spark_estimator.worker.loop.objects import TrainingObjects
 from spark_estimator.worker.loop.step import Stepper

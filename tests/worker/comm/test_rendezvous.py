@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spark_estimator.worker.dist.rendezvous import (
+from spark_estimator.worker.comm.rendezvous import (
     RendezvousError,
     cuda_ordinal,
     current_rank_info,

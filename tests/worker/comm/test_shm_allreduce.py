@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from spark_estimator.shared.failures import SHM_TAG, is_peer_failure
-from spark_estimator.worker.dist import shm_allreduce
-from spark_estimator.worker.dist.shm_allreduce import SLOT_BYTES, SharedMemoryAllreduce
+from spark_estimator.worker.comm import shm_allreduce
+from spark_estimator.worker.comm.shm_allreduce import SLOT_BYTES, SharedMemoryAllreduce
 
 pytestmark = pytest.mark.skipif(
     shm_allreduce.shm_folder() is None, reason="needs Linux x86-64 with a writable /dev/shm"

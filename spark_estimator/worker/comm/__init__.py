@@ -1,0 +1,2 @@
+"""Executor: the process group, device pinning and gradient communication (not ``dist/``,
+which packaging and pytest treat as a build folder)."""

@@ -1,1 +1,0 @@
-"""Executor: the process group, device pinning and gradient communication."""
