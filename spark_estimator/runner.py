@@ -20,7 +20,7 @@ import torch
 from pyspark.sql import SparkSession
 
 from .driver.launch import available_slots, run_barrier_job
-from .driver.monitor import print_lines_by_default, show_line
+from .driver.monitor import print_lines_by_default, rank_lines, show_line
 from .driver.validate import check_num_proc, check_positive
 from .shared.failures import TrainingError, carried_failure
 from .shared.serialization import dumps
@@ -106,7 +106,7 @@ def run(
         )
     except Exception as e:
         if (record := carried_failure(e)) is not None:
-            output = "\n".join(f"[rank {record['rank']}] {line}" for line in record["output"])
+            output = rank_lines(record["rank"], record["output"])
             raise TrainingError(None, record, output) from e
         raise
     printed = print_lines_by_default()

@@ -48,8 +48,8 @@ def _row_length(
 def probe_chunk(
     columns: list[ColumnSpec], row_lengths: dict[str, int], shapes: list
 ) -> dict[str, torch.Tensor] | None:
-    """``ROWS`` rows of zeros per column (ones for the sample weights), as the loader
-    hands them over; None when a column's values per row are not known."""
+    """``ROWS`` rows of zeros per column, as the loader hands them over; None when a
+    column's values per row are not known."""
     chunk = {}
     for column, shape in zip(columns, shapes):
         length = _row_length(column, row_lengths, shape)

@@ -31,6 +31,11 @@ TAIL_LINES = 20
 logger = logging.getLogger("spark_estimator.worker")
 
 
+def rank_lines(rank: int, lines) -> str:
+    """``lines`` of ``rank``'s output as errors show them: ``[rank <r>] <line>`` each."""
+    return "\n".join(f"[rank {rank}] {line}" for line in lines)
+
+
 def show_line(rank: int, line: str, printed: bool) -> None:
     """Log one line of a rank's output on the driver (and print it, when ``printed``)."""
     logger.info("[rank %d] %s", rank, line)
@@ -131,4 +136,4 @@ class FitMonitor:
     def tail(self, rank: int | None = None) -> str:
         """The last lines of ``rank`` (of every rank when None), for error messages."""
         ranks = sorted(self.tails) if rank is None else [rank]
-        return "\n".join(f"[rank {r}] {line}" for r in ranks for line in self.tails.get(r, ()))
+        return "\n".join(rank_lines(r, self.tails[r]) for r in ranks if self.tails.get(r))
