@@ -70,6 +70,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
         shuffle=True,
         shuffle_buffer_size=None,
         reader_num_workers=2,
+        device_cache_fraction=0.5,
         inmemory_cache_all=False,
         train_steps_per_epoch=None,
         validation_steps_per_epoch=None,

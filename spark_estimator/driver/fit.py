@@ -82,6 +82,7 @@ _PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
     "keep_checkpoints": _optional_positive,
     "compression": functools.partial(validate.check_choice, choices=COMPRESSIONS),
     "reader": validate.check_reader,
+    "device_cache_fraction": validate.check_fraction,
 }
 
 
@@ -356,6 +357,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             shuffle_buffer_size=self.getShuffleBufferSize(),
             num_workers=self.getReaderNumWorkers(),
             inmemory_cache_all=self.getInmemoryCacheAll(),
+            device_cache_fraction=self.getDeviceCacheFraction(),
             train_steps_per_epoch=self.getTrainStepsPerEpoch(),
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,

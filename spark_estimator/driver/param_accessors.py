@@ -98,6 +98,7 @@ class FitParamsAccessors(Params):
     shuffle: Param[bool]
     shuffle_buffer_size: Param[int | None]
     reader_num_workers: Param[int]
+    device_cache_fraction: Param[float]
     inmemory_cache_all: Param[bool]
     train_steps_per_epoch: Param[int | None]
     validation_steps_per_epoch: Param[int | None]
@@ -374,15 +375,31 @@ class FitParamsAccessors(Params):
         """
         return self._set(reader_num_workers=value)
 
+    def getDeviceCacheFraction(self) -> float:
+        """Gets the value of `device_cache_fraction`: hold each process's shard of the data in
+        its device's memory for the whole fit (GPU memory, or RAM on CPU) when it takes at
+        most this fraction of what is free there (RAM: shared by the host's processes), read
+        once and cut into batches on the device; else stream it. 0 always streams
+        """
+        return self.getOrDefault(self.device_cache_fraction)
+
+    def setDeviceCacheFraction(self: _P, value: float) -> _P:
+        """Sets the value of `device_cache_fraction`: hold each process's shard of the data in
+        its device's memory for the whole fit (GPU memory, or RAM on CPU) when it takes at
+        most this fraction of what is free there (RAM: shared by the host's processes), read
+        once and cut into batches on the device; else stream it. 0 always streams
+        """
+        return self._set(device_cache_fraction=value)
+
     def getInmemoryCacheAll(self) -> bool:
-        """Gets the value of `inmemory_cache_all`: keep each process's shard in memory after the
-        first epoch
+        """Gets the value of `inmemory_cache_all`: when streaming, keep each process's shard in
+        host memory after the first epoch
         """
         return self.getOrDefault(self.inmemory_cache_all)
 
     def setInmemoryCacheAll(self: _P, value: bool) -> _P:
-        """Sets the value of `inmemory_cache_all`: keep each process's shard in memory after the
-        first epoch
+        """Sets the value of `inmemory_cache_all`: when streaming, keep each process's shard in
+        host memory after the first epoch
         """
         return self._set(inmemory_cache_all=value)
 

@@ -341,8 +341,17 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             default=2,
         ),
         ParamSpec(
+            "device_cache_fraction",
+            "hold each process's shard of the data in its device's memory for the whole fit "
+            "(GPU memory, or RAM on CPU) when it takes at most this fraction of what is free "
+            "there (RAM: shared by the host's processes), read once and cut into batches on "
+            "the device; else stream it. 0 always streams",
+            TypeConverters.toFloat,
+            default=0.5,
+        ),
+        ParamSpec(
             "inmemory_cache_all",
-            "keep each process's shard in memory after the first epoch",
+            "when streaming, keep each process's shard in host memory after the first epoch",
             TypeConverters.toBoolean,
             default=False,
         ),

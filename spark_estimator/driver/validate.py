@@ -141,6 +141,12 @@ def check_positive(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"{name}: must be {bound}, got {value}")
 
 
+def check_fraction(name: str, value) -> None:
+    """A fraction in [0, 1]."""
+    if not 0 <= value <= 1:
+        raise ValueError(f"{name}: must be a fraction from 0 to 1, got {value}")
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")

@@ -114,6 +114,9 @@ class LoaderSpec:
     shuffle_buffer_size: int | None = None  # rows; None: as many as fit in 256 MiB
     num_workers: int = 2  # background reader threads
     inmemory_cache_all: bool = False
+    # the most of a rank's free device memory (GPU) or available RAM (CPU) its shard may take
+    # to be held there for the whole fit; 0: always stream
+    device_cache_fraction: float = 0.5
     train_steps_per_epoch: int | None = None
     validation_steps_per_epoch: int | None = None
     transformation_fn: bytes | None = None  # cloudpickled fn(dict of tensors) -> dict

@@ -27,6 +27,8 @@ class RankSummary:
     train_rows: int  # this rank's shard of the training rows
     validation_rows: int  # this rank's shard of the validation rows
     validation_batches_per_epoch: int  # 0 without validation rows
+    # "held on <device>: ..." (read once into the device's memory) or "streaming: <why>"
+    data_placement: str
     # one entry per epoch this attempt ran, counted as the epoch ran
     batches_per_epoch: list[int]  # batches drawn from the loader
     optimizer_steps_per_epoch: list[int]  # Lightning: trainer.global_step's growth (see there)
@@ -56,4 +58,16 @@ def training_summary(
         "selected_epoch": selection["epoch"] if selection else len(history),
         "selection": selection,
         "checkpoints": checkpoints,
+    }
+
+
+def seconds_per_rank(history: list[dict]) -> dict[str, list[float]] | None:
+    """Every rank's seconds of training, per kind (train, data, compute, communication),
+    summed over the epochs whose records carry them (TorchEstimator's loop); None without."""
+    timed = [record["seconds"] for record in history if record.get("seconds")]
+    if not timed:
+        return None
+    return {
+        kind: [round(sum(values), 3) for values in zip(*(t[kind] for t in timed))]
+        for kind in timed[0]
     }

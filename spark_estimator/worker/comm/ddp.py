@@ -1,5 +1,8 @@
 """Executor: the model wrapped in DistributedDataParallel, and how its gradients travel.
 
+With one process there is nothing to average: the model trains as it is, without DDP's
+wrapper and reducer (their per-step cost is measurable on small models).
+
 When every rank is a CPU process on one host, gradient buckets are averaged through shared
 memory (``shm_allreduce.py``) rather than gloo's sockets. Otherwise DDP's own allreduce is
 used (gloo or NCCL), unless gradient compression is asked for.
@@ -12,6 +15,8 @@ torch's ``bf16_compress_hook``, which refuses to run on gloo (CPU) though gloo s
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation object
+import time
+
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -48,18 +53,24 @@ def compressed_allreduce(state: CompressionState, bucket) -> torch.futures.Futur
 def shared_memory_allreduce(
     state: SharedMemoryAllreduce, bucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average a gradient bucket through shared memory."""
+    """DDP communication hook: average a gradient bucket through shared memory (the
+    backward pass waits for it: its seconds are the step's communication)."""
+    start = time.perf_counter()
     future = torch.futures.Future()
     future.set_result(state.average_(bucket.buffer()))
+    state.seconds += time.perf_counter() - start
     return future
 
 
 def wrap_model(
     model: torch.nn.Module, info: RankInfo, compression: str, timeout_s: float
-) -> tuple[DistributedDataParallel, "CompressionState | SharedMemoryAllreduce | None"]:
+) -> tuple[torch.nn.Module, "CompressionState | SharedMemoryAllreduce | None"]:
     """DDP around ``model`` (which broadcasts rank 0's weights to every rank) and the state
     of its communication hook: a ``CompressionState``, a ``SharedMemoryAllreduce`` (every
-    rank a CPU process on one host; waits bounded by ``timeout_s``) or None (DDP's own)."""
+    rank a CPU process on one host; waits bounded by ``timeout_s``) or None (DDP's own).
+    With one process: ``model`` itself and None."""
+    if info.world_size == 1:
+        return model, None
     device = info.device
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
@@ -84,6 +95,8 @@ def open_shared_memory(info: RankInfo, timeout_s: float) -> SharedMemoryAllreduc
 
 def gradient_path(state: "CompressionState | SharedMemoryAllreduce | None") -> str:
     """How the gradients travelled, for the rank's summary."""
+    if dist.get_world_size() == 1:
+        return "none (one process)"
     if isinstance(state, SharedMemoryAllreduce):
         return "shared memory"
     return f"{dist.get_backend()}{' compressed' if state is not None else ''}"

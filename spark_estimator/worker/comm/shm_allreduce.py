@@ -68,6 +68,7 @@ class SharedMemoryAllreduce:
         self.slots = data.view(2, world, SLOT_BYTES)
         self.sequence = 0  # chunks exchanged so far, the same on every rank
         self.calls = 0  # buckets averaged
+        self.seconds = 0.0  # spent averaging them (ddp.shared_memory_allreduce)
 
     # -- set-up ---------------------------------------------------------------------------
     @classmethod

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...shared.spec import ColumnSpec, TrainSpec
-from .convert import reshape_input
-from .loader import Tensors, chunk_rows
+from .convert import Tensors, chunk_rows, reshape_input
 
 
 class Batch:

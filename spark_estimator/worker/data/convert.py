@@ -6,10 +6,35 @@ mapInArrow, where ML vectors arrive as their struct encoding).
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
+
+Tensors = dict[str, torch.Tensor]  # a batch's columns as the loaders hand them over
+
+
+def chunk_rows(chunk: dict) -> int:
+    """Rows of a chunk or batch (a dict of equally long columns)."""
+    return len(next(iter(chunk.values())))
+
+
+@contextmanager
+def read_only_arrays():
+    """Silence torch's warning on read-only arrays: Arrow's memory is only ever read from."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        yield
+
+
+def as_tensor(array: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-copy view of a reader's array, in ``dtype`` (inside ``read_only_arrays``)."""
+    if not isinstance(array, torch.Tensor):
+        array = torch.from_numpy(array)
+    return array.to(dtype)
 
 
 def _combine(column: pa.Array | pa.ChunkedArray) -> pa.Array:

@@ -14,43 +14,18 @@ Readers hand over NumPy arrays (often Arrow's own memory); the buffer is the onl
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 from ...shared.spec import TrainSpec
 from .arrow_reader import ArrowReader, Chunk
+from .convert import Tensors, as_tensor, chunk_rows, read_only_arrays
+from .device_shard import DeviceShard
 from .petastorm_reader import PetastormReader
-from .shards import Piece, shard_pieces
+from .shards import Piece, pass_generator, shard_pieces
 
-Tensors = dict[str, torch.Tensor]  # a batch's columns as the loader hands them over
 DEFAULT_BUFFER_BYTES = 256 * 2**20
-
-
-def pass_generator(seed: int, pass_index: int, rank: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1_000_003 + pass_index * 7919 + rank)
-
-
-def chunk_rows(chunk: Chunk | Tensors) -> int:
-    return len(next(iter(chunk.values())))
-
-
-@contextmanager
-def _read_only_arrays():
-    """Silence torch's warning on read-only arrays: Arrow's memory is only ever read from."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        yield
-
-
-def _as_tensor(array: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-copy view of a reader's array, in ``dtype`` (inside ``_read_only_arrays``)."""
-    if not isinstance(array, torch.Tensor):
-        array = torch.from_numpy(array)
-    return array.to(dtype)
 
 
 def _gather(parts: list, perm: torch.Tensor | None, template: Tensors, pin: bool) -> Tensors:
@@ -68,8 +43,8 @@ def _gather(parts: list, perm: torch.Tensor | None, template: Tensors, pin: bool
         destinations = inverse.split(sizes)
     out = {}
     for name, like in template.items():
-        with _read_only_arrays():
-            tensors = [_as_tensor(p[name], like.dtype) for p in parts]
+        with read_only_arrays():
+            tensors = [as_tensor(p[name], like.dtype) for p in parts]
         shape = (sum(sizes), *tensors[0].shape[1:])
         target = torch.empty(shape, dtype=like.dtype, pin_memory=pin)
         if destinations is None:
@@ -206,8 +181,16 @@ class ShardLoader:
             fresh.close()
 
 
-def open_loader(spec: TrainSpec, split: str, world_size: int, rank: int, pin: bool) -> ShardLoader:
-    """The loader of this rank's shard of ``split``, reading with ``spec.loader.reader``."""
+def open_loader(
+    spec: TrainSpec,
+    split: str,
+    world_size: int,
+    rank: int,
+    pin: bool,
+    hold_on: torch.device | None = None,
+) -> ShardLoader | DeviceShard:
+    """The loader of this rank's shard of ``split``, reading with ``spec.loader.reader``;
+    with ``hold_on``, the whole shard read once into that device's memory instead."""
     data, options = spec.data, spec.loader
     files = data.files.get(split, [])
     if options.reader == "petastorm":
@@ -215,11 +198,25 @@ def open_loader(spec: TrainSpec, split: str, world_size: int, rank: int, pin: bo
     else:
         reader = ArrowReader(spec.store, data.path, data.columns, options.num_workers)
     pieces = shard_pieces(files, world_size, rank)
+    template = _template(spec, files, needs_shapes=not pieces)
+    shuffle = options.shuffle and split == "train"
+    if hold_on is not None:
+        return DeviceShard(
+            reader.chunks,
+            pieces,
+            template,
+            {c.name for c in data.columns if c.kind == "scalar"},
+            shuffle=shuffle,
+            shuffle_pieces=reader.keeps_order,
+            seed=spec.seed,
+            rank=rank,
+            device=hold_on,
+        )
     return ShardLoader(
         reader.chunks,
         pieces,
-        _template(spec, files, needs_shapes=not pieces),
-        shuffle=options.shuffle and split == "train",
+        template,
+        shuffle=shuffle,
         shuffle_pieces=reader.keeps_order,
         buffer_rows=options.shuffle_buffer_size,
         seed=spec.seed,
@@ -238,5 +235,5 @@ def _template(spec: TrainSpec, files, needs_shapes: bool) -> Tensors:
     path, groups = files[0]
     reader = ArrowReader(spec.store, spec.data.path, columns, num_workers=1)
     one_row = reader.read(Piece(path, 0, 0, 1, groups[0]))
-    with _read_only_arrays():
-        return {c.name: _as_tensor(one_row[c.name][:0], c.torch_dtype) for c in columns}
+    with read_only_arrays():
+        return {c.name: as_tensor(one_row[c.name][:0], c.torch_dtype) for c in columns}

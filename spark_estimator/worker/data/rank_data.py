@@ -18,17 +18,22 @@ import time
 from collections.abc import Iterator
 
 from ...shared.serialization import state_dict_digest
-from ...shared.spec import TrainSpec
+from ...shared.spec import SPLITS, TrainSpec
 from ...shared.summary import RankSummary
 from ..comm.ddp import CompressionState, gradient_path
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
+from .device_shard import DeviceShard, placement
 from .loader import ShardLoader, open_loader
-from .shards import StepPlan, eval_sizes
+from .shards import StepPlan, eval_sizes, shard_bounds
 
 
 def training_steps(
-    loader: ShardLoader, plan: StepPlan, group: int, epoch_steps: int, start: int = 0
+    loader: ShardLoader | DeviceShard,
+    plan: StepPlan,
+    group: int,
+    epoch_steps: int,
+    start: int = 0,
 ) -> Iterator[tuple[dict, float, bool]]:
     """(batch, loss weight, last of its group) for every batch, pass after pass, no end,
     beginning after the first ``start`` batches (those are read, not returned); groups of
@@ -55,10 +60,14 @@ class RankData:
     def __init__(self, spec: TrainSpec, info: RankInfo, lockstep: bool):
         world, rank, batch_size = info.world_size, info.rank, spec.batch_size
         pin = info.device.type == "cuda"
-        self.train = open_loader(spec, "train", world, rank, pin)
+        rows = {s: _rank_rows(spec.data.rows(s), world, rank) for s in SPLITS}
+        on_device, self.placement = placement(spec, rows, info.device, info.local_size)
+        hold_on = info.device if on_device else None
+        print(f"spark-estimator rank {rank}: data {self.placement}")
+        self.train = open_loader(spec, "train", world, rank, pin, hold_on)
         self.plan = StepPlan(spec.data.rows("train"), world, rank, batch_size)
         self.steps_per_epoch = spec.loader.train_steps_per_epoch or self.plan.steps
-        self.validation = open_loader(spec, "validation", world, rank, pin)
+        self.validation = open_loader(spec, "validation", world, rank, pin, hold_on)
         self.has_validation = spec.data.rows("validation") > 0  # on any rank
         most = spec.loader.validation_steps_per_epoch
         if lockstep:
@@ -70,6 +79,11 @@ class RankData:
     def training_steps(self, group: int, start: int) -> Iterator[tuple[dict, float, bool]]:
         """The training stream in epochs of ``steps_per_epoch`` batches (``training_steps``)."""
         return training_steps(self.train, self.plan, group, self.steps_per_epoch, start)
+
+
+def _rank_rows(total: int, world: int, rank: int) -> int:
+    start, end = shard_bounds(total, world, rank)
+    return end - start
 
 
 def rank_summary(
@@ -96,6 +110,7 @@ def rank_summary(
         gradient_allreduces=hook.calls if hook else None,
         train_rows=data.train.rows,
         validation_rows=data.validation.rows,
+        data_placement=data.placement,
         validation_batches_per_epoch=len(data.validation_sizes),
         batches_per_epoch=batches_per_epoch,
         optimizer_steps_per_epoch=optimizer_steps_per_epoch,

@@ -22,6 +22,13 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
+
+def pass_generator(seed: int, pass_index: int, rank: int) -> torch.Generator:
+    """The generator of one pass's shuffle on one rank (piece order, then rows)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + pass_index * 7919 + rank)
+
 
 def shard_bounds(total_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """The half-open row range [start, end) of ``rank``'s shard."""

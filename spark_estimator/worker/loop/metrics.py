@@ -1,10 +1,13 @@
-"""Executor: an epoch's loss and metrics, summed on the device, reduced once per epoch.
+"""Executor: an epoch's loss, metrics and timings, summed on the device, reduced once.
 
-Each rank adds ``value x rows`` per batch into one float64 tensor on its device (no
-host synchronisation per step). At the end of the epoch a single allreduce sums every
-rank's tensor, and the history record divides by the total rows, so the result is the
-exact average over all rows of all ranks. The same tensor counts the training steps
-whose loss was not finite.
+A step only appends its (detached) loss and metric values and its row count to a list:
+no kernel and no host synchronisation per step. Every ``FOLD`` steps, and before a
+reading, the list is folded into one float64 tensor on the device (``loss x rows`` and
+``rows`` per split, the non-finite training losses counted, the first one's step kept).
+At the end of the epoch each rank writes its step timings into its own slot of the same
+tensor, and a single allreduce sums every rank's tensor: the history record divides by
+the total rows, so the result is the exact average over all rows of all ranks, and every
+rank learns every rank's timings.
 """
 
 from __future__ import annotations
@@ -14,57 +17,138 @@ import torch.distributed as dist
 
 from ...shared.spec import SPLITS
 
+FOLD = 256  # steps between folds of the pending values into the sums
+TIMES = ("train", "data", "compute", "communication")  # per rank, seconds of the epoch
+_NONE = torch.iinfo(torch.int64).max  # no bad step yet
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, copied without blocking the host."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
 
 class EpochSums:
-    """Per split: [loss x rows, rows, metric_1 x rows, ...]; plus the non-finite steps."""
+    """Per split: [loss x rows, rows, metric_1 x rows, ...]; the non-finite steps; then per
+    rank the epoch's ``TIMES``."""
 
-    def __init__(self, metric_names: list[str], device: torch.device):
-        self.metric_names = list(metric_names)
+    def __init__(self, metric_names: list[str], device: torch.device, world_size: int = 1):
+        self.metric_names, self.device = list(metric_names), device
         self.width = 2 + len(self.metric_names)
-        self.sums = torch.zeros(2 * self.width + 1, dtype=torch.float64, device=device)
-        self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+        self.times_at = 2 * self.width + 1
+        self.sums = torch.zeros(
+            self.times_at + world_size * len(TIMES), dtype=torch.float64, device=device
+        )
+        self.first_bad = torch.full((), _NONE, dtype=torch.int64, device=device)
+        self.pending: dict[str, list] = {split: [] for split in SPLITS}
+        self.copied = None  # (pinned host tensor, CUDA event) of running_loss on a GPU
 
     def _offset(self, split: str) -> int:
         return SPLITS.index(split) * self.width
 
-    def add(self, split: str, loss: torch.Tensor, rows: int, metrics: list[torch.Tensor]):
-        """One batch's mean loss and metric means over ``rows`` rows (skipped when empty)."""
+    def add(
+        self,
+        split: str,
+        loss: torch.Tensor,
+        rows: int,
+        metrics: list[torch.Tensor],
+        step: int | None = None,
+    ) -> None:
+        """One batch's mean loss and metric means over ``rows`` rows (skipped when empty);
+        with ``step``, a training step whose loss is checked for NaN and infinity."""
         if not rows:
             return
-        at = self._offset(split)
-        values = torch.stack([loss.detach().double(), *metrics]) * rows
-        self.sums[at] += values[0]
-        self.sums[at + 1] += rows
-        if metrics:
-            self.sums[at + 2 : at + self.width] += values[1:]
+        pending = self.pending[split]
+        pending.append((loss.detach(), rows, [m.detach() for m in metrics], step))
+        if len(pending) >= FOLD:
+            self._fold(split)
 
-    def check_finite(self, loss: torch.Tensor, step: int) -> None:
-        """Count a training step whose loss is NaN or infinite; remember the first one."""
-        bad = ~torch.isfinite(loss.detach())
-        self.sums[-1] += bad.double()
-        first = torch.where(bad & (self.first_bad_step < 0), step, self.first_bad_step)
-        self.first_bad_step.copy_(first)
+    def _fold(self, split: str) -> None:
+        pending = self.pending[split]
+        if not pending:
+            return
+        self.pending[split] = []
+        losses = torch.cat([loss.reshape(1) for loss, _, _, _ in pending]).double()
+        rows = to_device([r for _, r, _, _ in pending], torch.float64, self.device)
+        columns = [losses] + [
+            torch.cat([m[i].reshape(1) for _, _, m, _ in pending]).double()
+            for i in range(len(self.metric_names))
+        ]
+        at = self._offset(split)
+        values = torch.stack(columns) @ rows
+        self.sums[at] += values[0]
+        self.sums[at + 1] += float(sum(r for _, r, _, _ in pending))
+        self.sums[at + 2 : at + self.width] += values[1:]
+        steps = [s for _, _, _, s in pending]
+        if steps[0] is not None:
+            bad = ~torch.isfinite(losses)
+            self.sums[self.times_at - 1] += bad.sum()
+            steps = to_device(steps, torch.int64, self.device)
+            first = torch.where(bad, steps, torch.full_like(steps, _NONE)).min()
+            torch.minimum(self.first_bad, first, out=self.first_bad)
 
     def running_loss(self, split: str) -> float | None:
-        """This rank's mean loss over the split's batches so far (before ``reduce``)."""
+        """This rank's mean loss over the split's batches so far (before ``reduce``). On a
+        GPU, without waiting for it: the value copied at the previous call, once there."""
+        self._fold(split)
         at = self._offset(split)
-        total, rows = self.sums[at : at + 2].tolist()
-        return total / rows if rows else None
+        if self.device.type != "cuda":
+            return _mean(self.sums[at : at + 2].tolist())
+        value = None
+        if self.copied is not None and self.copied[1].query():
+            value, self.copied = _mean(self.copied[0].tolist()), None
+        if self.copied is None:
+            host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+            host.copy_(self.sums[at : at + 2], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self.copied = (host, event)
+        return value
 
-    def reduce(self) -> None:
-        """Sum across ranks: the epoch's one collective for metrics."""
+    def reduce(self, rank: int, times: dict[str, float]) -> None:
+        """Sum across ranks, with this rank's ``times`` in its slot: the epoch's one
+        collective for metrics."""
+        for split in SPLITS:
+            self._fold(split)
+        at = self.times_at + rank * len(TIMES)
+        self.sums[at : at + len(TIMES)] = to_device(
+            [times[k] for k in TIMES], torch.float64, self.device
+        )
         dist.all_reduce(self.sums)
+        self.values = self.sums.tolist()  # read once, after the epoch
 
     @property
     def non_finite_steps(self) -> int:
-        return int(self.sums[-1].item())
+        return int(self.values[self.times_at - 1])
+
+    @property
+    def first_bad_step(self) -> int | None:
+        """This rank's first training step with a loss that was not finite (None: none)."""
+        first = int(self.first_bad.item())
+        return None if first == _NONE else first
 
     def record(self, split: str) -> dict[str, float] | None:
         """The split's averages after ``reduce``: {"loss": ..., metric: ...}; None without rows."""
         at = self._offset(split)
-        values = self.sums[at : at + self.width].tolist()
+        values = self.values[at : at + self.width]
         rows = values[1]
         if not rows:
             return None
         names = ["loss", *self.metric_names]
         return {name: values[i if i == 0 else i + 1] / rows for i, name in enumerate(names)}
+
+    def times(self) -> dict[str, list[float]]:
+        """After ``reduce``: every rank's seconds of the epoch, per kind, in rank order."""
+        per_rank = self.values[self.times_at :]
+        n = len(TIMES)
+        return {
+            kind: [round(per_rank[r * n + i], 4) for r in range(len(per_rank) // n)]
+            for i, kind in enumerate(TIMES)
+        }
+
+
+def _mean(pair: list[float]) -> float | None:
+    total, rows = pair
+    return total / rows if rows else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from ...shared.spec import PRECISION_DTYPES, LoopSpec, torch_dtype
 from ..data.batch import Batch
@@ -27,12 +26,14 @@ from .objects import TrainingObjects
 class Stepper:
     def __init__(
         self,
-        ddp: DistributedDataParallel,
+        ddp: torch.nn.Module,
         objects: TrainingObjects,
         loop: LoopSpec,
         device: torch.device,
     ):
+        # DDP's wrapper, or the model itself with one process (nothing to synchronise)
         self.ddp, self.objects, self.device = ddp, objects, device
+        self.no_sync = getattr(ddp, "no_sync", contextlib.nullcontext)
         self.accumulate = loop.backward_passes_per_step > 1
         self.step_scheduler = objects.scheduler is not None and loop.lr_scheduler_interval == "step"
         precision = PRECISION_DTYPES.get(loop.mixed_precision)
@@ -52,11 +53,11 @@ class Stepper:
             outputs, loss = self._custom(batch)
         else:
             sync = last or not self.accumulate
-            with contextlib.nullcontext() if sync else self.ddp.no_sync():
+            with contextlib.nullcontext() if sync else self.no_sync():
                 with self.autocast():
                     outputs = as_outputs(self.ddp(*batch.inputs))
                     loss = self.objects.loss(outputs, batch.labels, batch.sample_weight)
-                scaled = loss * weight
+                scaled = loss if weight == 1.0 else loss * weight
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             if last:
                 self._optimizer_step()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
 from ...shared.serialization import loads, state_to_bytes
 from ...shared.spec import TrainSpec, metric_keys
-from ...shared.summary import RankSummary, training_summary
+from ...shared.summary import RankSummary, seconds_per_rank, training_summary
 from ..comm.ddp import wrap_model
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
@@ -137,16 +137,17 @@ class _TrainingLoop:
             for cb in callbacks:
                 cb.on_epoch_begin(epoch, state)
             lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
-            sums = EpochSums(self.metric_names, self.device)
-            self._train_epoch(epoch, sums)
+            sums = EpochSums(self.metric_names, self.device, self.info.world_size)
+            times = self._train_epoch(epoch, sums)
             if self.has_validation:
                 self._validate(epoch, sums)
-            sums.reduce()  # the epoch's one collective for loss and metrics
+            sums.reduce(self.info.rank, times)  # the epoch's one collective for metrics
             if self.spec.loop.terminate_on_nan and sums.non_finite_steps:
                 raise self._nan_error(sums, epoch)
             record = {"epoch": epoch, "lr": lrs, "train": sums.record("train")}
             if self.has_validation:
                 record["validation"] = sums.record("validation")
+            record["seconds"] = sums.times()
             state.history.append(record)
             self._progress(epoch, self.steps_per_epoch)
             self._step_scheduler(record)
@@ -177,29 +178,56 @@ class _TrainingLoop:
             last=last,
         )
 
-    def _train_epoch(self, epoch: int, sums: EpochSums) -> None:
+    def _train_epoch(self, epoch: int, sums: EpochSums) -> dict[str, float]:
         """Train on the epoch's ``steps_per_epoch`` batches; its last one ends a group, so
-        the epoch ends with an optimizer step."""
+        the epoch ends with an optimizer step. Returns the seconds of the epoch's training
+        pass (``metrics.TIMES``): waiting for batches, computing (on a GPU, until the device
+        has done the epoch's work) and averaging gradients where the step waits for it."""
         self.ddp.train()
         objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
         batches = optimizer_steps = 0
-        for chunk, weight, last in itertools.islice(self.steps, self.steps_per_epoch):
+        averaged = self.hook.seconds if isinstance(self.hook, SharedMemoryAllreduce) else 0.0
+        clock = time.perf_counter
+        started = clock()
+        data = compute = 0.0
+        steps = itertools.islice(self.steps, self.steps_per_epoch)
+        while True:
+            before = clock()
+            drawn = next(steps, None)
+            if drawn is None:
+                break
+            chunk, weight, last = drawn
+            batch = Batch(chunk, self.spec, self.device, self.transform)
+            ready = clock()
+            data += ready - before
             batches += 1
             self.batches_drawn += 1
-            batch = Batch(chunk, self.spec, self.device, self.transform)
             outputs, loss = self.stepper(batch, weight, last)
             optimizer_steps += last
             if self.output_shapes is None:
                 self.output_shapes = [list(o.shape[1:]) for o in outputs]
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
-                sums.add("train", loss, batch.size, metrics)
-                if check_nan:
-                    sums.check_finite(loss, batches)
+                sums.add("train", loss, batch.size, metrics, batches if check_nan else None)
+            compute += clock() - ready
             if batches < self.steps_per_epoch:  # the epoch's end is reported by run()
                 self._progress(epoch, batches, sums)
+        if self.device.type == "cuda":  # the device's queued work is the epoch's computing
+            before = clock()
+            torch.cuda.synchronize(self.device)
+            compute += clock() - before
         self.batches_run.append(batches)
         self.optimizer_steps_run.append(optimizer_steps)
+        if isinstance(self.hook, SharedMemoryAllreduce):
+            averaged = self.hook.seconds - averaged
+        else:
+            averaged = 0.0  # DDP overlaps it with the backward pass: counted in computing
+        return {
+            "train": clock() - started,
+            "data": data,
+            "compute": compute - averaged,
+            "communication": averaged,
+        }
 
     def _validate(self, epoch: int, sums: EpochSums) -> None:
         """Add this rank's validation batches to ``sums`` (no collectives: ranks may have
@@ -248,8 +276,8 @@ class _TrainingLoop:
         """The error every rank raises when a training loss was not finite this epoch."""
         world = self.info.world_size
         # the first bad step over all ranks, ties to the lowest rank: step * world + rank
-        first = int(sums.first_bad_step.item())
-        code = first * world + self.info.rank if first >= 0 else torch.iinfo(torch.int64).max
+        first = sums.first_bad_step
+        code = first * world + self.info.rank if first is not None else torch.iinfo(torch.int64).max
         code = torch.tensor([code], dtype=torch.int64, device=self.device)
         dist.all_reduce(code, op=dist.ReduceOp.MIN)
         step, rank = divmod(int(code.item()), world)
@@ -310,4 +338,5 @@ class _TrainingLoop:
             "backward_passes_per_step": loop.backward_passes_per_step,
             "gradient_compression": loop.gradient_compression,
             "mixed_precision": loop.mixed_precision,
+            "seconds_per_rank": seconds_per_rank(history),
         }

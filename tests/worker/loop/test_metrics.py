@@ -3,7 +3,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from spark_estimator.worker.loop import metrics
 from spark_estimator.worker.loop.metrics import EpochSums
+
+TIMES = {"train": 2.0, "data": 0.5, "compute": 1.25, "communication": 0.25}
 
 
 def test_sums_are_row_weighted_and_reduced_in_one_collective(process_group, monkeypatch):
@@ -12,22 +15,39 @@ def test_sums_are_row_weighted_and_reduced_in_one_collective(process_group, monk
     monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(1) or real(t))
     sums = EpochSums(["mae"], torch.device("cpu"))
     for step, (loss, mae, rows) in enumerate([(1.0, 2.0, 10), (4.0, 1.0, 30), (9.0, 9.0, 0)]):
-        sums.add("train", torch.tensor(loss), rows, [torch.tensor(mae, dtype=torch.float64)])
-        sums.check_finite(torch.tensor(loss), step + 1)
+        mae = torch.tensor(mae, dtype=torch.float64)
+        sums.add("train", torch.tensor(loss), rows, [mae], step + 1)
     sums.add("validation", torch.tensor(0.5), 4, [torch.tensor(0.25, dtype=torch.float64)])
-    sums.reduce()
+    sums.reduce(0, TIMES)
     assert len(calls) == 1
     assert sums.record("train") == {"loss": (10 + 120) / 40, "mae": (20 + 30) / 40}
     assert sums.record("validation") == {"loss": 0.5, "mae": 0.25}
-    assert sums.non_finite_steps == 0
+    assert sums.non_finite_steps == 0 and sums.first_bad_step is None
+    assert sums.times() == {k: [v] for k, v in TIMES.items()}
 
 
-def test_non_finite_losses_are_counted_with_the_first_step():
+def test_steps_are_folded_into_the_sums_in_groups_and_before_a_reading(process_group):
+    sums = EpochSums([], torch.device("cpu"))
+    steps = metrics.FOLD + 3
+    for step in range(1, steps + 1):
+        sums.add("train", torch.tensor(float(step)), 2, [], step)
+    # one fold after FOLD steps: the sums hold those, the last 3 wait in the list
+    assert sums.sums[1].item() == 2 * metrics.FOLD and len(sums.pending["train"]) == 3
+    assert sums.running_loss("train") == sum(range(1, steps + 1)) / steps
+    sums.reduce(0, TIMES)
+    assert sums.record("train") == {"loss": sum(range(1, steps + 1)) / steps}
+
+
+def test_non_finite_losses_are_counted_with_the_first_step(process_group):
     sums = EpochSums([], torch.device("cpu"))
     for step, loss in enumerate([1.0, math.nan, 2.0, math.inf], start=1):
-        sums.check_finite(torch.tensor(loss), step)
-    assert int(sums.sums[-1]) == 2 and int(sums.first_bad_step) == 2
+        sums.add("train", torch.tensor(loss), 4, [], step)
+    sums.add("validation", torch.tensor(math.nan), 4, [])  # validation losses are not checked
+    sums.reduce(0, TIMES)
+    assert sums.non_finite_steps == 2 and sums.first_bad_step == 2
 
 
-def test_a_split_without_rows_has_no_record():
-    assert EpochSums([], torch.device("cpu")).record("validation") is None
+def test_a_split_without_rows_has_no_record(process_group):
+    sums = EpochSums([], torch.device("cpu"))
+    sums.reduce(0, TIMES)
+    assert sums.record("validation") is None

@@ -38,13 +38,19 @@ def stepper(loop: LoopSpec, compression="none", custom=None):
 def test_accumulated_halves_equal_the_whole_batch(process_group):
     whole, whole_net, _ = stepper(LoopSpec())
     whole(batch(slice(0, 8)), 1.0, True)
-    halves, halves_net, state = stepper(LoopSpec(backward_passes_per_step=2), "fp16")
+    halves, halves_net, _ = stepper(LoopSpec(backward_passes_per_step=2))
     halves(batch(slice(0, 4)), 0.5, False)
-    assert halves_net.weight.grad is not None and state.calls == 0  # no_sync: not sent yet
+    assert halves_net.weight.grad is not None
     halves(batch(slice(4, 8)), 0.5, True)
-    assert state.calls == 1 and state.sent == {"float16"}
-    assert torch.allclose(whole_net.weight, halves_net.weight, atol=1e-3)  # fp16 rounding
+    assert torch.allclose(whole_net.weight, halves_net.weight, atol=1e-6)
     assert halves_net.weight.grad is None  # zeroed after the optimizer step
+    # (with several processes and gradient_compression: test_estimator_training.py)
+
+
+def test_one_process_trains_the_model_itself_without_ddp(process_group):
+    for compression in ("none", "fp16"):
+        step, net, state = stepper(LoopSpec(), compression)
+        assert step.ddp is net and state is None
 
 
 def test_mixed_precision_fp16_uses_a_grad_scaler_and_bf16_does_not(process_group):
