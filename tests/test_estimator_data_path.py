@@ -117,6 +117,7 @@ def test_loader_params_reach_the_executors(regression_df, store, tmp_path):
         validation=0.5,  # about 50 rows a rank of each split: 4 batches of 16 in a pass
         reader_num_workers=3,
         inmemory_cache_all=True,
+        device_cache_fraction=0.0,  # streaming: the readers work while training
         train_steps_per_epoch=3,
         validation_steps_per_epoch=2,
         callbacks=[ReadLog(tmp_path)],
@@ -139,13 +140,18 @@ def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store, tmp_p
     streamed_reads, cached_reads = tmp_path / "streamed", tmp_path / "cached"
     streamed_reads.mkdir(), cached_reads.mkdir()
     streamed = make_estimator(
-        linear_net(), store, shuffle_buffer_size=20, callbacks=[ReadLog(streamed_reads)]
+        linear_net(),
+        store,
+        shuffle_buffer_size=20,
+        device_cache_fraction=0.0,
+        callbacks=[ReadLog(streamed_reads)],
     ).fit(regression_df)
     cached = make_estimator(
         linear_net(),
         store,
         shuffle_buffer_size=20,
         inmemory_cache_all=True,
+        device_cache_fraction=0.0,
         callbacks=[ReadLog(cached_reads)],
     ).fit(regression_df)
     assert digest(store, cached) == digest(store, streamed)
@@ -161,6 +167,27 @@ def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store, tmp_p
     assert digest(store, whole_shard_buffer) != digest(store, streamed)
     unshuffled = make_estimator(linear_net(), store, shuffle=False).fit(regression_df)
     assert digest(store, unshuffled) != digest(store, streamed)
+
+
+def test_a_shard_held_on_the_device_trains_exactly_as_streaming_it(regression_df, store):
+    held = make_estimator(linear_net(), store, validation=0.25).fit(regression_df)
+    streamed = make_estimator(linear_net(), store, validation=0.25, device_cache_fraction=0.0).fit(
+        regression_df
+    )
+    over = make_estimator(linear_net(), store, validation=0.25, device_cache_fraction=1e-12).fit(
+        regression_df
+    )
+    placements = [[r["data_placement"] for r in ranks(store, m)] for m in (held, streamed, over)]
+    assert all(p.startswith("held on cpu: ") for p in placements[0])
+    assert set(placements[1]) == {"streaming: device_cache_fraction is 0"}
+    assert all(p.startswith("streaming: the shard needs ") for p in placements[2])
+    assert all("over the budget" in p for p in placements[2])
+    # the same rows in the same batches (the shard fits the shuffle buffer): the same model
+    assert digest(store, held) == digest(store, streamed) == digest(store, over)
+    for key in ("train_rows", "validation_rows", "batches_per_epoch"):
+        assert [r[key] for r in ranks(store, held)] == [r[key] for r in ranks(store, streamed)]
+    for a, b in zip(held.getHistory(), streamed.getHistory(), strict=True):
+        assert (a["train"], a["validation"]) == (b["train"], b["validation"])
 
 
 class CountWhatRan(Callback):

@@ -5,6 +5,7 @@ ignored. The fits share one store, so the Parquet of each DataFrame is written o
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -346,3 +347,27 @@ def test_loss_constructors_build_unpicklable_losses_on_the_executors(df, store):
 def test_cpu_fallback_is_a_warning_on_the_driver(df, store):
     with pytest.warns(RuntimeWarning, match="use_gpu=True but Spark assigned no GPU"):
         fit(df, store, use_gpu=True, epochs=1)
+
+
+def test_each_epoch_records_where_each_ranks_time_went(df, store):
+    def slow(batch):  # a transformation that makes the step wait for its data
+        time.sleep(0.02)
+        return batch
+
+    model = fit(df, store, epochs=2, transformation_fn=slow)
+    steps = ranks(store, model)[0]["batches_per_epoch"]
+    for record, batches in zip(model.getHistory(), steps, strict=True):
+        seconds = record["seconds"]
+        assert set(seconds) == {"train", "data", "compute", "communication"}
+        for rank in range(2):
+            parts = [seconds[k][rank] for k in ("data", "compute", "communication")]
+            assert sum(parts) == pytest.approx(seconds["train"][rank], rel=0.1)
+            assert seconds["data"][rank] >= 0.02 * batches
+            assert seconds["compute"][rank] > 0
+            assert seconds["communication"][rank] > 0  # gradients averaged in shared memory
+    assert model.getTrainingSummary()["seconds_per_rank"] == {
+        kind: [
+            round(sum(r["seconds"][kind][rank] for r in model.getHistory()), 3) for rank in (0, 1)
+        ]
+        for kind in ("train", "data", "compute", "communication")
+    }

@@ -24,6 +24,7 @@ import threading
 
 from tqdm.auto import tqdm
 
+from ..shared.history import time_shares
 from ..store import Store
 
 POLL_S = 0.5
@@ -108,7 +109,11 @@ class FitMonitor:
         last = progress.get("last") or {}
         if (last.get("validation") or {}).get("loss") is not None:
             postfix["val_loss"] = last["validation"]["loss"]
-        self.bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items() if v is not None})
+        postfix = {k: f"{v:.4g}" for k, v in postfix.items() if v is not None}
+        shares = time_shares(last)  # where the last epoch's time went, over all ranks
+        if shares:
+            postfix.update({k[:4]: f"{v:.0%}" for k, v in shares.items()})
+        self.bar.set_postfix(postfix)
 
     def _poll_loop(self) -> None:
         while not self.stop.wait(POLL_S):

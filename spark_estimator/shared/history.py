@@ -1,5 +1,5 @@
 """A fit's history records as scalars by name: what TensorBoard (on rank 0) and MLflow (on
-the driver) log of each epoch."""
+the driver) log of each epoch; and an epoch's timings as shares (the progress bar's)."""
 
 from __future__ import annotations
 
@@ -13,4 +13,16 @@ def epoch_scalars(record: dict) -> dict[str, float]:
                 values[f"{split}/{name}"] = float(value)
     for group, lr in enumerate(record.get("lr") or []):
         values[f"lr/group_{group}"] = float(lr)
+    for kind, per_rank in (record.get("seconds") or {}).items():
+        values[f"seconds/{kind}"] = max(per_rank)  # the slowest rank's
     return values
+
+
+def time_shares(record: dict) -> dict[str, float] | None:
+    """Of an epoch's training seconds summed over ranks: the shares spent waiting for data,
+    computing and communicating (None for a record without timings)."""
+    seconds = record.get("seconds")
+    if not seconds or not sum(seconds["train"]):
+        return None
+    total = sum(seconds["train"])
+    return {k: sum(seconds[k]) / total for k in ("data", "compute", "communication")}

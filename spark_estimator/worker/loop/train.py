@@ -209,9 +209,9 @@ class _TrainingLoop:
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
                 sums.add("train", loss, batch.size, metrics, batches if check_nan else None)
-            compute += clock() - ready
             if batches < self.steps_per_epoch:  # the epoch's end is reported by run()
                 self._progress(epoch, batches, sums)
+            compute += clock() - ready
         if self.device.type == "cuda":  # the device's queued work is the epoch's computing
             before = clock()
             torch.cuda.synchronize(self.device)

@@ -16,6 +16,12 @@ HISTORY = [
         "lr": [0.1, 0.01],
         "train": {"loss": 2.5, "mae": 1.25},
         "validation": {"loss": 3.0},
+        "seconds": {
+            "train": [2.0, 2.5],
+            "data": [0.5, 1.0],
+            "compute": [1, 1],
+            "communication": [0.5, 0.5],
+        },
     },
     {"epoch": 2, "lr": [0.05, 0.005], "train": {"loss": 1.5, "mae": 0.75}, "validation": None},
 ]
@@ -39,6 +45,10 @@ def test_epoch_scalars_name_split_value_and_param_group():
         "validation/loss": 3.0,
         "lr/group_0": 0.1,
         "lr/group_1": 0.01,
+        "seconds/train": 2.5,  # the slowest rank's
+        "seconds/data": 1.0,
+        "seconds/compute": 1.0,
+        "seconds/communication": 0.5,
     }
 
 
