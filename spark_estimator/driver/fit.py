@@ -12,6 +12,7 @@ the loss probe); and names its executor loop (``_TRAINER``).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 import uuid
 import warnings
@@ -65,6 +66,7 @@ class _Checked(NamedTuple):
     probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
 
 
+logger = logging.getLogger(__name__)
 _positive = validate.check_positive
 _optional_positive = functools.partial(validate.check_positive, optional=True)
 # the params checked on their value alone, in this order: param -> check(param, value)
@@ -84,6 +86,17 @@ _PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
     "reader": validate.check_reader,
     "device_cache_fraction": validate.check_fraction,
 }
+
+
+def log_placements(summaries: list[RankSummary]) -> None:
+    """One INFO line per way the ranks placed their data (held on the device, or streamed
+    and why), naming the ranks."""
+    ranks: dict[str, list[int]] = {}
+    for s in summaries:
+        ranks.setdefault(s.data_placement, []).append(s.rank)
+    for placement, which in ranks.items():
+        listed = ", ".join(map(str, which))
+        logger.info("rank%s %s: data %s", "s" if len(which) > 1 else "", listed, placement)
 
 
 class _Clock:
@@ -240,6 +253,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 f"run {run_id}: ranks finished with different weights ({summaries}); "
                 "the model is not the same on every rank"
             )
+        log_placements(summaries)
         notes = sorted({s.device_note for s in summaries if s.device_note})
         for note in notes:
             warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=4)

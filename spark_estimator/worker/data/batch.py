@@ -16,18 +16,41 @@ class Batch:
         if transform is not None:
             chunk = apply_transformation(transform, chunk, spec.data.columns, self.size)
         shapes = spec.input_shapes or [None] * len(spec.data.features)
-        non_blocking = device.type == "cuda"  # the loader's buffer is pinned on GPUs
-
-        def to_device(name):
-            return chunk[name].to(device, non_blocking=non_blocking)
-
+        if chunk and next(iter(chunk.values())).device != device:
+            chunk = to_device(chunk, spec.data.columns, device)
         self.inputs = [
-            reshape_input(c.name, to_device(c.name), shape)
+            reshape_input(c.name, chunk[c.name], shape)
             for c, shape in zip(spec.data.features, shapes)
         ]
-        self.labels = [to_device(c.name) for c in spec.data.labels]
+        self.labels = [chunk[c.name] for c in spec.data.labels]
         weight = spec.data.sample_weight
-        self.sample_weight = to_device(weight.name) if weight is not None else None
+        self.sample_weight = chunk[weight.name] if weight is not None else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.inputs, *self.labels] + (
+            [self.sample_weight] if self.sample_weight is not None else []
+        )
+
+
+def to_device(chunk: Tensors, columns: list[ColumnSpec], device: torch.device) -> Tensors:
+    """A host batch's columns on ``device``: the scalar columns of one dtype stacked into
+    one ``[columns, rows]`` block, one copy (from pinned memory, not blocking the host, on
+    a GPU), each column a contiguous row of it; every other column copied by itself."""
+    cuda = device.type == "cuda"  # the loader's buffer is pinned on GPUs
+    groups: dict[torch.dtype, list[str]] = {}
+    for c in columns:
+        if c.kind == "scalar" and chunk[c.name].dim() == 1:
+            groups.setdefault(chunk[c.name].dtype, []).append(c.name)
+    out = {}
+    for dtype, names in groups.items():
+        rows = len(chunk[names[0]])
+        block = torch.empty((len(names), rows), dtype=dtype, pin_memory=cuda)
+        torch.stack([chunk[n] for n in names], out=block)
+        out.update(zip(names, block.to(device, non_blocking=cuda).unbind(0)))
+    for name, tensor in chunk.items():
+        if name not in out:
+            out[name] = tensor.to(device, non_blocking=cuda)
+    return out
 
 
 def apply_transformation(fn, chunk: dict, columns: list[ColumnSpec], rows: int) -> dict:

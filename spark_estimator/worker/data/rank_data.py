@@ -63,7 +63,6 @@ class RankData:
         rows = {s: _rank_rows(spec.data.rows(s), world, rank) for s in SPLITS}
         on_device, self.placement = placement(spec, rows, info.device, info.local_size)
         hold_on = info.device if on_device else None
-        print(f"spark-estimator rank {rank}: data {self.placement}")
         self.train = open_loader(spec, "train", world, rank, pin, hold_on)
         self.plan = StepPlan(spec.data.rows("train"), world, rank, batch_size)
         self.steps_per_epoch = spec.loader.train_steps_per_epoch or self.plan.steps

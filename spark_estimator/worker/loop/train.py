@@ -32,6 +32,8 @@ from ..comm.ddp import wrap_model
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
+from ..data.device_shard import DeviceShard
+from ..data.prefetch import Prefetched
 from ..data.rank_data import RankData, rank_summary
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
@@ -85,6 +87,7 @@ class _TrainingLoop:
         self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
 
         self.data = RankData(spec, info, lockstep=False)
+        self.streaming = not isinstance(self.data.train, DeviceShard)
         self.steps_per_epoch = self.data.steps_per_epoch
         # what each epoch of this attempt ran, counted: batches and optimizer steps
         self.batches_run: list[int] = []
@@ -184,20 +187,54 @@ class _TrainingLoop:
         pass (``metrics.TIMES``): waiting for batches, computing (on a GPU, until the device
         has done the epoch's work) and averaging gradients where the step waits for it."""
         self.ddp.train()
-        objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
-        batches = optimizer_steps = 0
-        averaged = self.hook.seconds if isinstance(self.hook, SharedMemoryAllreduce) else 0.0
-        clock = time.perf_counter
-        started = clock()
-        data = compute = 0.0
+        shared = self.hook if isinstance(self.hook, SharedMemoryAllreduce) else None
+        averaged = shared.seconds if shared else 0.0
+        started = time.perf_counter()
         steps = itertools.islice(self.steps, self.steps_per_epoch)
+        if self.streaming:  # the next batches are made in a thread while this one trains
+            steps = Prefetched(steps, self._assemble, self.device, lambda made: made[0].tensors())
+        try:
+            data, compute = self._run_steps(epoch, sums, steps)
+        finally:
+            if isinstance(steps, Prefetched):
+                steps.close()
+        if self.device.type == "cuda":  # the device's queued work is the epoch's computing
+            before = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            compute += time.perf_counter() - before
+        # shared memory: the step waits for it; else DDP overlaps it with the backward pass
+        # and what the step waits for of it is counted in computing
+        averaged = shared.seconds - averaged if shared else 0.0
+        return {
+            "train": time.perf_counter() - started,
+            "data": data,
+            "compute": compute - averaged,
+            "communication": averaged,
+        }
+
+    def _assemble(self, drawn: tuple) -> tuple:
+        """A drawn (chunk, weight, last) with its batch made, on the device (in the loader's
+        thread when streaming); a chunk a transformation_fn will change is left as it is."""
+        chunk, weight, last = drawn
+        if self.transform is not None:
+            return drawn
+        return Batch(chunk, self.spec, self.device), weight, last
+
+    def _run_steps(self, epoch: int, sums: EpochSums, steps) -> tuple[float, float]:
+        """Train on every drawn batch of ``steps``; the seconds spent waiting for them and
+        the seconds spent on the rest."""
+        objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
+        clock = time.perf_counter
+        batches = optimizer_steps = 0
+        data = compute = 0.0
         while True:
             before = clock()
             drawn = next(steps, None)
             if drawn is None:
                 break
-            chunk, weight, last = drawn
-            batch = Batch(chunk, self.spec, self.device, self.transform)
+            batch, weight, last = drawn if self.streaming else self._assemble(drawn)
+            if not isinstance(batch, Batch):  # with a transformation_fn
+                batch = Batch(batch, self.spec, self.device, self.transform)
             ready = clock()
             data += ready - before
             batches += 1
@@ -212,22 +249,9 @@ class _TrainingLoop:
             if batches < self.steps_per_epoch:  # the epoch's end is reported by run()
                 self._progress(epoch, batches, sums)
             compute += clock() - ready
-        if self.device.type == "cuda":  # the device's queued work is the epoch's computing
-            before = clock()
-            torch.cuda.synchronize(self.device)
-            compute += clock() - before
         self.batches_run.append(batches)
         self.optimizer_steps_run.append(optimizer_steps)
-        if isinstance(self.hook, SharedMemoryAllreduce):
-            averaged = self.hook.seconds - averaged
-        else:
-            averaged = 0.0  # DDP overlaps it with the backward pass: counted in computing
-        return {
-            "train": clock() - started,
-            "data": data,
-            "compute": compute - averaged,
-            "communication": averaged,
-        }
+        return data, compute
 
     def _validate(self, epoch: int, sums: EpochSums) -> None:
         """Add this rank's validation batches to ``sums`` (no collectives: ranks may have
