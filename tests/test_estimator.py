@@ -520,6 +520,7 @@ def _bad_inputs():
             ValueError,
             "mixed_precision: must be one of",
         ),
+        "compile a string": (dict(compile="inductor"), TypeError, "compile: expected True"),
         "ReduceLROnPlateau per step": (
             dict(
                 lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),

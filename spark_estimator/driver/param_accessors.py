@@ -467,6 +467,7 @@ class EstimatorParamsAccessors(Params):
     backward_passes_per_step: Param[int]
     gradient_compression: Param[str]
     mixed_precision: Param[str]
+    compile: Param[Any]
     metrics: Param[Any]
     loss_weights: Param[list[float] | None]
     sample_weight_col: Param[str | None]
@@ -576,6 +577,24 @@ class EstimatorParamsAccessors(Params):
         autocast
         """
         return self._set(mixed_precision=value)
+
+    def getCompile(self) -> Any:
+        """Gets the value of `compile`: False (default), True or a dict of torch.compile keyword
+        arguments (e.g. {'backend': 'aot_eager'}, {'mode': 'max-autotune'}, {'dynamic':
+        True}): each process trains torch.compile of the model inside
+        DistributedDataParallel; validation runs the model uncompiled; checkpoints and the
+        fitted model hold the plain model's weights
+        """
+        return self.getOrDefault(self.compile)
+
+    def setCompile(self: _P, value: Any) -> _P:
+        """Sets the value of `compile`: False (default), True or a dict of torch.compile keyword
+        arguments (e.g. {'backend': 'aot_eager'}, {'mode': 'max-autotune'}, {'dynamic':
+        True}): each process trains torch.compile of the model inside
+        DistributedDataParallel; validation runs the model uncompiled; checkpoints and the
+        fitted model hold the plain model's weights
+        """
+        return self._set(compile=value)
 
     def getMetrics(self) -> Any:
         """Gets the value of `metrics`: dict name -> function (output, label) -> tensor (a batch

@@ -437,6 +437,15 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             default="none",
         ),
         ParamSpec(
+            "compile",
+            "False (default), True or a dict of torch.compile keyword arguments (e.g. "
+            "{'backend': 'aot_eager'}, {'mode': 'max-autotune'}, {'dynamic': True}): each "
+            "process trains torch.compile of the model inside DistributedDataParallel; "
+            "validation runs the model uncompiled; checkpoints and the fitted model hold the "
+            "plain model's weights",
+            default=False,
+        ),
+        ParamSpec(
             "metrics",
             "dict name -> function (output, label) -> tensor (a batch mean), or a list of "
             "functions named by __name__; averaged over all rows per epoch for train and "

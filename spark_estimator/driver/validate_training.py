@@ -9,6 +9,7 @@ first, so a failure names the parameter that holds the unpicklable thing.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 
@@ -141,6 +142,37 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
             "train_minibatch_fn: your step owns backward and optimizer.step, so it cannot be "
             "combined with backward_passes_per_step > 1 or mixed_precision; do those in it"
         )
+
+
+def compile_options(value) -> dict | None:
+    """The ``compile`` param as torch.compile's keyword arguments: None for False (the model
+    is not compiled), ``{}`` for True (torch.compile's defaults), or the dict given, whose
+    keys must be arguments of ``torch.compile`` (but ``model``), a string ``backend`` one
+    torch registers, and the whole picklable (it travels to the executors)."""
+    if isinstance(value, bool):
+        return {} if value else None
+    if not isinstance(value, dict):
+        raise TypeError(
+            "compile: expected True, False or a dict of torch.compile keyword arguments, "
+            f"got {value!r}"
+        )
+    arguments = set(inspect.signature(torch.compile).parameters) - {"model"}
+    for key in value:
+        if key not in arguments:
+            raise ValueError(
+                f"compile: {key!r} is not an argument of torch.compile; use some of "
+                f"{sorted(arguments)}"
+            )
+    backend = value.get("backend")
+    if isinstance(backend, str):
+        registered = torch.compiler.list_backends(exclude_tags=())
+        if backend not in registered:
+            raise ValueError(
+                f"compile: backend {backend!r} is not one of torch's registered backends "
+                f"{registered}; or pass a callable backend"
+            )
+    dumps(value, "compile")
+    return dict(value)
 
 
 def with_learning_rate(optimizer, learning_rate: float | None):

@@ -131,9 +131,22 @@ class LoopSpec:
     backward_passes_per_step: int = 1
     gradient_compression: str = "none"  # "none" | "fp16" | "bf16"
     mixed_precision: str = "none"  # "none" | "fp16" | "bf16"
+    # torch.compile's keyword arguments for the module the ranks train; None: not compiled
+    compile: dict | None = None
     loss_weights: tuple[float, ...] | None = None  # one per label column
     lr_scheduler_interval: str = "epoch"  # "epoch" | "step"
     terminate_on_nan: bool = True
+
+
+def compile_backend(options: dict | None) -> str | None:
+    """The name of the torch.compile backend of ``compile`` options (None: not compiled):
+    a registered backend's name, or a callable backend's class or function name."""
+    if options is None:
+        return None
+    backend = options.get("backend") or "inductor"
+    if isinstance(backend, str):
+        return backend
+    return getattr(backend, "__name__", type(backend).__name__)
 
 
 def metric_keys(metric_names: list[str], label_cols: list[str]) -> list[str]:

@@ -34,6 +34,7 @@ class RankSummary:
     optimizer_steps_per_epoch: list[int]  # Lightning: trainer.global_step's growth (see there)
     weights_digest: str  # of the final weights: the same on every rank
     seconds: float  # from the end of the rank's setup (loaders open) to its summary
+    compiled: str | None = None  # the torch.compile backend of the module trained; None: eager
 
 
 def training_summary(

@@ -149,3 +149,22 @@ def test_reduce_lr_on_plateau_is_refused_per_step():
     bundle(lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1), interval="step")
     with pytest.raises(ValueError, match="lr_scheduler_interval: 'step' cannot drive Reduce"):
         bundle(lr_scheduler=plateau, interval="step")
+
+
+def test_compile_is_false_true_or_keyword_arguments_of_torch_compile():
+    assert vt.compile_options(False) is None
+    assert vt.compile_options(True) == {}
+    options = {"backend": "aot_eager", "dynamic": True}
+    assert vt.compile_options(options) == options
+    for bad in ("inductor", 1, None, ["aot_eager"]):
+        with pytest.raises(TypeError, match="compile: expected True, False or a dict"):
+            vt.compile_options(bad)
+    with pytest.raises(ValueError, match="compile: 'backnd' is not an argument of torch.compile"):
+        vt.compile_options({"backnd": "eager"})
+    with pytest.raises(ValueError, match="compile: 'model' is not an argument"):
+        vt.compile_options({"model": torch.nn.Linear(2, 1)})
+    with pytest.raises(ValueError, match="compile: backend 'nope' is not one of torch's"):
+        vt.compile_options({"backend": "nope"})
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="compile: cannot be serialized"):
+        vt.compile_options({"backend": lambda graph, inputs: lock and graph.forward})

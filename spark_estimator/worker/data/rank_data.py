@@ -93,9 +93,11 @@ def rank_summary(
     batches_per_epoch: list[int],
     optimizer_steps_per_epoch: list[int],
     started: float,
+    compiled: str | None = None,
 ) -> RankSummary:
     """What this rank did: ``hook`` is the DDP gradient hook's state (None without one),
-    ``weights`` the final state dict, ``started`` when training began (``time.time()``)."""
+    ``weights`` the final state dict, ``started`` when training began (``time.time()``),
+    ``compiled`` the torch.compile backend of the module it trained (None: not compiled)."""
     compression = hook if isinstance(hook, CompressionState) else None
     return RankSummary(
         rank=info.rank,
@@ -115,4 +117,5 @@ def rank_summary(
         optimizer_steps_per_epoch=optimizer_steps_per_epoch,
         weights_digest=state_dict_digest(weights),
         seconds=round(time.time() - started, 3),
+        compiled=compiled,
     )

@@ -9,6 +9,9 @@ rows on all ranks: k batches of n rows give the gradient of one batch of k x n r
 ``mixed_precision`` runs forward and loss under ``torch.autocast`` in fp16 or bf16 on the
 task's device (CUDA, or CPU where torch's CPU autocast is used); fp16 adds a GradScaler.
 A ``train_minibatch_fn`` replaces all of this with the user's own step.
+
+With ``compile`` DDP wraps ``torch.compile`` of the model (``compile_module``); the plain
+model, whose state dict is checkpointed, stays as it is.
 """
 
 from __future__ import annotations
@@ -21,6 +24,18 @@ from ...shared.spec import PRECISION_DTYPES, LoopSpec, torch_dtype
 from ..data.batch import Batch
 from .loss import as_outputs
 from .objects import TrainingObjects
+
+
+def compile_module(model: torch.nn.Module, options: dict | None) -> torch.nn.Module:
+    """The module ``wrap_model`` wraps for training: ``model`` itself when ``options`` is None,
+    else ``torch.compile(model, **options)``. Its forward then runs inside DDP's, where
+    dynamo's DDPOptimizer splits the graph at DDP's gradient buckets, so their allreduces
+    still overlap backward. Not ``torch.compile`` of the DDP wrapper: DDP's forward breaks
+    the graph before calling the model, and dynamo skips the frames of torch's own modules,
+    so a ``torch.nn.Linear`` or ``Sequential`` model would silently run uncompiled (torch
+    2.13). The compiled module shares the model's parameters; its state dict keys carry an
+    ``_orig_mod.`` prefix, so state is read from the plain model."""
+    return model if options is None else torch.compile(model, **options)
 
 
 class Stepper:

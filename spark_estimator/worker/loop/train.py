@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
 from ...shared.serialization import loads, state_to_bytes
-from ...shared.spec import TrainSpec, metric_keys
+from ...shared.spec import TrainSpec, compile_backend, metric_keys
 from ...shared.summary import RankSummary, seconds_per_rank, training_summary
 from ..comm.ddp import wrap_model
 from ..comm.rendezvous import RankInfo
@@ -48,7 +48,7 @@ from .resume import (
     restore_callbacks,
     seed_epoch,
 )
-from .step import Stepper
+from .step import Stepper, compile_module
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
 
@@ -81,8 +81,9 @@ class _TrainingLoop:
         self.objects = build_objects(spec, world, self.device)
         fn = spec.loader.transformation_fn
         self.transform = loads(fn) if fn else None
+        trained = compile_module(self.objects.model, spec.loop.compile)  # model stays plain
         self.ddp, self.hook = wrap_model(
-            self.objects.model, info, spec.loop.gradient_compression, spec.collective_timeout
+            trained, info, spec.loop.gradient_compression, spec.collective_timeout
         )
         self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
 
@@ -337,6 +338,7 @@ class _TrainingLoop:
             self.batches_run,
             self.optimizer_steps_run,
             self.started,
+            compile_backend(self.spec.loop.compile),
         )
 
     def _training_summary(self, selection: dict | None) -> dict:
