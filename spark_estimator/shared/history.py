@@ -22,7 +22,7 @@ def time_shares(record: dict) -> dict[str, float] | None:
     """Of an epoch's training seconds summed over ranks: the shares spent waiting for data,
     computing and communicating (None for a record without timings)."""
     seconds = record.get("seconds")
-    if not seconds or not sum(seconds["train"]):
+    total = sum(seconds["train"]) if seconds else 0
+    if not total:
         return None
-    total = sum(seconds["train"])
     return {k: sum(seconds[k]) / total for k in ("data", "compute", "communication")}

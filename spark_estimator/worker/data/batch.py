@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...shared.spec import ColumnSpec, TrainSpec
-from .convert import Tensors, chunk_rows, reshape_input
+from .convert import Tensors, chunk_rows, reshape_input, scalar_groups
 
 
 class Batch:
@@ -37,12 +37,8 @@ def to_device(chunk: Tensors, columns: list[ColumnSpec], device: torch.device) -
     one ``[columns, rows]`` block, one copy (from pinned memory, not blocking the host, on
     a GPU), each column a contiguous row of it; every other column copied by itself."""
     cuda = device.type == "cuda"  # the loader's buffer is pinned on GPUs
-    groups: dict[torch.dtype, list[str]] = {}
-    for c in columns:
-        if c.kind == "scalar" and chunk[c.name].dim() == 1:
-            groups.setdefault(chunk[c.name].dtype, []).append(c.name)
     out = {}
-    for dtype, names in groups.items():
+    for dtype, names in scalar_groups(chunk, columns).items():
         rows = len(chunk[names[0]])
         block = torch.empty((len(names), rows), dtype=dtype, pin_memory=cuda)
         torch.stack([chunk[n] for n in names], out=block)

@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from ...shared.spec import ColumnSpec
+
 Tensors = dict[str, torch.Tensor]  # a batch's columns as the loaders hand them over
 
 
@@ -28,6 +30,25 @@ def read_only_arrays():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         yield
+
+
+def scalar_groups(tensors: Tensors, columns: list[ColumnSpec]) -> dict[torch.dtype, list[str]]:
+    """The names of ``columns`` (ColumnSpecs) holding one value per row in ``tensors``, by
+    the dtype they have there: each group travels and is held as one ``[columns, rows]``
+    block."""
+    groups: dict[torch.dtype, list[str]] = {}
+    for c in columns:
+        if c.kind == "scalar" and tensors[c.name].dim() == 1:
+            groups.setdefault(tensors[c.name].dtype, []).append(c.name)
+    return groups
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``: on a GPU through pinned memory, without making
+    the host wait for the device."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def as_tensor(array: np.ndarray | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,9 +19,16 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from ...shared.spec import TrainSpec
+from ...shared.spec import ColumnSpec, TrainSpec
 from .arrow_reader import Chunk
-from .convert import Tensors, as_tensor, chunk_rows, read_only_arrays
+from .convert import (
+    Tensors,
+    as_tensor,
+    chunk_rows,
+    host_to_device,
+    read_only_arrays,
+    scalar_groups,
+)
 from .shards import Piece, pass_generator
 
 
@@ -33,7 +40,7 @@ class DeviceShard:
         read_chunks: Callable[[list[Piece]], Iterator[Chunk]],
         pieces: list[Piece],
         template: Tensors,
-        scalar: set[str],
+        columns: list[ColumnSpec],
         *,
         shuffle: bool,
         shuffle_pieces: bool,
@@ -48,16 +55,13 @@ class DeviceShard:
         for piece in pieces:
             starts.append(starts[-1] + piece.rows)
         self.starts = starts  # the first row of each piece in the held tensors
-        self._hold(read_chunks(pieces), template, scalar)
+        self._hold(read_chunks(pieces), template, columns)
 
-    def _hold(self, chunks: Iterator[Chunk], template: Tensors, scalar: set[str]) -> None:
-        """Copy every chunk into place: the ``scalar`` columns into their dtype's block."""
+    def _hold(self, chunks: Iterator[Chunk], template: Tensors, columns: list[ColumnSpec]):
+        """Copy every chunk into place: the scalar columns into their dtype's block."""
         self.blocks: dict[torch.dtype, tuple[torch.Tensor, list[str]]] = {}
         self.columns: dict[str, torch.Tensor] = {}
-        scalars: dict[torch.dtype, list[str]] = {}
-        for name, like in template.items():
-            if name in scalar:
-                scalars.setdefault(like.dtype, []).append(name)
+        scalars = scalar_groups(template, columns)
         for dtype, names in scalars.items():
             block = torch.empty((len(names), self.rows), dtype=dtype, device=self.device)
             self.blocks[dtype] = (block, names)
@@ -97,10 +101,7 @@ class DeviceShard:
             order = torch.randperm(len(self.pieces), generator=generator).tolist()
         parts = [torch.arange(self.starts[i], self.starts[i + 1]) for i in order]
         rows = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        rows = rows[torch.randperm(self.rows, generator=generator)]
-        if self.device.type == "cuda":
-            return rows.pin_memory().to(self.device, non_blocking=True)
-        return rows
+        return host_to_device(rows[torch.randperm(self.rows, generator=generator)], self.device)
 
     def batches(self, sizes: list[int], pass_index: int) -> Iterator[Tensors]:
         """One pass: batches of ``sizes`` rows, new tensors (never views of the held rows,
@@ -145,7 +146,7 @@ def placement(spec: TrainSpec, rows: dict[str, int], device: torch.device, local
         length = spec.data.row_length(column)
         if length is None:
             return False, f"streaming: the row size of column '{column.name}' is not recorded"
-        row_bytes += length * torch.empty((), dtype=column.torch_dtype).element_size()
+        row_bytes += length * column.torch_dtype.itemsize
     index_bytes = rows.get("train", 0) * 8 if spec.loader.shuffle else 0
     needed = sum(rows.values()) * row_bytes + index_bytes
     budget, source = memory_budget(device, fraction, local_size)

@@ -205,7 +205,7 @@ def open_loader(
             reader.chunks,
             pieces,
             template,
-            {c.name for c in data.columns if c.kind == "scalar"},
+            data.columns,
             shuffle=shuffle,
             shuffle_pieces=reader.keeps_order,
             seed=spec.seed,

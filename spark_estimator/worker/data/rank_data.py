@@ -25,7 +25,7 @@ from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from .device_shard import DeviceShard, placement
 from .loader import ShardLoader, open_loader
-from .shards import StepPlan, eval_sizes, shard_bounds
+from .shards import StepPlan, eval_sizes, shard_rows
 
 
 def training_steps(
@@ -60,7 +60,7 @@ class RankData:
     def __init__(self, spec: TrainSpec, info: RankInfo, lockstep: bool):
         world, rank, batch_size = info.world_size, info.rank, spec.batch_size
         pin = info.device.type == "cuda"
-        rows = {s: _rank_rows(spec.data.rows(s), world, rank) for s in SPLITS}
+        rows = {s: shard_rows(spec.data.rows(s), world, rank) for s in SPLITS}
         on_device, self.placement = placement(spec, rows, info.device, info.local_size)
         hold_on = info.device if on_device else None
         self.train = open_loader(spec, "train", world, rank, pin, hold_on)
@@ -78,11 +78,6 @@ class RankData:
     def training_steps(self, group: int, start: int) -> Iterator[tuple[dict, float, bool]]:
         """The training stream in epochs of ``steps_per_epoch`` batches (``training_steps``)."""
         return training_steps(self.train, self.plan, group, self.steps_per_epoch, start)
-
-
-def _rank_rows(total: int, world: int, rank: int) -> int:
-    start, end = shard_bounds(total, world, rank)
-    return end - start
 
 
 def rank_summary(

@@ -37,6 +37,12 @@ def shard_bounds(total_rows: int, world_size: int, rank: int) -> tuple[int, int]
     return start, start + base + (1 if rank < extra else 0)
 
 
+def shard_rows(total_rows: int, world_size: int, rank: int) -> int:
+    """How many rows ``rank``'s shard holds."""
+    start, end = shard_bounds(total_rows, world_size, rank)
+    return end - start
+
+
 def split_sizes(rows: int, parts: int) -> list[int]:
     """``rows`` cut into ``parts`` sizes that differ by at most one, larger first."""
     base, extra = divmod(rows, parts)
@@ -77,13 +83,10 @@ class StepPlan:
 
     def __init__(self, total_rows: int, world_size: int, rank: int, batch_size: int):
         self.world_size = world_size
-        shard_rows = [
-            end - start
-            for start, end in (shard_bounds(total_rows, world_size, r) for r in range(world_size))
-        ]
-        self.rows = shard_rows[rank]
-        self.steps = max(1, math.ceil(max(shard_rows) / batch_size))
-        per_rank = [split_sizes(n, self.steps) for n in shard_rows]
+        rows = [shard_rows(total_rows, world_size, r) for r in range(world_size)]
+        self.rows = rows[rank]
+        self.steps = max(1, math.ceil(max(rows) / batch_size))
+        per_rank = [split_sizes(n, self.steps) for n in rows]
         self.batch_sizes = per_rank[rank]
         # rows of each step summed over ranks: the denominator of the exact mean
         self.step_rows = [sum(sizes[s] for sizes in per_rank) for s in range(self.steps)]

@@ -16,18 +16,11 @@ import torch
 import torch.distributed as dist
 
 from ...shared.spec import SPLITS
+from ..data.convert import host_to_device
 
 FOLD = 256  # steps between folds of the pending values into the sums
 TIMES = ("train", "data", "compute", "communication")  # per rank, seconds of the epoch
 _NONE = torch.iinfo(torch.int64).max  # no bad step yet
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on ``device``, copied without blocking the host."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
 
 
 class EpochSums:
@@ -71,7 +64,9 @@ class EpochSums:
             return
         self.pending[split] = []
         losses = torch.cat([loss.reshape(1) for loss, _, _, _ in pending]).double()
-        rows = to_device([r for _, r, _, _ in pending], torch.float64, self.device)
+        rows = host_to_device(
+            torch.tensor([r for _, r, _, _ in pending], dtype=torch.float64), self.device
+        )
         columns = [losses] + [
             torch.cat([m[i].reshape(1) for _, _, m, _ in pending]).double()
             for i in range(len(self.metric_names))
@@ -85,7 +80,7 @@ class EpochSums:
         if steps[0] is not None:
             bad = ~torch.isfinite(losses)
             self.sums[self.times_at - 1] += bad.sum()
-            steps = to_device(steps, torch.int64, self.device)
+            steps = host_to_device(torch.tensor(steps, dtype=torch.int64), self.device)
             first = torch.where(bad, steps, torch.full_like(steps, _NONE)).min()
             torch.minimum(self.first_bad, first, out=self.first_bad)
 
@@ -113,9 +108,8 @@ class EpochSums:
         for split in SPLITS:
             self._fold(split)
         at = self.times_at + rank * len(TIMES)
-        self.sums[at : at + len(TIMES)] = to_device(
-            [times[k] for k in TIMES], torch.float64, self.device
-        )
+        times = torch.tensor([times[k] for k in TIMES], dtype=torch.float64)
+        self.sums[at : at + len(TIMES)] = host_to_device(times, self.device)
         dist.all_reduce(self.sums)
         self.values = self.sums.tolist()  # read once, after the epoch
 

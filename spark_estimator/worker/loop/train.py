@@ -191,9 +191,11 @@ class _TrainingLoop:
         shared = self.hook if isinstance(self.hook, SharedMemoryAllreduce) else None
         averaged = shared.seconds if shared else 0.0
         started = time.perf_counter()
-        steps = itertools.islice(self.steps, self.steps_per_epoch)
+        drawn = itertools.islice(self.steps, self.steps_per_epoch)
         if self.streaming:  # the next batches are made in a thread while this one trains
-            steps = Prefetched(steps, self._assemble, self.device, lambda made: made[0].tensors())
+            steps = Prefetched(drawn, self._assemble, self.device, lambda made: made[0].tensors())
+        else:
+            steps = map(self._assemble, drawn)
         try:
             data, compute = self._run_steps(epoch, sums, steps)
         finally:
@@ -222,8 +224,8 @@ class _TrainingLoop:
         return Batch(chunk, self.spec, self.device), weight, last
 
     def _run_steps(self, epoch: int, sums: EpochSums, steps) -> tuple[float, float]:
-        """Train on every drawn batch of ``steps``; the seconds spent waiting for them and
-        the seconds spent on the rest."""
+        """Train on every (batch, weight, last) of ``steps`` (``_assemble``'s); the seconds
+        spent waiting for them and the seconds spent on the rest."""
         objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
         clock = time.perf_counter
         batches = optimizer_steps = 0
@@ -233,7 +235,7 @@ class _TrainingLoop:
             drawn = next(steps, None)
             if drawn is None:
                 break
-            batch, weight, last = drawn if self.streaming else self._assemble(drawn)
+            batch, weight, last = drawn
             if not isinstance(batch, Batch):  # with a transformation_fn
                 batch = Batch(batch, self.spec, self.device, self.transform)
             ready = clock()
