@@ -1,0 +1,114 @@
+"""examples/horovod/: Horovod PyTorch scripts run unchanged (but for the import line) by
+``spark-estimator-run`` on Spark barrier tasks, and learn as well as on one process."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "horovod"
+LAUNCHER = Path(sys.executable).parent / "spark-estimator-run"
+CLUSTER = "local-cluster[2,1,1024]"
+CLASSIC = [str(EXAMPLES / "pytorch_digits.py"), "--epochs", "12", "--lr", "0.05"]
+ELASTIC = [str(EXAMPLES / "pytorch_digits_elastic.py"), "--epochs", "12", "--lr", "0.05"]
+
+
+def accuracies(output: str) -> list[float]:
+    """Every test accuracy rank 0 printed, in order."""
+    return [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", output)]
+
+
+def run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    env.pop("PYSPARK_DRIVER_PYTHON", None)
+    done = subprocess.run(
+        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def launch(script: list[str], master: str, tmp_path: Path, *flags: str):
+    return run([str(LAUNCHER), "-np", "2", "--master", master, *script, *flags], tmp_path)
+
+
+_alone: dict[tuple, float] = {}
+
+
+def alone(script: list[str], tmp_path: Path, *flags: str) -> float:
+    """The final test accuracy of ``script`` as one plain Python process (size 1)."""
+    key = (*script, *flags)
+    if key not in _alone:
+        _alone[key] = accuracies(run([sys.executable, *script, *flags], tmp_path).stdout)[-1]
+    return _alone[key]
+
+
+@pytest.mark.parametrize(
+    "master, flags",
+    [
+        ("local[2]", ()),
+        pytest.param(CLUSTER, (), marks=pytest.mark.cluster),
+        ("local[2]", ("--fp16-allreduce",)),
+        ("local[2]", ("--use-adasum",)),
+    ],
+)
+def test_the_classic_script_learns_as_well_as_on_one_process(master, flags, tmp_path):
+    done = launch(CLASSIC, master, tmp_path, *flags)
+    epochs = accuracies(done.stdout)
+    assert len(epochs) == 12, done.stdout[-3000:]  # rank 0 alone reports, once per epoch
+    assert re.search(r"^\[rank 1\] Train Epoch: 12 ", done.stdout, re.M)  # both ranks train
+    assert epochs[-1] >= alone(CLASSIC, tmp_path, *flags) - 2.0
+    assert epochs[-1] > 90.0
+
+
+@pytest.mark.parametrize(
+    "master, flags",
+    [
+        ("local[2]", ()),
+        pytest.param(CLUSTER, ("--fp16-allreduce", "--use-adasum"), marks=pytest.mark.cluster),
+    ],
+)
+def test_the_elastic_script_learns_as_well_as_on_one_process(master, flags, tmp_path):
+    done = launch(ELASTIC, master, tmp_path, *flags)
+    epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
+    assert epochs == [str(e) for e in range(1, 13)], done.stdout[-3000:]
+    assert accuracies(done.stdout)[-1] >= alone(ELASTIC, tmp_path, *flags) - 2.0
+
+
+KILLER = """
+    # Runs the example, and kills this process (SIGKILL: nothing raised, nothing cleaned
+    # up) on rank 1 at its {step}th optimizer step, once: the marker file says it happened.
+    import os, runpy, signal, sys
+    import torch
+
+    marker, script = sys.argv[1], sys.argv[2]
+    steps = [0]
+
+    def kill_once(optimizer, args, kwargs):
+        steps[0] += 1
+        if os.environ["RANK"] == "1" and steps[0] == {step} and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.optim.optimizer.register_optimizer_step_post_hook(kill_once)
+    sys.argv = sys.argv[2:]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_the_elastic_script_resumes_from_its_last_commit_when_a_rank_is_killed(tmp_path):
+    # 1,437 training images, 2 ranks, batch 64: 11 steps per epoch. The kill comes at
+    # rank 1's 29th step, in epoch 3 after its commit at batch 4 (--batches-per-commit 4).
+    killer = tmp_path / "kill_rank_1.py"
+    killer.write_text(textwrap.dedent(KILLER.format(step=29)))
+    marker = tmp_path / "killed"
+    done = launch([str(killer), str(marker), *ELASTIC], "local[2]", tmp_path)
+    assert marker.exists()  # the kill happened
+    epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
+    assert epochs == [str(e) for e in range(1, 13)], done.stdout[-3000:]
+    assert accuracies(done.stdout)[-1] >= alone(ELASTIC, tmp_path) - 2.0
