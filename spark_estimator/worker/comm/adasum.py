@@ -30,12 +30,13 @@ all-reduce so the backend's communicator exists on every rank.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-_READY: set[int] = set()  # id() of the groups whose first collective has run here
+_READY: weakref.WeakSet = weakref.WeakSet()  # the groups whose first collective ran here
 
 
 def combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,7 @@ def adasum_allreduce_(tensors: Sequence[torch.Tensor], group=None) -> None:
 
 def _first_call(group) -> None:
     """One all-reduce on the group's first call here (see the module docstring)."""
-    key = id(group if group is not None else dist.group.WORLD)
+    key = group if group is not None else dist.group.WORLD
     if key in _READY:
         return
     probe = torch.zeros(1, device=_device(group))
