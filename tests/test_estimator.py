@@ -515,6 +515,16 @@ def _bad_inputs():
         ),
         "loss_weights count": (dict(loss_weights=[1.0, 1.0]), ValueError, "loss_weights: 2"),
         "unknown lr_scaling": (dict(lr_scaling="sqrt"), ValueError, "lr_scaling: must be one"),
+        "unknown gradient_reduction": (
+            dict(gradient_reduction="sum"),
+            ValueError,
+            "gradient_reduction: must be one of",
+        ),
+        "adasum with linear lr_scaling": (
+            dict(gradient_reduction="adasum", lr_scaling="linear"),
+            ValueError,
+            "lr_scaling: must be 'none' with gradient_reduction='adasum'",
+        ),
         "unknown mixed_precision": (
             dict(mixed_precision="fp8"),
             ValueError,

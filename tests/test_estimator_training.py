@@ -8,6 +8,8 @@ import math
 import shutil
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from pyspark.sql import functions as F
@@ -15,7 +17,10 @@ from pyspark.sql import functions as F
 from spark_estimator import Store
 from spark_estimator.callbacks import BestModel, Callback, EarlyStopping
 from spark_estimator.shared.serialization import state_from_bytes
+from spark_estimator.store import DatasetFolder
+from spark_estimator.worker.data.shards import shard_bounds
 from tests.conftest import LOCAL, linear_net, make_estimator, regression_rows, spark_session
+from tests.worker.comm.test_adasum import reference_adasum
 
 ROWS = 128  # 64 per process: batches of 8 and 16 cut each shard at the same rows
 
@@ -91,6 +96,58 @@ def test_gradient_compression_communicates_in_the_chosen_dtype(df, store, dtype)
     }
     assert not torch.equal(weights(compressed), weights(exact))
     assert torch.allclose(weights(compressed), weights(exact), atol=0.05)
+
+
+def rank_gradients(store, path) -> list[list[torch.Tensor]]:
+    """Per rank, the gradients of linear_net()'s MSE over the rank's shard of the
+    materialized training rows at ``path`` (the rows in file order, cut by shard_bounds)."""
+    files = store.read_json(DatasetFolder(path).meta)["files"]["train"]
+    table = pa.concat_tables(pq.read_table(f"{path}/{name}") for name, *_ in files)
+    x = torch.tensor(table.column("x").to_pylist(), dtype=torch.float32)
+    y = torch.tensor(table.column("y").to_pylist(), dtype=torch.float32)
+    gradients = []
+    for rank in range(2):
+        start, end = shard_bounds(len(y), 2, rank)
+        net = linear_net()
+        torch.nn.MSELoss()(net(x[start:end]).squeeze(1), y[start:end]).backward()
+        gradients.append([p.grad for p in net.parameters()])
+    return gradients
+
+
+def test_adasum_takes_one_sgd_step_along_the_adasum_of_the_ranks_gradients(df, store):
+    one_step = dict(epochs=1, batch_size=ROWS // 2)  # a step per rank's shard
+    net = linear_net()
+    est = make_estimator(
+        net,
+        store,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        gradient_reduction="adasum",
+        shuffle=False,
+        **one_step,
+    )
+    adasum = est.fit(df)
+    average = fit(df, store, **one_step)
+    start = [p.detach() for p in linear_net().parameters()]
+    grads = rank_gradients(store, est.materialize(df))
+    mean = torch.cat([(w - 0.1 * (a + b) / 2).flatten() for w, a, b in zip(start, *grads)])
+    assert torch.allclose(weights(average), mean, atol=1e-6)  # the reference gradients hold
+    combined = [torch.from_numpy(reference_adasum([a.numpy(), b.numpy()])) for a, b in zip(*grads)]
+    expected = torch.cat([(w - 0.1 * g).flatten() for w, g in zip(start, combined)])
+    assert torch.allclose(weights(adasum), expected, atol=1e-6)
+    assert not torch.allclose(weights(adasum), weights(average), atol=1e-4)
+    assert {(r["gradient_path"], r["gradient_allreduces"]) for r in ranks(store, adasum)} == {
+        ("adasum (gloo)", 1)
+    }
+    assert ranks(store, adasum)[0]["communicated_dtypes"] is None
+    assert adasum.getTrainingSummary()["gradient_reduction"] == "adasum"
+
+
+def test_adasum_with_compression_sends_the_compressed_dtype(df, store):
+    model = fit(df, store, gradient_reduction="adasum", gradient_compression="bf16", epochs=2)
+    summaries = ranks(store, model)
+    assert {r["gradient_path"] for r in summaries} == {"adasum (gloo) compressed"}
+    assert {tuple(r["communicated_dtypes"]) for r in summaries} == {("bfloat16",)}
+    assert model.getHistory()[-1]["train"]["loss"] < model.getHistory()[0]["train"]["loss"]
 
 
 class DtypeProbe(torch.nn.Module):

@@ -466,6 +466,7 @@ class EstimatorParamsAccessors(Params):
     lr_scaling: Param[str]
     backward_passes_per_step: Param[int]
     gradient_compression: Param[str]
+    gradient_reduction: Param[str]
     mixed_precision: Param[str]
     compile: Param[Any]
     metrics: Param[Any]
@@ -563,6 +564,22 @@ class EstimatorParamsAccessors(Params):
         gradients are averaged across processes in
         """
         return self._set(gradient_compression=value)
+
+    def getGradientReduction(self) -> str:
+        """Gets the value of `gradient_reduction`: 'average' (default: the mean of the
+        processes' gradients) or 'adasum' (Horovod's Adasum, per parameter, in float64;
+        learning rates are not scaled with it, so lr_scaling must be 'none');
+        gradient_compression still sets the dtype sent
+        """
+        return self.getOrDefault(self.gradient_reduction)
+
+    def setGradientReduction(self: _P, value: str) -> _P:
+        """Sets the value of `gradient_reduction`: 'average' (default: the mean of the
+        processes' gradients) or 'adasum' (Horovod's Adasum, per parameter, in float64;
+        learning rates are not scaled with it, so lr_scaling must be 'none');
+        gradient_compression still sets the dtype sent
+        """
+        return self._set(gradient_reduction=value)
 
     def getMixedPrecision(self) -> str:
         """Gets the value of `mixed_precision`: 'none', 'fp16' or 'bf16': torch.autocast for

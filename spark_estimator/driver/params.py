@@ -430,6 +430,14 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             default="none",
         ),
         ParamSpec(
+            "gradient_reduction",
+            "'average' (default: the mean of the processes' gradients) or 'adasum' (Horovod's "
+            "Adasum, per parameter, in float64; learning rates are not scaled with it, so "
+            "lr_scaling must be 'none'); gradient_compression still sets the dtype sent",
+            TypeConverters.toString,
+            default="average",
+        ),
+        ParamSpec(
             "mixed_precision",
             "'none', 'fp16' or 'bf16': torch.autocast for forward and loss (fp16 adds a "
             "GradScaler); meant for GPUs, on CPU it runs torch's CPU autocast",

@@ -17,7 +17,13 @@ import torch
 
 from ..callbacks import Callback, _Monitor
 from ..shared.serialization import dumps
-from ..shared.spec import LR_SCALINGS, PRECISIONS, SCHEDULER_INTERVALS, LoopSpec
+from ..shared.spec import (
+    GRADIENT_REDUCTIONS,
+    LR_SCALINGS,
+    PRECISIONS,
+    SCHEDULER_INTERVALS,
+    LoopSpec,
+)
 
 
 def _check_callable(name: str, value) -> None:
@@ -127,12 +133,18 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
     for name, choices in (
         ("lr_scaling", LR_SCALINGS),
         ("gradient_compression", PRECISIONS),
+        ("gradient_reduction", GRADIENT_REDUCTIONS),
         ("mixed_precision", PRECISIONS),
         ("lr_scheduler_interval", SCHEDULER_INTERVALS),
     ):
         value = getattr(loop, name)
         if value not in choices:
             raise ValueError(f"{name}: must be one of {list(choices)}, got {value!r}")
+    if loop.gradient_reduction == "adasum" and loop.lr_scaling != "none":
+        raise ValueError(
+            "lr_scaling: must be 'none' with gradient_reduction='adasum' (Adasum does not "
+            f"grow the step with the number of processes), got {loop.lr_scaling!r}"
+        )
     k = loop.backward_passes_per_step
     if k < 1:
         raise ValueError(f"backward_passes_per_step: must be >= 1, got {k}")

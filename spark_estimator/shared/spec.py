@@ -16,6 +16,7 @@ FLOAT_DTYPES = ("float32", "float64")
 READERS = ("arrow", "petastorm")
 LR_SCALINGS = ("none", "linear")
 PRECISIONS = ("none", "fp16", "bf16")  # for mixed_precision and gradient_compression
+GRADIENT_REDUCTIONS = ("average", "adasum")
 SCHEDULER_INTERVALS = ("epoch", "step")
 # torch dtypes by name: this module is imported by executor code that needs no torch
 PRECISION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
@@ -130,6 +131,7 @@ class LoopSpec:
     lr_scaling: str = "none"  # "none" | "linear" (learning rates x world size)
     backward_passes_per_step: int = 1
     gradient_compression: str = "none"  # "none" | "fp16" | "bf16"
+    gradient_reduction: str = "average"  # "average" | "adasum"
     mixed_precision: str = "none"  # "none" | "fp16" | "bf16"
     # torch.compile's keyword arguments for the module the ranks train; None: not compiled
     compile: dict | None = None

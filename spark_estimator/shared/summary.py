@@ -21,7 +21,8 @@ class RankSummary:
     host: str
     device: str  # "cpu", "cuda:0"...
     device_note: str | None  # why the rank fell back to the CPU although use_gpu asked for a GPU
-    gradient_path: str  # "shared memory", or the process group's backend (+ " compressed")
+    # "shared memory", or the process group's backend (+ " compressed"); "adasum (<backend>)"
+    gradient_path: str
     communicated_dtypes: list[str] | None  # gradient_compression's dtypes sent; else None
     gradient_allreduces: int | None  # bucket allreduces of our gradient hook; None without one
     train_rows: int  # this rank's shard of the training rows

@@ -143,6 +143,7 @@ def test_explain_params_documents_every_param():
         "lr_scaling",
         "backward_passes_per_step",
         "gradient_compression",
+        "gradient_reduction",
         "mixed_precision",
         "metrics",
         "loss_weights",

@@ -117,6 +117,7 @@ def test_loop_options():
     for name, bad in (
         ("lr_scaling", "sqrt"),
         ("gradient_compression", "int8"),
+        ("gradient_reduction", "sum"),
         ("mixed_precision", "fp8"),
         ("lr_scheduler_interval", "batch"),
     ):
@@ -124,6 +125,10 @@ def test_loop_options():
             vt.check_loop(LoopSpec(**{name: bad}), Y, None)
     with pytest.raises(ValueError, match="backward_passes_per_step: must be >= 1"):
         vt.check_loop(LoopSpec(backward_passes_per_step=0), Y, None)
+    adasum = dict(gradient_reduction="adasum")
+    vt.check_loop(LoopSpec(**adasum, gradient_compression="bf16"), Y, None)
+    with pytest.raises(ValueError, match="lr_scaling: must be 'none' with gradient_reduction="):
+        vt.check_loop(LoopSpec(**adasum, lr_scaling="linear"), Y, None)
     with pytest.raises(ValueError, match="loss_weights: 2 weights for 1 label columns"):
         vt.check_loop(LoopSpec(loss_weights=(1.0, 1.0)), Y, None)
     with pytest.raises(ValueError, match="train_minibatch_fn: your step owns backward"):

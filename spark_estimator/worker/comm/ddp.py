@@ -12,6 +12,11 @@ divided by the world size, summed across ranks in that dtype and cast back, so h
 many bytes cross the network. The hook records the dtype it communicated and how many
 bucket allreduces it ran, which the rank summary reports. It is our own hook rather than
 torch's ``bf16_compress_hook``, which refuses to run on gloo (CPU) though gloo sums bf16.
+
+``gradient_reduction="adasum"`` replaces the average (and the shared-memory path) by a hook
+that runs ``adasum.py`` on each parameter's gradient within the bucket: Adasum is defined per
+tensor, and a bucket's flat buffer is several tensors side by side. With compression too, each
+gradient travels in the compressed dtype and is combined in float64 (what Adasum always does).
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation object
@@ -22,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ...shared.spec import PRECISION_DTYPES, torch_dtype
+from .adasum import adasum_allreduce_
 from .rendezvous import RankInfo
 from .shm_allreduce import SharedMemoryAllreduce
 
@@ -50,6 +56,35 @@ def compressed_allreduce(state: CompressionState, bucket) -> torch.futures.Futur
     return future.then(decompress)
 
 
+class AdasumState:
+    """The Adasum hook's state: the dtype to communicate in (None: each gradient's own),
+    what it actually sent when compressing, and how many buckets it reduced."""
+
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+        self.sent: set[str] = set()
+        self.calls = 0  # bucket reductions
+
+
+def adasum_reduce(state: AdasumState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: each parameter's gradient in the bucket (views of its buffer)
+    becomes its Adasum across ranks; the backward pass waits for it."""
+    gradients = bucket.gradients()
+    if state.dtype is None:
+        adasum_allreduce_(gradients)
+    else:
+        sent = [g.to(state.dtype) for g in gradients]
+        state.sent.update(str(t.dtype).removeprefix("torch.") for t in sent)
+        adasum_allreduce_(sent)
+        for gradient, reduced in zip(gradients, sent):
+            gradient.copy_(reduced)
+    state.calls += 1
+    buffer = bucket.buffer()
+    future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+    future.set_result(buffer)
+    return future
+
+
 def shared_memory_allreduce(
     state: SharedMemoryAllreduce, bucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -63,18 +98,28 @@ def shared_memory_allreduce(
 
 
 def wrap_model(
-    model: torch.nn.Module, info: RankInfo, compression: str, timeout_s: float
-) -> tuple[torch.nn.Module, "CompressionState | SharedMemoryAllreduce | None"]:
+    model: torch.nn.Module,
+    info: RankInfo,
+    compression: str,
+    timeout_s: float,
+    reduction: str = "average",
+) -> tuple[torch.nn.Module, "CompressionState | AdasumState | SharedMemoryAllreduce | None"]:
     """DDP around ``model`` (which broadcasts rank 0's weights to every rank) and the state
-    of its communication hook: a ``CompressionState``, a ``SharedMemoryAllreduce`` (every
-    rank a CPU process on one host; waits bounded by ``timeout_s``) or None (DDP's own).
-    With one process: ``model`` itself and None."""
+    of its communication hook: an ``AdasumState`` (``reduction="adasum"``), a
+    ``CompressionState``, a ``SharedMemoryAllreduce`` (every rank a CPU process on one host;
+    waits bounded by ``timeout_s``) or None (DDP's own). With one process: ``model`` itself
+    and None."""
     if info.world_size == 1:
         return model, None
     device = info.device
     ddp = DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None
     )
+    if reduction == "adasum":
+        dtype = None if compression == "none" else torch_dtype(PRECISION_DTYPES[compression])
+        adasum = AdasumState(dtype)
+        ddp.register_comm_hook(adasum, adasum_reduce)
+        return ddp, adasum
     if compression != "none":  # asked for: it is about the bytes on the network
         state = CompressionState(torch_dtype(PRECISION_DTYPES[compression]))
         ddp.register_comm_hook(state, compressed_allreduce)
@@ -93,10 +138,24 @@ def open_shared_memory(info: RankInfo, timeout_s: float) -> SharedMemoryAllreduc
     return SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
 
 
-def gradient_path(state: "CompressionState | SharedMemoryAllreduce | None") -> str:
+def gradient_path(state: "CompressionState | AdasumState | SharedMemoryAllreduce | None") -> str:
     """How the gradients travelled, for the rank's summary."""
     if dist.get_world_size() == 1:
         return "none (one process)"
     if isinstance(state, SharedMemoryAllreduce):
         return "shared memory"
+    if isinstance(state, AdasumState):
+        compressed = " compressed" if state.dtype is not None else ""
+        return f"adasum ({dist.get_backend()}){compressed}"
     return f"{dist.get_backend()}{' compressed' if state is not None else ''}"
+
+
+def communicated_dtypes(
+    state: "CompressionState | AdasumState | SharedMemoryAllreduce | None",
+) -> list[str] | None:
+    """The dtypes gradient_compression sent, for the rank's summary; None without it."""
+    if isinstance(state, CompressionState) or (
+        isinstance(state, AdasumState) and state.dtype is not None
+    ):
+        return sorted(state.sent)
+    return None

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from ...shared.serialization import state_dict_digest
 from ...shared.spec import SPLITS, TrainSpec
 from ...shared.summary import RankSummary
-from ..comm.ddp import CompressionState, gradient_path
+from ..comm.ddp import AdasumState, CompressionState, communicated_dtypes, gradient_path
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from .device_shard import DeviceShard, placement
@@ -83,7 +83,7 @@ class RankData:
 def rank_summary(
     info: RankInfo,
     data: RankData,
-    hook: CompressionState | SharedMemoryAllreduce | None,
+    hook: CompressionState | AdasumState | SharedMemoryAllreduce | None,
     weights: dict,
     batches_per_epoch: list[int],
     optimizer_steps_per_epoch: list[int],
@@ -93,7 +93,6 @@ def rank_summary(
     """What this rank did: ``hook`` is the DDP gradient hook's state (None without one),
     ``weights`` the final state dict, ``started`` when training began (``time.time()``),
     ``compiled`` the torch.compile backend of the module it trained (None: not compiled)."""
-    compression = hook if isinstance(hook, CompressionState) else None
     return RankSummary(
         rank=info.rank,
         local_rank=info.local_rank,
@@ -102,7 +101,7 @@ def rank_summary(
         device=str(info.device),
         device_note=info.device_note,
         gradient_path=gradient_path(hook),
-        communicated_dtypes=sorted(compression.sent) if compression else None,
+        communicated_dtypes=communicated_dtypes(hook),
         gradient_allreduces=hook.calls if hook else None,
         train_rows=data.train.rows,
         validation_rows=data.validation.rows,

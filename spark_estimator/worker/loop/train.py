@@ -83,7 +83,11 @@ class _TrainingLoop:
         self.transform = loads(fn) if fn else None
         trained = compile_module(self.objects.model, spec.loop.compile)  # model stays plain
         self.ddp, self.hook = wrap_model(
-            trained, info, spec.loop.gradient_compression, spec.collective_timeout
+            trained,
+            info,
+            spec.loop.gradient_compression,
+            spec.collective_timeout,
+            spec.loop.gradient_reduction,
         )
         self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
 
@@ -365,6 +369,7 @@ class _TrainingLoop:
             "learning_rates": self.start_lrs,
             "backward_passes_per_step": loop.backward_passes_per_step,
             "gradient_compression": loop.gradient_compression,
+            "gradient_reduction": loop.gradient_reduction,
             "mixed_precision": loop.mixed_precision,
             "seconds_per_rank": seconds_per_rank(history),
         }
