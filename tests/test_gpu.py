@@ -157,3 +157,39 @@ def test_a_lightning_module_trains_on_the_assigned_gpu_over_nccl(tmp_path):
         "improved": True,
         "rows": 256,
     }
+
+
+def _adasum_on_nccl(rank: int, world: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    from spark_estimator.worker.comm.adasum import adasum_allreduce_
+    from tests.worker.comm.test_adasum import cases
+
+    torch.cuda.set_device(rank)
+    store = dist.FileStore(os.path.join(folder, "pg-store"), world)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
+    results = {}
+    for name, tensors in cases(rank, world).items():
+        on_gpu = [t.cuda() for t in tensors]
+        adasum_allreduce_(on_gpu)
+        results[name] = [t.cpu() for t in on_gpu]
+    torch.save(results, os.path.join(folder, f"rank-{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank: two GPUs")
+def test_adasum_over_nccl_matches_the_reference(tmp_path):
+    import numpy as np
+
+    from tests.worker.comm.test_adasum import cases, reference_adasum, spawn_ranks
+
+    world = min(torch.cuda.device_count(), 3)  # 3: the extra rank beyond the power of two
+    ranks = spawn_ranks(_adasum_on_nccl, world, tmp_path)
+    inputs = [cases(r, world) for r in range(world)]
+    for name, got_tensors in ranks[0].items():
+        for i, got in enumerate(got_tensors):
+            want = reference_adasum([inputs[r][name][i].numpy() for r in range(world)])
+            tol = 1e-3 if got.dtype == torch.float16 else 1e-6
+            np.testing.assert_allclose(got.numpy().astype(np.float64), want, rtol=tol, atol=tol)
+            for other in ranks[1:]:
+                assert torch.equal(other[name][i], got)
