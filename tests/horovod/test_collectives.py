@@ -121,6 +121,6 @@ def test_one_rank_reduces_to_itself(one_rank):
 
 @pytest.mark.parametrize("op", [hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product])
 def test_ops_are_horovods_numbers(op):
-    assert int(op) == {"AVERAGE": 0, "SUM": 1, "ADASUM": 2, "MIN": 3, "MAX": 4, "PRODUCT": 5}[
-        op.name
-    ]
+    assert (
+        int(op) == {"AVERAGE": 0, "SUM": 1, "ADASUM": 2, "MIN": 3, "MAX": 4, "PRODUCT": 5}[op.name]
+    )
