@@ -25,7 +25,7 @@ def broadcast_parameters(params: Mapping | Iterable, root_rank: int) -> None:
         )
     for name, value in items:
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"params: {name!r} is a {type(value).__name__}, not a tensor")
+            raise TypeError(f"params: {name!r} is of type {type(value).__name__}, not a tensor")
     broadcast_tensors_([value for _, value in items], root_rank)
 
 
