@@ -1,8 +1,8 @@
 """The package's layout rule (docs/architecture.md), read from the imports of its modules:
-``worker/`` (and ``horovod/``, the API for code on the ranks) runs in Spark tasks and
-never imports ``driver/`` or the public fronts that drive a fit; ``driver/`` imports ``worker/`` only for the entry points it runs or ships to
-tasks; ``shared/`` imports neither; no two modules import each other at load time, directly
-or through others."""
+``worker/`` (and ``horovod/``, the API for code on the ranks) runs in Spark tasks and never
+imports ``driver/`` or the public fronts that drive a fit; ``driver/`` imports ``worker/``
+only for the entry points it runs or ships to tasks; ``shared/`` imports neither; no two
+modules import each other at load time, directly or through others."""
 
 import ast
 from pathlib import Path
