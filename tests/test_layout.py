@@ -1,8 +1,8 @@
 """The package's layout rule (docs/architecture.md), read from the imports of its modules:
-``worker/`` runs in Spark tasks and never imports ``driver/`` or the public fronts that
-drive a fit; ``driver/`` imports ``worker/`` only for the entry points it runs or ships to
-tasks; ``shared/`` imports neither; no two modules import each other at load time, directly
-or through others."""
+``worker/`` (and ``horovod/``, the API for code on the ranks) runs in Spark tasks and never
+imports ``driver/`` or the public fronts that drive a fit; ``driver/`` imports ``worker/``
+only for the entry points it runs or ships to tasks; ``shared/`` imports neither; no two
+modules import each other at load time, directly or through others."""
 
 import ast
 from pathlib import Path
@@ -88,6 +88,11 @@ def crossings(folder: str, forbidden) -> set[tuple[str, str]]:
 
 def test_worker_code_never_imports_the_driver():
     assert crossings("worker", lambda t: in_folder(t, "driver") or t in DRIVER_FRONTS) == set()
+
+
+def test_the_horovod_api_runs_on_the_ranks_and_never_imports_the_driver():
+    assert crossings("horovod", lambda t: in_folder(t, "driver") or t in DRIVER_FRONTS) == set()
+    assert f"{NAME}.worker.comm.rendezvous" in imports(f"{NAME}.horovod.basics")
 
 
 def test_the_driver_imports_worker_code_only_for_the_entry_points_of_its_jobs():

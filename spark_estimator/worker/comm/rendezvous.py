@@ -45,6 +45,8 @@ class RankInfo:
     local_size: int
     device: torch.device
     device_note: str | None = None
+    cross_rank: int = 0  # rank among the job's tasks with this local rank (hvd.cross_rank)
+    cross_size: int = 1
 
 
 _current: RankInfo | None = None
@@ -63,6 +65,14 @@ def current_rank_info() -> RankInfo:
 def local_ranks(hosts: Sequence[str], rank: int) -> tuple[int, int]:
     """(local rank, local size) of ``rank`` given the host of every rank."""
     same = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return same.index(rank), len(same)
+
+
+def cross_ranks(hosts: Sequence[str], rank: int) -> tuple[int, int]:
+    """(cross rank, cross size) of ``rank`` given the host of every rank: its place among
+    the ranks with the same local rank (Horovod's cross communicator; one rank per host)."""
+    mine = local_ranks(hosts, rank)[0]
+    same = [r for r in range(len(hosts)) if local_ranks(hosts, r)[0] == mine]
     return same.index(rank), len(same)
 
 
@@ -176,7 +186,9 @@ def process_group(
         if on_failure is not None:
             on_failure(rank, error)
         raise error from e
-    _current = RankInfo(rank, world_size, *local_ranks(hosts, rank), device, note)
+    _current = RankInfo(
+        rank, world_size, *local_ranks(hosts, rank), device, note, *cross_ranks(hosts, rank)
+    )
     try:
         yield _current
         # nobody leaves while another rank still works: a gloo peer that closes its

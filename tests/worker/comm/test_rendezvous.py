@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from spark_estimator.worker.comm.rendezvous import (
     RendezvousError,
+    cross_ranks,
     cuda_ordinal,
     current_rank_info,
     local_ranks,
@@ -58,6 +59,11 @@ def test_spark_gpu_address_maps_to_the_visible_device_index():
 def test_local_rank_counts_tasks_on_the_same_host():
     hosts = ["a", "b", "a", "a", "b"]
     assert [local_ranks(hosts, r) for r in range(5)] == [(0, 3), (0, 2), (1, 3), (2, 3), (1, 2)]
+
+
+def test_cross_rank_counts_tasks_with_the_same_local_rank():
+    hosts = ["a", "b", "a", "a", "b"]  # local ranks 0, 0, 1, 2, 1
+    assert [cross_ranks(hosts, r) for r in range(5)] == [(0, 2), (1, 2), (0, 2), (0, 1), (1, 2)]
 
 
 def test_no_rank_info_outside_a_task():

@@ -1,0 +1,88 @@
+"""Horovod's PyTorch API on spark-estimator's process group: a Horovod script runs after
+changing ``import horovod.torch as hvd`` to ``import spark_estimator.horovod as hvd``.
+
+    import spark_estimator.horovod as hvd
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    loss = hvd.allreduce(loss, name="loss")
+
+The ranks are those of the running task (``run(fn)`` or the launcher): rank, size and
+device come from the process group the task formed, over gloo (CPU) or NCCL (GPU).
+docs/horovod.md lists every name and how it differs from Horovod's.
+"""
+
+from .basics import (
+    cross_rank,
+    cross_size,
+    gloo_built,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    nccl_built,
+    rank,
+    shutdown,
+    size,
+)
+from .collectives import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    allgather,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_object,
+    grouped_allreduce,
+    join,
+)
+from .compression import Compression, Compressor
+from .functions import broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
+
+__all__ = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "nccl_built",
+    "gloo_built",
+    "mpi_built",
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "allreduce",
+    "allreduce_",
+    "grouped_allreduce",
+    "allgather",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "allgather_object",
+    "barrier",
+    "join",
+    "Compression",
+    "Compressor",
+    "DistributedOptimizer",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+]

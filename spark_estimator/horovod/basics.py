@@ -1,0 +1,100 @@
+"""Executor: ``hvd.init()`` and the queries of where this process sits in the job.
+
+``init()`` marks this module initialised for the running task's process group (forming
+one first with ``rendezvous.init_default_group`` when there is none, as for a script run
+outside ``run(fn)``). The mark belongs to that group: when the task ends, or after
+``shutdown()``, every query raises until ``init()`` is called again (PySpark reuses its
+Python workers, so a mark left by an earlier task must not count).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..worker.comm import rendezvous
+from ..worker.comm.rendezvous import RankInfo
+
+_initialized_for: RankInfo | None = None
+
+
+def init() -> None:
+    """Join the job: a no-op where the task already formed the process group (``run(fn)``),
+    else the default group is formed first."""
+    global _initialized_for
+    if not dist.is_initialized():
+        rendezvous.init_default_group()
+    _initialized_for = rendezvous.current_rank_info()
+
+
+def shutdown() -> None:
+    """Leave: the queries and collectives raise until ``init()`` again. The process group
+    itself belongs to the task and is closed when the task ends."""
+    global _initialized_for
+    _initialized_for = None
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` was called for the process group this process is in now."""
+    if _initialized_for is None or not dist.is_initialized():
+        return False
+    try:
+        return rendezvous.current_rank_info() is _initialized_for
+    except RuntimeError:
+        return False
+
+
+def rank_info() -> RankInfo:
+    """This process's RankInfo; ValueError before ``init()``, as Horovod's queries raise."""
+    if not is_initialized():
+        raise ValueError(
+            "spark_estimator.horovod is not initialized: call hvd.init() first (in every "
+            "process, before any other hvd call)"
+        )
+    return _initialized_for
+
+
+def rank() -> int:
+    """This process's rank in the job, 0 .. size() - 1."""
+    return rank_info().rank
+
+
+def size() -> int:
+    """The number of processes in the job."""
+    return rank_info().world_size
+
+
+def local_rank() -> int:
+    """This process's rank among the job's processes on its host."""
+    return rank_info().local_rank
+
+
+def local_size() -> int:
+    """The number of the job's processes on this host."""
+    return rank_info().local_size
+
+
+def cross_rank() -> int:
+    """This process's rank among the processes with its local rank (one per host): the
+    rank of its host, for hosts with the same number of processes."""
+    return rank_info().cross_rank
+
+
+def cross_size() -> int:
+    """The number of processes with this process's local rank: the number of hosts, for
+    hosts with the same number of processes."""
+    return rank_info().cross_size
+
+
+def nccl_built() -> bool:
+    """Whether torch.distributed has the NCCL backend (used for GPU ranks)."""
+    return dist.is_nccl_available()
+
+
+def gloo_built() -> bool:
+    """Whether torch.distributed has the gloo backend (used for CPU ranks)."""
+    return dist.is_gloo_available()
+
+
+def mpi_built() -> bool:
+    """Whether torch.distributed has the MPI backend (never used by this package)."""
+    return dist.is_mpi_available()

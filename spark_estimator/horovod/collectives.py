@@ -1,0 +1,290 @@
+"""Executor: Horovod's collectives on the job's torch.distributed group.
+
+Tensors may be on the CPU or on the device the task pinned: each collective works on a
+copy on the pinned device (NCCL reduces CUDA tensors only) and returns its result on the
+input's device. ``name`` is accepted as Horovod's is, and only named in error messages:
+collectives are matched by the order in which the ranks call them, not by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import distributed
+from .basics import rank_info
+from .compression import Compression, Compressor
+
+
+class ReduceOp(IntEnum):
+    """How ``allreduce`` combines the ranks' tensors (Horovod's numbering)."""
+
+    AVERAGE = 0
+    SUM = 1
+    ADASUM = 2
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
+Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
+
+_TORCH_OPS = {
+    Average: dist.ReduceOp.SUM,  # then divided by the size
+    Sum: dist.ReduceOp.SUM,
+    Min: dist.ReduceOp.MIN,
+    Max: dist.ReduceOp.MAX,
+    Product: dist.ReduceOp.PRODUCT,
+}
+_MAX_DIMS = 16  # of a tensor allgather handles
+
+
+def reduce_op(op, average: bool | None = None) -> ReduceOp:
+    """The op Horovod's ``op`` and older ``average`` arguments ask for (default Average)."""
+    if op is not None and average is not None:
+        raise ValueError("op and average: give one of them (average is the older form of op)")
+    if average is not None:
+        return Average if average else Sum
+    if op is None:
+        return Average
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        names = ", ".join(f"hvd.{o.name.title()}" for o in ReduceOp)
+        raise ValueError(f"op: expected one of {names}, got {op!r}") from None
+
+
+def _scale_(tensor: torch.Tensor, factor: float) -> None:
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.mul_(factor)
+    else:  # integers: scaled in float64, truncated back
+        tensor.copy_(tensor.double().mul_(factor).to(tensor.dtype))
+
+
+def _named(name: str | None) -> str:
+    return f" (tensor {name!r})" if name else ""
+
+
+class Reduction:
+    """An allreduce in flight of several tensors of one dtype: one fused collective (one
+    per tensor for Adasum, which combines each tensor on its own). ``wait()`` gives the
+    results, shaped as the inputs, on the pinned device."""
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        op: ReduceOp,
+        compression: type[Compressor] = Compression.none,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        name: str | None = None,
+    ):
+        info = rank_info()
+        if len({t.dtype for t in tensors}) > 1:
+            raise TypeError(f"allreduce{_named(name)}: the tensors of one group share a dtype")
+        self._shapes = [t.shape for t in tensors]
+        self._compression = compression
+        self._post = postscale_factor / (info.world_size if op == Average else 1)
+        self._work = None
+        if op == Adasum:
+            from ..worker.comm.adasum import adasum_allreduce_
+
+            self._buffers, self._ctx = self._compressed(
+                [t.detach().to(info.device, copy=True) for t in tensors], prescale_factor
+            )
+            adasum_allreduce_(self._buffers)
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(info.device) for t in tensors])
+        self._buffers, self._ctx = self._compressed([flat], prescale_factor)
+        self._work = dist.all_reduce(self._buffers[0], op=_TORCH_OPS[op], async_op=True)
+
+    def _compressed(self, buffers: list[torch.Tensor], prescale: float):
+        for b in buffers:
+            _scale_(b, prescale)
+        pairs = [self._compression.compress(b) for b in buffers]
+        return [p[0].contiguous() for p in pairs], pairs[0][1] if pairs else None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        out = [self._compression.decompress(b, self._ctx) for b in self._buffers]
+        for b in out:
+            _scale_(b, self._post)
+        if len(out) == 1 and len(self._shapes) > 1:  # the fused buffer
+            out = list(out[0].split([s.numel() for s in self._shapes]))
+        return [b.view(s) for b, s in zip(out, self._shapes)]
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """A new tensor: ``postscale_factor * reduce(prescale_factor * tensor)`` over the ranks
+    (``op``: Average (default), Sum, Adasum, Min, Max, Product), sent compressed by
+    ``compression``. ``tensor`` is left as it is."""
+    op = reduce_op(op, average)
+    reduction = Reduction([tensor], op, compression, prescale_factor, postscale_factor, name)
+    return reduction.wait()[0].to(tensor.device)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """``allreduce`` written into ``tensor``, which is returned."""
+    result = allreduce(tensor, average, name, compression, op, prescale_factor, postscale_factor)
+    with torch.no_grad():
+        return tensor.copy_(result)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op=None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """``allreduce`` of each tensor, as new tensors in the same order: one fused collective
+    per dtype among them."""
+    op = reduce_op(op, average)
+    tensors = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    reductions = [
+        (
+            indices,
+            Reduction(
+                [tensors[i] for i in indices],
+                op,
+                compression,
+                prescale_factor,
+                postscale_factor,
+                name,
+            ),
+        )
+        for indices in by_dtype.values()
+    ]
+    results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for indices, reduction in reductions:
+        for i, result in zip(indices, reduction.wait()):
+            results[i] = result.to(tensors[i].device)
+    return results
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """The ranks' tensors concatenated along the first dimension, in rank order. Their first
+    dimensions may differ; the others must agree (a 0-d tensor counts as one element)."""
+    info = rank_info()
+    work = tensor.detach().to(info.device).reshape(tensor.shape or (1,)).contiguous()
+    if work.dim() > _MAX_DIMS:
+        raise ValueError(f"allgather{_named(name)}: at most {_MAX_DIMS} dimensions")
+    meta = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=info.device)
+    meta[0] = work.dim()
+    meta[1 : work.dim() + 1] = torch.tensor(work.shape, dtype=torch.int64)
+    metas = [torch.empty_like(meta) for _ in range(info.world_size)]
+    dist.all_gather(metas, meta)
+    shapes = [tuple(m[1 : int(m[0]) + 1].tolist()) for m in (m.cpu() for m in metas)]
+    if any(s[1:] != shapes[0][1:] for s in shapes):
+        raise ValueError(
+            f"allgather{_named(name)}: the ranks' tensors differ beyond the first "
+            f"dimension: shapes by rank {shapes}"
+        )
+    rows = max(s[0] for s in shapes)
+    padded = work.new_zeros((rows, *work.shape[1:]))
+    padded[: work.shape[0]] = work
+    gathered = [torch.empty_like(padded) for _ in range(info.world_size)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[: s[0]] for g, s in zip(gathered, shapes)]).to(tensor.device)
+
+
+def check_root(root_rank: int, name: str | None = None) -> None:
+    world = rank_info().world_size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < world:
+        raise ValueError(
+            f"root_rank{_named(name)}: must be a rank in [0, {world}), got {root_rank!r}"
+        )
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """A new tensor holding ``root_rank``'s ``tensor`` (the same shape and dtype on every
+    rank)."""
+    check_root(root_rank, name)
+    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
+    dist.broadcast(work, src=root_rank)
+    return work.to(tensor.device)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` written into ``tensor``, which is returned."""
+    result = broadcast(tensor, root_rank, name)
+    with torch.no_grad():
+        return tensor.copy_(result)
+
+
+def broadcast_tensors_(tensors: Sequence[torch.Tensor], root_rank: int) -> None:
+    """``broadcast_`` of each tensor, with one collective per dtype among them."""
+    check_root(root_rank)
+    device = rank_info().device
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+        dist.broadcast(flat, src=root_rank)
+        with torch.no_grad():
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view(t.shape))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """``root_rank``'s ``obj`` (any picklable object) on every rank."""
+    check_root(root_rank, name)
+    return distributed.broadcast_object(obj, root_rank)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list:
+    """Every rank's ``obj`` (any picklable object), in rank order."""
+    gathered = [None] * rank_info().world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier() -> None:
+    """Wait until every rank has reached this call."""
+    rank_info()
+    distributed.barrier()
+
+
+def join() -> int:
+    """Wait until every rank has called ``join()``; the rank that called it last.
+
+    Unlike Horovod's, a rank waiting here takes no part in the others' collectives (it does
+    not contribute zeros to their allreduces): every rank must make the same collective
+    calls before it joins."""
+    info = rank_info()
+    store = dist.distributed_c10d._get_default_store()
+    call = store.add(f"spark_estimator.horovod/join/calls/{info.rank}", 1)
+    arrival = store.add(f"spark_estimator.horovod/join/{call}", 1)
+    arrivals = allgather(torch.tensor([arrival]))
+    return int(arrivals.argmax())

@@ -1,0 +1,80 @@
+"""Executor: Horovod's start-of-training broadcasts: the model's parameters and the
+optimizer's state, from one rank to all."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .basics import rank
+from .collectives import broadcast_object, broadcast_tensors_, check_root
+
+
+def broadcast_parameters(params: Mapping | Iterable, root_rank: int) -> None:
+    """Overwrite ``params`` with ``root_rank``'s: a ``state_dict()`` (its tensors share the
+    model's storage), ``named_parameters()`` or a list of tensors."""
+    if isinstance(params, Mapping):
+        items = sorted(params.items())
+    elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    else:
+        raise TypeError(
+            f"params: expected a state_dict or named_parameters(), got {type(params).__name__}"
+        )
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"params: {name!r} is of type {type(value).__name__}, not a tensor")
+    broadcast_tensors_([value for _, value in items], root_rank)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor of the root's optimizer state goes (it travels on its own)."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Give every rank ``root_rank``'s optimizer state and parameter-group settings (``lr``,
+    momentum, ...), including state the optimizer creates on its first step: the other
+    ranks load the root's ``state_dict()``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
+    check_root(root_rank)
+    tensors: list[torch.Tensor] = []
+
+    def strip(value):
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+            return _Slot(len(tensors) - 1, tuple(value.shape), value.dtype)
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(v) for v in value)
+        return value
+
+    is_root = rank() == root_rank
+    skeleton = broadcast_object(strip(optimizer.state_dict()) if is_root else None, root_rank)
+    if not is_root:
+        tensors.clear()
+        state = _fill(skeleton, tensors)
+    broadcast_tensors_(tensors, root_rank)
+    if not is_root:
+        optimizer.load_state_dict(state)
+
+
+def _fill(value, tensors: list[torch.Tensor]):
+    """``value`` with each slot replaced by a new tensor of its shape (appended to
+    ``tensors`` in slot order, ready to receive the root's)."""
+    if isinstance(value, _Slot):
+        tensors.append(torch.empty(value.shape, dtype=value.dtype))
+        return tensors[-1]
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_fill(v, tensors) for v in value)
+    return value

@@ -1,0 +1,262 @@
+"""Executor: Horovod's ``DistributedOptimizer``: the user's optimizer, gradients averaged
+across ranks before its step.
+
+The returned object is of a class made on the fly: a subclass of the user's optimizer's
+class, so ``isinstance`` checks, LR schedulers and ``state_dict`` work as before. It shares
+the user's optimizer's parameter groups and state (no constructor is called again).
+
+Each parameter's gradient hook (``register_post_accumulate_grad_hook``) counts the
+backward passes; once a parameter's gradient has accumulated ``backward_passes_per_step``
+times it is ready. Gradients are fused in buckets (parameters in reverse order, as they
+tend to finish in backward, up to ``BUCKET_BYTES`` each) and a bucket's allreduce starts,
+asynchronously, as soon as it and every bucket before it are ready: every rank starts the
+same collectives in the same order while backward still runs. ``synchronize()`` starts
+the rest and writes the results into ``.grad``.
+
+With ``op=Adasum`` the gradients are not reduced: ``step()`` takes the local step, then
+combines the ranks' parameter updates (new weights minus old) with Adasum and applies the
+result on every rank, as Horovod's Adasum optimizer does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+import torch
+
+from .basics import size
+from .collectives import Adasum, Average, Reduction, grouped_allreduce, reduce_op
+from .compression import Compression, Compressor
+
+BUCKET_BYTES = 25 * 2**20
+
+
+def DistributedOptimizer(  # noqa: N802 (Horovod's name)
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op=Average,
+    gradient_predivide_factor: float = 1.0,
+) -> torch.optim.Optimizer:
+    """``optimizer`` whose ``step()`` first reduces the gradients across ranks (``op``:
+    Average, Sum, Min, Max, Product; Adasum combines the updates instead).
+
+    ``gradient_predivide_factor`` f splits Average's division: gradients are multiplied by
+    1/f before the sum and by f/size() after it. ``backward_passes_per_step`` is how many
+    backward passes accumulate locally before the gradients are reduced."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
+    op = reduce_op(op)
+    if (
+        isinstance(backward_passes_per_step, bool)
+        or not isinstance(backward_passes_per_step, int)
+        or backward_passes_per_step < 1
+    ):
+        raise ValueError(
+            f"backward_passes_per_step: must be an int >= 1, got {backward_passes_per_step!r}"
+        )
+    if not gradient_predivide_factor > 0:
+        raise ValueError(
+            f"gradient_predivide_factor: must be > 0, got {gradient_predivide_factor!r}"
+        )
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError(f"gradient_predivide_factor: only with op=Average, not {op.name.title()}")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError(
+            f"compression: expected hvd.Compression.none/fp16/bf16, got {compression!r}"
+        )
+    names = _parameter_names(optimizer, named_parameters)
+    mixin = _AdasumUpdates if op == Adasum else _GradientAllreduce
+    cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
+    distributed = cls.__new__(cls)
+    distributed.__dict__.update(optimizer.__dict__)
+    distributed._setup(names, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    return distributed
+
+
+def _parameter_names(optimizer, named_parameters) -> dict[int, str]:
+    """id(parameter) -> its name, for every parameter of the optimizer."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return {
+            id(p): f"allreduce.noname.{g}.{i}"
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        }
+    named = list(named_parameters)
+    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in named):
+        raise ValueError(
+            "named_parameters: expected (name, parameter) pairs, as model.named_parameters() gives"
+        )
+    seen, duplicates = set(), set()
+    for name, _ in named:
+        (duplicates if name in seen else seen).add(name)
+    if duplicates:
+        raise ValueError(f"named_parameters: names must be unique; repeated: {sorted(duplicates)}")
+    names = {id(p): name for name, p in named}
+    unnamed = sum(id(p) not in names for p in params)
+    if unnamed:
+        raise ValueError(
+            f"named_parameters: {unnamed} of the optimizer's {len(params)} parameters have no "
+            "name there (pass the named_parameters() of the model the optimizer trains)"
+        )
+    return names
+
+
+class _Distributed:
+    """What both kinds share: the backward-pass count per parameter, and its checks."""
+
+    def _setup(self, names, compression, backward_passes_per_step, op, predivide):
+        self._names = names
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = predivide
+        self._should_synchronize = True
+        self._synchronized = False
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        self._passes = {id(p): 0 for p in self._params}
+        self._world = size()
+        if self._world > 1:
+            for p in self._params:
+                p.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        passes = self._passes[id(p)] + 1
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"the gradient of {self._names[id(p)]!r} was computed more than "
+                f"backward_passes_per_step={self.backward_passes_per_step} times before "
+                "optimizer.step(): raise backward_passes_per_step to accumulate gradients "
+                "locally"
+            )
+        self._passes[id(p)] = passes
+        if passes == self.backward_passes_per_step:
+            self._ready(p)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient has accumulated all its backward passes."""
+
+    def _reset_passes(self) -> None:
+        self._passes = dict.fromkeys(self._passes, 0)
+
+    @contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize (call ``synchronize()``
+        before it, e.g. to clip the reduced gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def zero_grad(self, *args, **kwargs):
+        if any(self._passes.values()):
+            raise RuntimeError(
+                "optimizer.zero_grad() after loss.backward() but before optimizer.step() or "
+                "optimizer.synchronize(): the gradients being reduced would be lost"
+            )
+        return super().zero_grad(*args, **kwargs)
+
+
+class _GradientAllreduce(_Distributed):
+    def _setup(self, *args):
+        super()._setup(*args)
+        self._buckets: list[list[torch.Tensor]] = []
+        size_of = {}
+        for p in reversed(self._params):
+            last = self._buckets[-1] if self._buckets else None
+            nbytes = p.numel() * p.element_size()
+            if (
+                last is None
+                or (last[0].dtype, last[0].device) != (p.dtype, p.device)
+                or size_of[id(last[0])] + nbytes > BUCKET_BYTES
+            ):
+                self._buckets.append([p])
+                size_of[id(p)] = nbytes
+            else:
+                last.append(p)
+                size_of[id(last[0])] += nbytes
+        self._bucket_of = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket}
+        self._ready_count = [0] * len(self._buckets)
+        self._reductions: list[Reduction] = []
+        if self.op == Average:
+            self._scales = (1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
+        else:
+            self._scales = (1.0, 1.0)
+
+    def _ready(self, p):
+        self._ready_count[self._bucket_of[id(p)]] += 1
+        while len(self._reductions) < len(self._buckets):
+            b = len(self._reductions)
+            if self._ready_count[b] < len(self._buckets[b]):
+                break
+            self._start(b)
+
+    def _start(self, b: int) -> None:
+        grads = []
+        for p in self._buckets[b]:
+            if p.grad is None:  # unused here; another rank may have a gradient for it
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+            grads.append(p.grad)
+        name = self._names[id(self._buckets[b][0])]
+        self._reductions.append(Reduction(grads, self.op, self._compression, *self._scales, name))
+
+    def synchronize(self) -> None:
+        """Finish reducing every gradient (starting those not started yet) and write the
+        results into ``.grad``."""
+        if self._world > 1:
+            for b in range(len(self._reductions), len(self._buckets)):
+                self._start(b)
+            with torch.no_grad():
+                for bucket, reduction in zip(self._buckets, self._reductions):
+                    for p, reduced in zip(bucket, reduction.wait()):
+                        p.grad.copy_(reduced)
+            self._reductions.clear()
+            self._ready_count = [0] * len(self._buckets)
+            self._reset_passes()
+        self._synchronized = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() after optimizer.synchronize() outside "
+                    "optimizer.skip_synchronize(): the gradients are reduced twice",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    # the base class's step is already wrapped with the optimizer's step hooks; wrapping
+    # this one too (as Optimizer.__setstate__ and zero_grad would) would run them twice
+    step.hooked = True
+
+
+class _AdasumUpdates(_Distributed):
+    def synchronize(self) -> None:
+        """Nothing to do: with Adasum the updates are combined in ``step()``."""
+        self._synchronized = True
+
+    def step(self, closure=None):
+        if self._world == 1:
+            return super().step(closure)
+        with torch.no_grad():
+            starts = [p.detach().clone() for p in self._params]
+        loss = super().step(closure)
+        with torch.no_grad():
+            deltas = [p.detach() - start for p, start in zip(self._params, starts)]
+            combined = grouped_allreduce(deltas, op=Adasum, compression=self._compression)
+            for p, start, delta in zip(self._params, starts, combined):
+                p.copy_(start.add_(delta))
+        self._reset_passes()
+        self._synchronized = False
+        return loss
+
+    step.hooked = True

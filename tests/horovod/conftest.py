@@ -1,0 +1,15 @@
+"""A one-rank job formed as a task forms it (rendezvous.process_group), for unit tests."""
+
+import pytest
+
+import spark_estimator.horovod as hvd
+from spark_estimator.worker.comm.rendezvous import process_group
+from tests.worker.comm.test_rendezvous import FakeBarrierContext
+
+
+@pytest.fixture
+def one_rank():
+    """Inside a one-rank task's process group; hvd not initialised yet."""
+    with process_group(FakeBarrierContext(0, 1), use_gpu=False, timeout_s=10) as info:
+        yield info
+        hvd.shutdown()

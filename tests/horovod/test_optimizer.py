@@ -1,0 +1,235 @@
+"""DistributedOptimizer: two real ranks train a plain model to the weights one process
+reaches on the whole batch; its checks and Horovod's usage patterns."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.functional import mse_loss
+
+import spark_estimator.horovod as hvd
+from spark_estimator import run
+
+STEPS = 4
+ROWS = 8  # split in two halves, one per rank
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, 3, generator=g), torch.randn(ROWS, 1, generator=g)
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(3, 1)
+
+
+def reference(lr=0.1, clip=None, scheduler=False):
+    """The weights one process reaches on the whole batch."""
+    x, y = data()
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    steplr = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if scheduler else None
+    for _ in range(STEPS):
+        opt.zero_grad()
+        mse_loss(net(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        if steplr:
+            steplr.step()
+    return net.state_dict()
+
+
+def combine(a, b):
+    """Adasum of two vectors (numpy reference)."""
+    dot = a @ b
+    return (1 - dot / (2 * (a @ a))) * a + (1 - dot / (2 * (b @ b))) * b
+
+
+def distributed_training():
+    import warnings
+
+    import torch
+    from torch.nn.functional import mse_loss
+
+    import spark_estimator.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    x, y = data()
+    half = ROWS // hvd.size()
+    x, y = x[r * half : (r + 1) * half], y[r * half : (r + 1) * half]
+    out = {}
+
+    def wrapped(lr=0.1, **kwargs):
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        return net, hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters(), **kwargs)
+
+    def train(net, opt, steps=STEPS):
+        for _ in range(steps):
+            opt.zero_grad()
+            mse_loss(net(x), y).backward()
+            opt.step()
+        return net.state_dict()
+
+    net, opt = wrapped()
+    out["class"] = (isinstance(opt, torch.optim.SGD), type(opt).__name__)
+    out["sgd"] = train(net, opt)
+    out["fp16"] = train(*wrapped(compression=hvd.Compression.fp16))
+    out["predivide"] = train(*wrapped(gradient_predivide_factor=2.0))
+    out["sum"] = train(*wrapped(op=hvd.Sum))  # the ranks' gradients added: lr 0.1 acts as 0.2
+
+    net, opt = wrapped(backward_passes_per_step=2)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for part in (slice(0, half // 2), slice(half // 2, half)):
+            (mse_loss(net(x[part]), y[part]) / 2).backward()
+        opt.step()
+    out["two passes"] = net.state_dict()
+
+    net, opt = wrapped(lr=0.05 * hvd.size())
+    steplr = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            opt.zero_grad()
+            mse_loss(net(x), y).backward()
+            opt.step()
+            steplr.step()
+    out["scheduler"] = net.state_dict()
+    out["scheduler lr"] = steplr.get_last_lr()
+    out["scheduler warnings"] = [str(w.message) for w in caught]
+
+    net, opt = wrapped()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(STEPS):
+            opt.zero_grad()
+            mse_loss(net(x), y).backward()
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+    out["clipped"] = {k: v.clone() for k, v in net.state_dict().items()}
+    out["skip warnings"] = [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        mse_loss(net(x), y).backward()
+        opt.synchronize()
+        opt.step()  # synchronizes again: Horovod warns
+    out["step after synchronize"] = [str(w.message) for w in caught]
+
+    errors = {}
+    net, opt = wrapped()
+    opt.zero_grad()
+    mse_loss(net(x), y).backward()
+    try:
+        opt.zero_grad()
+    except RuntimeError as e:
+        errors["zero_grad"] = str(e)
+    try:
+        mse_loss(net(x), y).backward()
+    except RuntimeError as e:
+        errors["passes"] = str(e)
+    opt.synchronize()  # finish the reductions in flight
+    opt.zero_grad()
+    out["errors"] = errors
+
+    net = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), op=hvd.Adasum)
+    opt.zero_grad()
+    mse_loss(net(x), y).backward()
+    out["adasum grads"] = [p.grad.clone() for p in net.parameters()]
+    opt.step()
+    out["adasum"] = [p.detach().clone() for p in net.parameters()]
+    return out
+
+
+def close(a, b, tol):
+    return all(torch.allclose(a[k], b[k], atol=tol, rtol=0) for k in b)
+
+
+def test_two_ranks_train_to_the_weights_of_one_process_on_the_whole_batch(spark):
+    results = run(distributed_training, num_proc=2, use_gpu=False, spark=spark)
+    whole = reference()
+    for out in results:
+        assert out["class"] == (True, "SGD")
+        assert close(out["sgd"], whole, 1e-6)
+        assert close(out["predivide"], whole, 1e-6)
+        assert close(out["two passes"], whole, 1e-6)
+        assert close(out["sum"], reference(lr=0.2), 1e-6)
+        assert close(out["fp16"], whole, 1e-3)
+        assert not close(out["fp16"], whole, 1e-7)  # the gradients travelled as float16
+        assert close(out["scheduler"], reference(lr=0.1, scheduler=True), 1e-6)
+        assert out["scheduler lr"] == [0.025]
+        assert out["scheduler warnings"] == []
+        assert close(out["clipped"], reference(clip=0.05), 1e-6)
+        assert not close(out["clipped"], whole, 1e-3)  # the clipping mattered
+        assert out["skip warnings"] == []
+        assert any("after optimizer.synchronize()" in m for m in out["step after synchronize"])
+        assert "before optimizer.step() or optimizer.synchronize()" in out["errors"]["zero_grad"]
+        assert "was computed more than backward_passes_per_step=1" in (out["errors"]["passes"])
+    # Adasum combines the ranks' updates (-lr * gradient), tensor by tensor
+    start = [p.detach() for p in model().parameters()]
+    for i, w in enumerate(start):
+        deltas = [-0.1 * out["adasum grads"][i].double().numpy().ravel() for out in results]
+        expected = w.double().numpy().ravel() + combine(*deltas)
+        for out in results:
+            assert np.allclose(out["adasum"][i].numpy().ravel(), expected, atol=1e-6)
+
+
+def test_the_wrapped_optimizer_is_the_users_class_with_its_state(one_rank):
+    hvd.init()
+    net = model()
+    base = torch.optim.Adam(net.parameters(), lr=0.01)
+    opt = hvd.DistributedOptimizer(base, named_parameters=net.named_parameters())
+    assert isinstance(opt, torch.optim.Adam) and opt.param_groups is base.param_groups
+    calls = []
+    opt.register_step_pre_hook(lambda *_: calls.append(1))
+    x, y = data()
+    for _ in range(2):  # one process: the optimizer's own steps
+        opt.zero_grad()
+        mse_loss(net(x), y).backward()
+        opt.step()
+        opt.load_state_dict(opt.state_dict())  # re-patches the class's step: hooks still once
+    assert len(calls) == 2
+    plain = model()
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    for _ in range(2):
+        plain_opt.zero_grad()
+        mse_loss(plain(x), y).backward()
+        plain_opt.step()
+    assert close(net.state_dict(), plain.state_dict(), 0)
+
+
+def test_bad_arguments_are_refused_naming_them(one_rank):
+    hvd.init()
+    net = model()
+
+    def wrap(**kwargs):
+        return hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+
+    named = list(net.named_parameters())
+    with pytest.raises(ValueError, match=r"named_parameters: names must be unique.*'w'"):
+        wrap(named_parameters=[("w", named[0][1]), ("w", named[1][1])])
+    with pytest.raises(ValueError, match="named_parameters: 1 of the optimizer's 2 parameters"):
+        wrap(named_parameters=named[:1])
+    with pytest.raises(ValueError, match=r"named_parameters: expected \(name, parameter\)"):
+        wrap(named_parameters=list(net.parameters()))
+    with pytest.raises(ValueError, match="gradient_predivide_factor: only with op=Average"):
+        wrap(op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="backward_passes_per_step: must be an int >= 1"):
+        wrap(backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="op: expected one of"):
+        wrap(op="average")
+    with pytest.raises(TypeError, match="compression: expected hvd.Compression"):
+        wrap(compression="fp16")
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer"):
+        hvd.DistributedOptimizer(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrap(named_parameters=net.named_parameters())  # a generator is fine
