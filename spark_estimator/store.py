@@ -16,6 +16,9 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     runs/<run_id>/logs/rank-<r>/                             each rank's output, in chunks
     runs/<run_id>/tensorboard/                               rank 0's TensorBoard event file
     runs/<run_id>/lightning/                                 a LightningEstimator's default_root_dir
+    runs/<run_id>/processes/rank-<r>.json                    run(): rank r's host, pid, attempt
+    runs/<run_id>/elastic/launches/<launch>                  run(): the launch entered hvd.elastic
+    runs/<run_id>/elastic/commit.pt                          run(): the last hvd.elastic commit
 
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
 Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
@@ -117,6 +120,17 @@ class RunFolder:
     logs = _child("logs", "one folder of output chunks per rank")
     tensorboard = _child("tensorboard", "rank 0's TensorBoard event file")
     lightning = _child("lightning", "a LightningEstimator's default_root_dir")
+    processes = _child("processes", "run(): where each rank runs, written at its start")
+    elastic = _child("elastic", "run(): hvd.elastic's launches and last commit")
+    commit = _child("elastic/commit.pt", "run(): the last hvd.elastic commit (rank 0's)")
+
+    def process(self, rank: int | str) -> str:
+        """Rank ``rank``'s record: host, pid, launch and task attempt of its process."""
+        return posixpath.join(self.processes, f"rank-{rank}.json")
+
+    def elastic_launch(self, launch_id: str) -> str:
+        """Written when launch ``launch_id`` of the run entered ``hvd.elastic.run``."""
+        return posixpath.join(self.elastic, "launches", launch_id)
 
     def checkpoint(self, epoch: int) -> str:
         return posixpath.join(self.checkpoints, f"epoch-{epoch:04d}.pt")
@@ -153,6 +167,9 @@ def layout() -> list[str]:
         run.rank_logs("<r>") + "/",
         run.tensorboard + "/",
         run.lightning + "/",
+        run.process("<r>"),
+        run.elastic_launch("<launch>"),
+        run.commit,
     ]
     return [p.removeprefix("/") for p in paths]
 
