@@ -47,6 +47,7 @@ import fsspec
 _CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")  # RunFolder.checkpoint's names
 _RANK_LOGS = re.compile(r"rank-(\d+)")  # RunFolder.rank_logs's names
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # Spark's 'scheme:/path'
+LOG_SUFFIX = {"stdout": ".log", "stderr": ".err.log"}  # a rank's output chunk, by its stream
 TEMPORARY_PREFIX = ".tmp-"  # a file being written; moved to its real name when complete
 
 
@@ -141,6 +142,10 @@ class RunFolder:
     def rank_logs(self, rank: int | str) -> str:
         """The folder of rank ``rank``'s output chunks."""
         return posixpath.join(self.logs, f"rank-{rank}")
+
+    def log_stream(self, path: str) -> str:
+        """The stream ("stdout" or "stderr") an output chunk ``path`` holds."""
+        return "stderr" if path.endswith(LOG_SUFFIX["stderr"]) else "stdout"
 
     def log_rank(self, path: str) -> int | None:
         """The rank whose log folder holds the file ``path``, or None."""

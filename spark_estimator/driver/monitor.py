@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from ..shared.history import time_shares
 from ..store import Store
-from ..worker.observe.run_log import STREAM_SUFFIX
 
 POLL_S = 0.5
 TAIL_LINES = 20
@@ -102,7 +101,7 @@ class FitMonitor:
             text = self.store.read_bytes(path).decode(errors="replace")
             self.seen.add(path)
             tail = self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
-            stream = "stderr" if name.endswith(STREAM_SUFFIX["stderr"]) else "stdout"
+            stream = self.run.log_stream(name)
             for line in text.splitlines():
                 tail.append(line)
                 self.show(rank, stream, line)

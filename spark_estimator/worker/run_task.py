@@ -11,9 +11,9 @@ What the rank prints or logs reaches the run's folder in the store while it runs
 (``run_log.RankLog``), where the driver reads it. Failures are ordered and ranks leave
 together in ``rendezvous.process_group``; the first failing rank's exception is recorded
 in the run's ``failures/<launch>.json`` (unless it only says that a peer went away, see
-``shared/failures.py``), and also carries its record and last ``NOTE_LINES`` lines in a
-note (``failures.carry_failure``), which Spark's error shows even where the driver cannot
-read the store.
+``shared/failures.py``); a rank's own error (not a peer's loss) also carries its record and
+last ``NOTE_LINES`` lines in a note (``failures.carry_failure``), which Spark's error shows
+even where the driver cannot read the store.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import cloudpickle
 import torch
 
-from ..shared.failures import carry_failure, record_failure
+from ..shared.failures import carry_failure, is_peer_failure, record_failure
 from ..shared.serialization import loads
 from ..store import Store
 from .comm.rendezvous import process_group
@@ -139,7 +139,8 @@ def run_task(spec: RunSpec) -> dict:
             send = spec.script is None and (rank == 0 or not spec.rank0_only)
             result = encode_result(value, rank) if send else None
         except BaseException as e:
-            carry_failure(e, rank, list(log.tail)[-NOTE_LINES:])
+            if not is_peer_failure(e):  # only says that another rank failed or was lost
+                carry_failure(e, rank, list(log.tail)[-NOTE_LINES:])
             raise
         finally:
             _current = None

@@ -31,13 +31,12 @@ import sys
 import threading
 import time
 
-from ...store import Store
+from ...store import LOG_SUFFIX, Store
 
 FLUSH_S = 0.5  # progress
 CHUNK_S = 2.0  # output lines: a chattier pace would mean many small files in the store
 FINAL_ATTEMPTS = 3  # writes of the last lines tried before the task ends without them
 TAIL_LINES = 20  # the last lines a RankLog keeps in memory (a failing rank's error shows them)
-STREAM_SUFFIX = {"stdout": ".log", "stderr": ".err.log"}  # a chunk's name ends with its stream's
 _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 
@@ -150,7 +149,7 @@ class RankLog:
             lines = list(self.lines) if chunk_due else []
             progress = self.progress
         taken = len(lines)  # the buffer's first lines, those of this chunk
-        for stream, suffix in STREAM_SUFFIX.items():
+        for stream, suffix in LOG_SUFFIX.items():
             text = "".join(line + "\n" for s, line in lines if s == stream)
             if text:
                 self.store.write_bytes(f"{self.prefix}{self.seq + 1:06d}{suffix}", text.encode())
