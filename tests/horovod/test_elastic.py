@@ -137,12 +137,28 @@ def test_a_lost_rank_of_a_run_that_is_not_elastic_fails_at_once(spark, store, tm
     assert not store.exists(store.run("p").elastic)
 
 
-def test_state_commit_restore_and_sync_on_one_process():
-    """Outside any task: a group of one, commits in memory."""
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """The one-process group init_default_group forms outside any task, torn down after."""
+    import torch.distributed as dist
+
+    from spark_estimator.worker.comm import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_current", None)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_state_commit_restore_and_sync_on_one_process(group_of_one):
+    """Outside any task: a group of one (rank 0 of 1), commits in memory."""
+    from spark_estimator.worker.comm.rendezvous import current_rank_info
+
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     state = elastic.TorchState(model, optimizer, epoch=1, batch=0)
     state.sync()
+    assert (current_rank_info().rank, current_rank_info().world_size) == (0, 1)
     state.epoch, state.batch = 3, 7
     with torch.no_grad():
         model.weight.fill_(5.0)
