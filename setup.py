@@ -8,6 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["spark_estimator", "spark_estimator.*"]),
     python_requires=">=3.10",
+    entry_points={"console_scripts": ["spark-estimator-run = spark_estimator.launcher:main"]},
     install_requires=[
         "pyspark>=3.5",
         "torch>=2.2",

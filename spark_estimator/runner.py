@@ -1,9 +1,14 @@
-"""Driver: ``run(fn, num_proc)``, a hand-written training function on every barrier task.
+"""Driver: ``run(fn, num_proc)`` or ``run("train.py", args)``: a hand-written training
+function, or an unmodified script, on every barrier task.
 
 The Horovod-on-Spark way of working: ``fn`` runs once per rank inside an initialised
 torch.distributed process group (gloo on CPU, NCCL on GPU) with the GPU Spark assigned
 already pinned; inside it, ``spark_estimator.distributed`` gives rank, size,
-device and collectives. Every input is checked before any Spark job starts.
+device and collectives. A script runs as ``__main__`` with torchrun's variables set, and
+forms the group itself (``hvd.init()`` or ``init_process_group``). The ranks' output
+comes back through the run's folder in a store while they run (``driver/monitor.py``);
+a launch whose ranks entered ``hvd.elastic.run`` is started again after a lost rank
+(``horovod/elastic.py``). Every input is checked before any Spark job starts.
 """
 
 from __future__ import annotations
@@ -11,6 +16,11 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import logging
+import os
+import shutil
+import tempfile
+import uuid
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,13 +29,21 @@ import cloudpickle
 import torch
 from pyspark.sql import SparkSession
 
-from .driver.launch import available_slots, run_barrier_job
-from .driver.monitor import print_lines_by_default, rank_lines, show_line
+from .driver.launch import SLOT_WAIT_S, available_slots, run_barrier_job
+from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
 from .driver.validate import check_num_proc, check_positive
-from .shared.failures import TrainingError, carried_failure
+from .shared.failures import TrainingError, carried_failure, read_failure
 from .shared.serialization import dumps
 from .shared.spec import COLLECTIVE_TIMEOUT_S
-from .worker.run_task import run_task
+from .store import Store
+from .worker.run_task import RunSpec, run_task
+
+log = logging.getLogger(__name__)
+MAX_RESTARTS = 3  # run()'s default: launches of an elastic run started again after a lost rank
+
+
+class _LostRank(Exception):
+    """A launch of an elastic run failed without an error of the training code."""
 
 
 def _payload(fn, args, kwargs) -> bytes:
@@ -44,8 +62,79 @@ def _decode_result(text: str) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
+def _read_script(fn, args, kwargs) -> tuple[str, str, tuple[str, ...]]:
+    path = os.fspath(fn)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"fn: no script file at {path!r}")
+    if not all(isinstance(a, str) for a in args):
+        raise TypeError(f"args: a script's arguments must be strings, got {list(args)!r}")
+    if kwargs:
+        raise TypeError("kwargs: a script takes no kwargs; pass its command line in args")
+    with open(path, encoding="utf-8") as f:
+        return path, f.read(), tuple(args)
+
+
+def _check_seconds(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected seconds, got {value!r}")
+    check_positive(name, float(value))
+    return float(value)
+
+
+def _check_count(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_stream(name: str, stream) -> None:
+    if stream is not None and not callable(getattr(stream, "write", None)):
+        raise TypeError(f"{name}: expected a file-like object with write(), got {stream!r}")
+
+
+def _check_env(env) -> dict[str, str]:
+    env = {} if env is None else env
+    if not isinstance(env, Mapping) or not all(
+        isinstance(k, str) and k and "=" not in k and isinstance(v, str) for k, v in env.items()
+    ):
+        raise TypeError(f"env: expected a dict of variable names to str values, got {env!r}")
+    return dict(env)
+
+
+def _run_store(store) -> tuple[Store, str | None]:
+    """The run's store and, for the default one (a fresh temporary folder), its path."""
+    if store is None:
+        folder = tempfile.mkdtemp(prefix="spark-estimator-run-")
+        return Store.create(folder), folder
+    if isinstance(store, str):
+        return Store.create(store), None
+    if isinstance(store, Store):
+        return store, None
+    raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
+
+
+def _shower(stdout, stderr, verbose: int) -> Callable[[int, str, str], None]:
+    """How a rank's line is shown: written, as ``[rank <r>] <line>``, to ``stdout`` or
+    ``stderr`` by its stream; where that is None, logged (and printed to stderr with
+    ``verbose`` when no logging is configured) as a fit does."""
+    printed = verbose >= 1 and print_lines_by_default()
+
+    def show(rank: int, stream: str, line: str) -> None:
+        target = stdout if stream == "stdout" else stderr
+        if target is None:
+            show_line(rank, line, printed)
+            return
+        target.write(f"[rank {rank}] {line}\n")
+        if callable(getattr(target, "flush", None)):
+            target.flush()
+
+    return show
+
+
 def run(
-    fn: Callable,
+    fn: Callable | str | os.PathLike,
     args: tuple | list = (),
     kwargs: Mapping[str, Any] | None = None,
     num_proc: int | None = None,
@@ -53,22 +142,57 @@ def run(
     spark: SparkSession | None = None,
     rank0_only: bool = False,
     collective_timeout: float = COLLECTIVE_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    stdout=None,
+    stderr=None,
+    start_timeout: float = SLOT_WAIT_S,
+    verbose: int = 1,
+    store: Store | str | None = None,
+    run_id: str | None = None,
+    max_restarts: int = MAX_RESTARTS,
 ) -> list | Any:
-    """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark barrier tasks, one rank each.
+    """Run ``fn(*args, **kwargs)``, or the script ``fn`` with ``args``, on ``num_proc``
+    Spark barrier tasks, one rank each.
+
+    ``fn`` is a function, or the path of a Python script (a ``str`` or ``os.PathLike``):
+    the script is read here and shipped, so executors need not see this filesystem, and
+    runs as ``__main__`` with ``sys.argv = [fn, *args]`` (``args``: strings; no
+    ``kwargs``). A function runs inside the job's process group; a script forms it itself
+    (``hvd.init()``, or ``torch.distributed.init_process_group()`` from the ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` set on each rank, as torchrun does). ``sys.exit(0)`` ends a script
+    successfully.
 
     ``num_proc`` defaults to every task slot of the cluster; ``spark`` to the active
-    session. With ``use_gpu`` each rank pins the GPU Spark assigned to its task (a CPU
-    fallback is reported by one warning on the driver). Returns the ranks' return values
-    ordered by rank, or only rank 0's with ``rank0_only`` (the other ranks then send
-    nothing back). Return values go through the driver's memory; tensors arrive on CPU.
-    ``collective_timeout`` is how many seconds a rank waits for the others, to form the
-    group and in each collective, before it raises. A rank whose ``fn`` raises (or calls
-    ``sys.exit``) fails the job at once: ``run`` raises a ``TrainingError`` with that
-    rank, its exception's type, message and traceback, and its last lines of output, as a
-    fit does; unlike a fit, ``run`` does not retry (``fn`` owns its state). What the ranks
-    print or log reaches the driver after the job, as ``[rank <r>] <line>`` on the
-    ``spark_estimator.worker`` logger (also printed to stderr when no logging is
-    configured for it).
+    session. ``start_timeout`` is how many seconds to wait for the executors of a cluster
+    to offer ``num_proc`` slots (a local master's are known at once). With ``use_gpu`` each
+    rank pins the GPU Spark assigned to its task (a CPU fallback is reported by one warning
+    on the driver). ``env`` sets environment variables on every rank before ``fn`` runs.
+    Returns the ranks' return values ordered by rank, or only rank 0's with ``rank0_only``
+    (the other ranks then send nothing back); a script returns None. Return values go
+    through the driver's memory; tensors arrive on CPU. ``collective_timeout`` is how many
+    seconds a rank waits for the others, to form the group and in each collective, before
+    it raises.
+
+    What the ranks print or log reaches the driver while they run, through the run's
+    folder ``runs/<run_id>/`` of ``store`` (a Store or URL; by default a fresh temporary
+    folder, removed afterwards, which only a local or local-cluster master's executors
+    share: give a multi-host cluster a shared ``store``). Each line, as ``[rank <r>]
+    <line>``, is written to ``stdout`` (the rank's stdout) or ``stderr`` (its stderr and
+    logging) when given; otherwise it is logged on the ``spark_estimator.worker`` logger
+    and, with ``verbose`` >= 1 and no logging configured for it, printed to stderr.
+    ``verbose`` 0 prints nothing by default, 2 also has each rank report its host, pid,
+    device and task attempt first. ``runs/<run_id>/processes/rank-<r>.json`` says where
+    rank r runs (host, pid, launch, attempt).
+
+    A rank whose ``fn`` raises (or calls ``sys.exit`` with an error) fails the job at once:
+    ``run`` raises a ``TrainingError`` with that rank, its exception's type, message and
+    traceback, and its last lines of output, as a fit does. A rank lost without such an
+    error (a killed process, a lost executor) fails the job too, unless the ranks had
+    entered ``hvd.elastic.run``: then the job is started again, at most ``max_restarts``
+    times, and resumes from the last ``state.commit()`` in ``runs/<run_id>/elastic/``.
+    ``run_id`` names that folder (by default a new one); a ``run_id`` with a commit
+    resumes from it.
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
@@ -76,43 +200,70 @@ def run(
     >>> run(train, args=(0.1,), num_proc=2)
     [0.1, 0.1]
     """
-    if not callable(fn):
-        raise TypeError(f"fn: expected a function, got {type(fn).__name__}")
+    script = isinstance(fn, (str, os.PathLike))
+    if not script and not callable(fn):
+        raise TypeError(f"fn: expected a function or a script's path, got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"args: expected a tuple or list, got {type(args).__name__}")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise TypeError(f"kwargs: expected a dict of str keys, got {kwargs!r}")
-    if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)):
-        raise TypeError(f"num_proc: expected an int, got {type(num_proc).__name__}")
-    if isinstance(collective_timeout, bool) or not isinstance(collective_timeout, (int, float)):
-        raise TypeError(f"collective_timeout: expected seconds, got {collective_timeout!r}")
-    check_positive("collective_timeout", float(collective_timeout))
-    payload = _payload(fn, tuple(args), dict(kwargs))
+    if num_proc is not None:
+        _check_count("num_proc", num_proc, 1)
+    collective_timeout = _check_seconds("collective_timeout", collective_timeout)
+    start_timeout = _check_seconds("start_timeout", start_timeout)
+    env = _check_env(env)
+    _check_stream("stdout", stdout)
+    _check_stream("stderr", stderr)
+    verbose = _check_count("verbose", verbose, 0)
+    max_restarts = _check_count("max_restarts", max_restarts, 0)
+    if run_id is not None and (not isinstance(run_id, str) or not run_id or "/" in run_id):
+        raise ValueError(f"run_id: expected a folder name (no '/'), got {run_id!r}")
+    if script:
+        shipped, payload = _read_script(fn, args, kwargs), None
+        name = os.path.basename(shipped[0])
+    else:
+        shipped, payload = None, _payload(fn, tuple(args), dict(kwargs))
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+    store, temporary = _run_store(store)
     spark = spark if spark is not None else SparkSession.active()
-    slots = available_slots(spark, num_proc)
+    slots = available_slots(spark, num_proc, start_timeout)
     num_proc = slots if num_proc is None else num_proc
-    check_num_proc(num_proc, slots)
+    check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s")
 
-    name = getattr(fn, "__qualname__", type(fn).__name__)
+    run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
+    show = _shower(stdout, stderr, verbose)
     try:
-        summaries = run_barrier_job(
-            spark,
-            num_proc,
-            functools.partial(
-                run_task, payload, bool(use_gpu), bool(rank0_only), float(collective_timeout)
-            ),
-            f"spark-estimator run {name} on {num_proc} tasks",
-        )
-    except Exception as e:
-        if (record := carried_failure(e)) is not None:
-            output = rank_lines(record["rank"], record["output"])
-            raise TrainingError(None, record, output) from e
-        raise
-    printed = print_lines_by_default()
-    for s in summaries:
-        for line in s["output"]:
-            show_line(s["rank"], line, printed)
+        for restart in range(max_restarts + 1):
+            spec = RunSpec(
+                payload,
+                shipped,
+                env,
+                bool(use_gpu),
+                bool(rank0_only),
+                collective_timeout,
+                store,
+                run_id,
+                uuid.uuid4().hex,
+                verbose,
+            )
+            try:
+                summaries = _launch(spark, spec, num_proc, name, show)
+                break
+            except _LostRank as lost:
+                if restart == max_restarts:
+                    raise lost.__cause__ from None
+                log.warning(
+                    "run '%s': a rank was lost (%s); starting the job again from the last "
+                    "hvd.elastic commit (restart %d of at most %d)",
+                    run_id,
+                    str(lost.__cause__).strip().splitlines()[0] if str(lost.__cause__) else "",
+                    restart + 1,
+                    max_restarts,
+                )
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
     notes: dict[str, list[int]] = {}
     for s in summaries:
         if s["device_note"]:
@@ -122,6 +273,35 @@ def run(
             "; ".join(f"ranks {ranks}: {note}" for note, ranks in notes.items()),
             stacklevel=2,
         )
+    if script:
+        return None
     if rank0_only:
         return _decode_result(summaries[0]["result"])
     return [_decode_result(s["result"]) for s in summaries]
+
+
+def _launch(spark, spec: RunSpec, num_proc: int, name: str, show) -> list[dict]:
+    """One launch of the job, its ranks' lines shown as they arrive. Raises a
+    ``TrainingError`` for an error of the training code, ``_LostRank`` (from Spark's
+    error) for another failure of a launch that entered ``hvd.elastic.run``."""
+    store, run = spec.store, spec.store.run(spec.run_id)
+    monitor = FitMonitor(store, spec.run_id, spec.launch_id, verbose=False, show=show)
+    try:
+        with monitor:
+            return run_barrier_job(
+                spark,
+                num_proc,
+                functools.partial(run_task, spec),
+                f"spark-estimator run {name} on {num_proc} tasks",
+            )
+    except Exception as e:
+        record = read_failure(run.failure(spec.launch_id), store)
+        if record is None and store.exists(run.elastic_launch(spec.launch_id)):
+            raise _LostRank() from e
+        record = record or carried_failure(e)
+        if record is None:
+            raise
+        output = monitor.tail(record["rank"]) or rank_lines(
+            record["rank"], record.get("output", [])
+        )
+        raise TrainingError(spec.run_id, record, output) from e

@@ -16,6 +16,9 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     runs/<run_id>/logs/rank-<r>/                             each rank's output, in chunks
     runs/<run_id>/tensorboard/                               rank 0's TensorBoard event file
     runs/<run_id>/lightning/                                 a LightningEstimator's default_root_dir
+    runs/<run_id>/processes/rank-<r>.json                    run(): rank r's host, pid, attempt
+    runs/<run_id>/elastic/launches/<launch>                  run(): the launch entered hvd.elastic
+    runs/<run_id>/elastic/commit.pt                          run(): the last hvd.elastic commit
 
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
 Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
@@ -44,6 +47,7 @@ import fsspec
 _CHECKPOINT = re.compile(r"epoch-(\d+)\.pt")  # RunFolder.checkpoint's names
 _RANK_LOGS = re.compile(r"rank-(\d+)")  # RunFolder.rank_logs's names
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(.*)", re.DOTALL)  # Spark's 'scheme:/path'
+LOG_SUFFIX = {"stdout": ".log", "stderr": ".err.log"}  # a rank's output chunk, by its stream
 TEMPORARY_PREFIX = ".tmp-"  # a file being written; moved to its real name when complete
 
 
@@ -117,6 +121,17 @@ class RunFolder:
     logs = _child("logs", "one folder of output chunks per rank")
     tensorboard = _child("tensorboard", "rank 0's TensorBoard event file")
     lightning = _child("lightning", "a LightningEstimator's default_root_dir")
+    processes = _child("processes", "run(): where each rank runs, written at its start")
+    elastic = _child("elastic", "run(): hvd.elastic's launches and last commit")
+    commit = _child("elastic/commit.pt", "run(): the last hvd.elastic commit (rank 0's)")
+
+    def process(self, rank: int | str) -> str:
+        """Rank ``rank``'s record: host, pid, launch and task attempt of its process."""
+        return posixpath.join(self.processes, f"rank-{rank}.json")
+
+    def elastic_launch(self, launch_id: str) -> str:
+        """Written when launch ``launch_id`` of the run entered ``hvd.elastic.run``."""
+        return posixpath.join(self.elastic, "launches", launch_id)
 
     def checkpoint(self, epoch: int) -> str:
         return posixpath.join(self.checkpoints, f"epoch-{epoch:04d}.pt")
@@ -127,6 +142,10 @@ class RunFolder:
     def rank_logs(self, rank: int | str) -> str:
         """The folder of rank ``rank``'s output chunks."""
         return posixpath.join(self.logs, f"rank-{rank}")
+
+    def log_stream(self, path: str) -> str:
+        """The stream ("stdout" or "stderr") an output chunk ``path`` holds."""
+        return "stderr" if path.endswith(LOG_SUFFIX["stderr"]) else "stdout"
 
     def log_rank(self, path: str) -> int | None:
         """The rank whose log folder holds the file ``path``, or None."""
@@ -153,6 +172,9 @@ def layout() -> list[str]:
         run.rank_logs("<r>") + "/",
         run.tensorboard + "/",
         run.lightning + "/",
+        run.process("<r>"),
+        run.elastic_launch("<launch>"),
+        run.commit,
     ]
     return [p.removeprefix("/") for p in paths]
 

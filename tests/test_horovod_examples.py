@@ -26,9 +26,7 @@ def accuracies(output: str) -> list[float]:
 def run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
     env.pop("PYSPARK_DRIVER_PYTHON", None)
-    done = subprocess.run(
-        argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-    )
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

@@ -210,7 +210,31 @@ def test_only_the_returned_values_must_be_picklable(spark):
 def _bad_inputs():
     lock = threading.Lock()
     return {
-        "fn not callable": (dict(fn=42), TypeError, "fn: expected a function, got int"),
+        "fn not callable": (
+            dict(fn=42),
+            TypeError,
+            "fn: expected a function or a script's path, got int",
+        ),
+        "script missing": (dict(fn="/nonexistent/train.py"), FileNotFoundError, "fn: no script"),
+        "script kwargs": (
+            dict(fn=__file__, kwargs={"a": 1}),
+            TypeError,
+            "kwargs: a script takes no kwargs",
+        ),
+        "script args not str": (
+            dict(fn=__file__, args=[1]),
+            TypeError,
+            "args: a script's arguments must be strings",
+        ),
+        "env not str": (dict(env={"A": 1}), TypeError, "env: expected a dict"),
+        "stdout not a file": (dict(stdout="out.txt"), TypeError, "stdout: expected a file-like"),
+        "stderr not a file": (dict(stderr=42), TypeError, "stderr: expected a file-like"),
+        "verbose negative": (dict(verbose=-1), ValueError, "verbose: must be >= 0"),
+        "verbose not int": (dict(verbose="2"), TypeError, "verbose: expected an int"),
+        "max_restarts negative": (dict(max_restarts=-1), ValueError, "max_restarts: must be >= 0"),
+        "start_timeout 0": (dict(start_timeout=0), ValueError, "start_timeout: must be > 0"),
+        "store not a store": (dict(store=42), TypeError, "store: expected a Store or a URL"),
+        "run_id with a slash": (dict(run_id="a/b"), ValueError, "run_id: expected a folder"),
         "fn not picklable": (
             dict(fn=lambda: lock.locked()),
             TypeError,
@@ -235,9 +259,9 @@ def _bad_inputs():
             "collective_timeout: expected seconds",
         ),
         "num_proc above slots": (
-            dict(num_proc=5),
+            dict(num_proc=5, start_timeout=0.5),
             ValueError,
-            "num_proc: 5 .* only 4 tasks at once",
+            r"num_proc: 5 .* only 4 tasks at once \(counted within start_timeout=0.5 s\)",
         ),
     }
 
@@ -268,3 +292,163 @@ def test_two_executor_processes_run_fn_and_allreduce(cluster_spark):
     assert len(pids) == 2 and os.getpid() not in pids
     assert [local for _, local, _ in results] == [0, 1]  # both executors on this host
     assert all(torch.equal(total, torch.tensor([3.0])) for _, _, total in results)
+
+
+# -- script mode, output, env ------------------------------------------------------------
+
+
+class Recorder:
+    """A file-like object on the driver that keeps the lines written to it, and calls
+    ``on_line(line)`` for each as it arrives."""
+
+    def __init__(self, on_line=None):
+        self.lines: list[str] = []
+        self.on_line = on_line
+        self.partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self.partial = (self.partial + text).split("\n")
+        for line in lines:
+            self.lines.append(line)
+            if self.on_line is not None:
+                self.on_line(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+TORCHRUN_SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
+print("env", " ".join(os.environ[n] for n in names), sys.argv[1:])
+print("master set", bool(os.environ["MASTER_ADDR"]), int(os.environ["MASTER_PORT"]) > 0)
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+print("sum", total.item(), "of", dist.get_world_size())
+dist.destroy_process_group()
+"""
+
+
+def test_a_torchrun_style_script_forms_its_group_from_the_environment(spark, tmp_path):
+    script = tmp_path / "train_torchrun.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    out, err = Recorder(), Recorder()
+    result = run(
+        str(script), args=["--epochs", "3"], num_proc=2, use_gpu=False, spark=spark,
+        stdout=out, stderr=err,
+    )  # fmt: skip
+    assert result is None
+    for r in (0, 1):
+        assert f"[rank {r}] env {r} 2 {r} 2 ['--epochs', '3']" in out.lines
+        assert f"[rank {r}] master set True True" in out.lines
+        assert f"[rank {r}] sum 3.0 of 2" in out.lines
+    assert err.lines == []
+
+
+LIVE_SCRIPT = """
+import os, sys, time
+flag = sys.argv[1]
+print("waiting for the driver")
+sys.stdout.flush()
+for _ in range(1200):  # the driver creates the flag when it has the line above
+    if os.path.exists(flag):
+        break
+    time.sleep(0.1)
+else:
+    sys.exit("the driver never got the line while the script ran")
+print("the driver had it")
+"""
+
+
+def test_lines_reach_the_driver_while_the_script_runs(spark, tmp_path):
+    """The script waits for a file that the driver's stdout object creates on receiving the
+    script's first line: the run only completes if that line arrived before its end."""
+    script, flag = tmp_path / "live.py", tmp_path / "flag"
+    script.write_text(LIVE_SCRIPT)
+
+    def on_line(line):
+        if line == "[rank 0] waiting for the driver":
+            flag.touch()
+
+    out = Recorder(on_line)
+    run(str(script), args=[str(flag)], num_proc=1, use_gpu=False, spark=spark, stdout=out)
+    assert out.lines == ["[rank 0] waiting for the driver", "[rank 0] the driver had it"]
+
+
+def chatty():
+    print(f"out of rank {sd.rank()}")
+    print(f"err of rank {sd.rank()}", file=sys.stderr)
+    logging.getLogger("user.code").warning("logged on rank %d", sd.rank())
+    return os.environ.get("MY_SETTING"), os.environ.get("RANK")
+
+
+def test_env_is_set_on_every_rank_and_lines_go_to_stdout_and_stderr_by_stream(spark):
+    out, err = Recorder(), Recorder()
+    values = run(
+        chatty, num_proc=2, use_gpu=False, spark=spark, env={"MY_SETTING": "on"},
+        stdout=out, stderr=err,
+    )  # fmt: skip
+    assert values == [("on", None), ("on", None)]  # RANK: only scripts get torchrun's env
+    assert sorted(out.lines) == ["[rank 0] out of rank 0", "[rank 1] out of rank 1"]
+    assert sorted(err.lines) == [
+        "[rank 0] WARNING user.code: logged on rank 0",
+        "[rank 0] err of rank 0",
+        "[rank 1] WARNING user.code: logged on rank 1",
+        "[rank 1] err of rank 1",
+    ]
+    # the variables do not outlive the task in Spark's reused Python workers
+    assert run(chatty, num_proc=2, use_gpu=False, spark=spark, verbose=0) == [(None, None)] * 2
+
+
+def test_verbose_0_prints_nothing_and_2_says_where_each_rank_runs(spark, capsys):
+    run(talk, num_proc=2, use_gpu=False, spark=spark, verbose=0)
+    assert "[rank" not in capsys.readouterr().err
+    err = Recorder()
+    run(talk, num_proc=2, use_gpu=False, spark=spark, verbose=2, stderr=err)
+    for r in (0, 1):
+        assert any(
+            line.startswith(f"[rank {r}] spark-estimator: rank {r} of 2 on ")
+            and ", pid " in line
+            and ", device cpu, task attempt " in line
+            for line in err.lines
+        ), err.lines
+
+
+def test_each_rank_records_its_host_pid_and_attempt_in_the_store(spark, store):
+    pids = run(os.getpid, num_proc=2, use_gpu=False, spark=spark, store=store, run_id="where")
+    for r, pid in enumerate(pids):
+        record = store.read_json(store.run("where").process(r))
+        assert record["rank"] == r and record["pid"] == pid and record["host"]
+        assert isinstance(record["attempt"], int) and record["launch_id"]
+
+
+FAILING_SCRIPT = """
+import sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("rank", dist.get_rank(), "starts")
+if dist.get_rank() == 1:
+    raise ValueError("boom in the script")
+dist.barrier()
+"""
+
+
+def test_a_failing_script_rank_is_a_training_error_and_sys_exit_0_is_success(spark, tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(FAILING_SCRIPT)
+    with pytest.raises(TrainingError) as failure:
+        run(str(script), num_proc=2, use_gpu=False, spark=spark, verbose=0)
+    error = failure.value
+    assert error.rank == 1 and error.remote_type == "ValueError"
+    assert 'fails.py", line 7' in error.remote_traceback
+    assert error.output == "[rank 1] rank 1 starts"
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nprint('bye')\nsys.exit(0)\n")
+    out = Recorder()
+    assert run(exits, num_proc=2, use_gpu=False, spark=spark, stdout=out) is None
+    assert sorted(out.lines) == ["[rank 0] bye", "[rank 1] bye"]

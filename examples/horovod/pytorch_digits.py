@@ -98,9 +98,9 @@ def train(epoch):
         if batch_idx % args.log_interval == 0:
             # Horovod: use train_sampler to determine the number of examples in
             # this worker's partition.
-            print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
-                epoch, batch_idx * len(data), len(train_sampler),
-                100. * batch_idx / len(train_loader), loss.item()))
+            done, percent = batch_idx * len(data), 100.0 * batch_idx / len(train_loader)
+            print(f"Train Epoch: {epoch} [{done}/{len(train_sampler)} ({percent:.0f}%)]"
+                  f"\tLoss: {loss.item():.6f}")
 
 
 def metric_average(val, name):
@@ -134,8 +134,7 @@ def test():
 
     # Horovod: print output only on first rank.
     if hvd.rank() == 0:
-        print("\nTest set: Average loss: {:.4f}, Accuracy: {:.2f}%\n".format(
-            test_loss, 100. * test_accuracy))
+        print(f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {100. * test_accuracy:.2f}%\n")
 
 
 if __name__ == "__main__":

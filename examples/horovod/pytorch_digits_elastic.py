@@ -128,14 +128,13 @@ def test(epoch):
         accuracy = output.argmax(dim=1).eq(y_test).float().mean().item()
     model.train()
     if hvd.rank() == 0:
-        print("Epoch {}: test loss {:.4f}, Accuracy: {:.2f}%".format(
-            epoch, test_loss, 100. * accuracy))
+        print(f"Epoch {epoch}: test loss {test_loss:.4f}, Accuracy: {100. * accuracy:.2f}%")
 
 
 @hvd.elastic.run
 def train(state):
-    for state.epoch in range(state.epoch, args.epochs):
-        for state.batch in range(state.batch, batches_per_epoch()):
+    for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 (as Horovod's guide)
+        for state.batch in range(state.batch, batches_per_epoch()):  # noqa: B020
             data, target = get_random_batch()
 
             optimizer.zero_grad()

@@ -93,12 +93,15 @@ def scheduler_slots(spark: SparkSession) -> int | None:
         return None
 
 
-def available_slots(spark: SparkSession, wanted: int | None = None) -> int:
+def available_slots(
+    spark: SparkSession, wanted: int | None = None, wait_s: float | None = None
+) -> int:
     """How many tasks the cluster can run at once.
 
     Executors of a cluster register after the session starts, so while the scheduler
     counts fewer than ``wanted`` (or than the master URL implies) it is asked again, for
-    at most ``SLOT_WAIT_S`` seconds. In local mode the count is known at once.
+    at most ``wait_s`` seconds (``SLOT_WAIT_S`` when None). In local mode the count is
+    known at once.
 
     On Spark Connect the count comes from the server's configuration (``connect_slots``);
     where that does not tell, ``wanted`` is trusted (Spark itself refuses a barrier stage
@@ -120,7 +123,8 @@ def available_slots(spark: SparkSession, wanted: int | None = None) -> int:
     expected = master_slots(spark)
     master = spark.sparkContext.master
     local = master.startswith("local") and not master.startswith("local-cluster")
-    deadline = time.monotonic() + (0 if local else SLOT_WAIT_S)
+    wait_s = SLOT_WAIT_S if wait_s is None else wait_s
+    deadline = time.monotonic() + (0 if local else wait_s)
     while True:
         counted = scheduler_slots(spark)
         if counted is None:

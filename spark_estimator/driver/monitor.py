@@ -5,7 +5,9 @@ every ``POLL_S`` seconds:
 
 - each new chunk of a rank's output is logged, line by line, as ``[rank <r>] <line>`` on
   the ``spark_estimator.worker`` logger (INFO); with ``verbose`` and no logging configured
-  for that logger, the lines are also printed (to stderr) above the progress bar;
+  for that logger, the lines are also printed (to stderr) above the progress bar. A
+  ``show(rank, stream, line)`` given instead receives each line with its stream ("stdout"
+  or "stderr": ``run`` sends them to its ``stdout`` / ``stderr``);
 - with ``verbose``, rank 0's ``progress.json`` drives a tqdm bar (a widget in Jupyter, text
   in a terminal): steps over all epochs, the epoch, the running training loss and the last
   epoch's validation loss.
@@ -21,6 +23,7 @@ import logging
 import posixpath
 import sys
 import threading
+from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
@@ -61,12 +64,20 @@ def _logging_configured(log: logging.Logger) -> bool:
 class FitMonitor:
     """Follows one launch of a run (a context manager around the training job)."""
 
-    def __init__(self, store: Store, run_id: str, launch_id: str, verbose: bool):
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        launch_id: str,
+        verbose: bool,
+        show: Callable[[int, str, str], None] | None = None,
+    ):
         self.store, self.launch_id, self.verbose = store, launch_id, verbose
         self.run = store.run(run_id)
         self.seen: set[str] = set()
         self.tails: dict[int, collections.deque] = {}
-        self.print_lines = verbose and print_lines_by_default()
+        print_lines = verbose and print_lines_by_default()
+        self.show = show or (lambda rank, stream, line: show_line(rank, line, print_lines))
         self.bar = None
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -86,13 +97,14 @@ class FitMonitor:
             name, rank = posixpath.basename(path), self.run.log_rank(path)
             if rank is not None and name.startswith(self.launch_id) and path not in self.seen:
                 chunks.append((rank, name, path))
-        for rank, _, path in sorted(chunks):
+        for rank, name, path in sorted(chunks):
             text = self.store.read_bytes(path).decode(errors="replace")
             self.seen.add(path)
             tail = self.tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+            stream = self.run.log_stream(name)
             for line in text.splitlines():
                 tail.append(line)
-                show_line(rank, line, self.print_lines)
+                self.show(rank, stream, line)
 
     def _read_progress(self) -> None:
         if not self.store.exists(self.run.progress):

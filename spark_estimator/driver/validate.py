@@ -168,13 +168,16 @@ def check_transformation_fn(fn) -> bytes | None:
     return dumps(fn, "transformation_fn")
 
 
-def check_num_proc(num_proc: int, slots: int) -> None:
+def check_num_proc(num_proc: int, slots: int, waited: str = "") -> None:
+    """``num_proc`` against the cluster's ``slots``; ``waited`` says how long the slots were
+    waited for (e.g. "start_timeout=30 s"), for the message."""
     check_positive("num_proc", num_proc)
     if num_proc > slots:
+        within = f" (counted within {waited})" if waited else ""
         raise ValueError(
             f"num_proc: {num_proc} training processes requested but the cluster can run only "
-            f"{slots} tasks at once; a barrier job needs all of them at the same time. Lower "
-            "num_proc or add executor cores."
+            f"{slots} tasks at once{within}; a barrier job needs all of them at the same time. "
+            "Lower num_proc or add executor cores."
         )
 
 

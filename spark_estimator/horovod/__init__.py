@@ -13,6 +13,7 @@ device come from the process group the task formed, over gloo (CPU) or NCCL (GPU
 docs/horovod.md lists every name and how it differs from Horovod's.
 """
 
+from . import elastic
 from .basics import (
     cross_rank,
     cross_size,
@@ -85,4 +86,5 @@ __all__ = [
     "DistributedOptimizer",
     "broadcast_parameters",
     "broadcast_optimizer_state",
+    "elastic",
 ]

@@ -15,11 +15,13 @@ Two kinds of exception are retried (not recorded), and the retry resumes:
 - I/O errors (``OSError``: a store or a network that failed for a moment). One that
   persists fails every attempt, and Spark's error after the last attempt carries it.
 
-``run(fn)`` has no store and no retry: a rank whose ``fn`` raises (or calls
-``sys.exit``) carries the same record, with its last lines of output, in a note of its
-exception (``carry_failure``). Spark's error on the driver shows the note within the remote
-traceback, and the driver reads the record back from it (``carried_failure``) to raise the
-same ``TrainingError`` as a fit.
+``run(fn)`` records the same failure in its run's folder, and Spark does not retry it
+(only a run that entered ``hvd.elastic.run`` is started again, by the driver, after a
+failure without a record). Its failing rank also carries the record, with its last lines
+of output, in a note of its exception (``carry_failure``): Spark's error on the driver shows
+the note within the remote traceback, and the driver reads the record back from it
+(``carried_failure``) where it cannot read the store (a multi-host cluster given no shared
+store).
 
 Used on both sides: executors write records, the driver reads them.
 """
@@ -45,7 +47,7 @@ class TrainingError(RuntimeError):
     The first failing rank's exception, with its type, message and traceback. Retrying
     would only raise it again, so the run stops. A fit's checkpoints stay in the store, and
     a new fit with the same ``run_id`` resumes from them once the cause is fixed. For
-    ``run(fn)``, which has no run id, ``run_id`` is None.
+    ``run(fn)`` it is the run's folder in its store.
     """
 
     def __init__(self, run_id: str | None, record: dict, output: str = ""):

@@ -1,6 +1,7 @@
 """FitMonitor: the ranks' chunks become driver log lines; progress drives a tqdm bar."""
 
 import logging
+import sys
 
 import pytest
 
@@ -87,3 +88,18 @@ def test_lines_are_printed_when_verbose_and_logging_is_not_configured(
     with FitMonitor(store, "r", "L", verbose=verbose):
         pass
     assert ("[rank 0] hello" in capsys.readouterr().err) == printed
+
+
+def test_show_receives_each_line_with_its_stream(store):
+    with RankLog(store, "r", "L", 0, 0):
+        print("to stdout")
+        print("to stderr", file=sys.stderr)
+        logging.getLogger("user.code").warning("logged")
+    shown = []
+    with FitMonitor(store, "r", "L", verbose=False, show=lambda *line: shown.append(line)):
+        pass
+    assert sorted(shown) == [
+        (0, "stderr", "WARNING user.code: logged"),
+        (0, "stderr", "to stderr"),
+        (0, "stdout", "to stdout"),
+    ]

@@ -7,6 +7,14 @@ on CPU, NCCL on GPU). Every wait for other ranks is bounded by ``timeout_s``. Wh
 ends normally every rank waits for the others before leaving; when it raises, the first
 failing rank's error is the one Spark reports (see ``_first_failure``). The group and rank
 0's server are closed when the task ends, failed or not, because PySpark reuses workers.
+
+A script run by ``run("train.py")`` forms the default group itself: the task exports
+torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``) and ``TORCHELASTIC_USE_AGENT_STORE=True``, with which
+torch's ``env://`` rendezvous connects every rank, rank 0 included, as a client to the
+TCPStore rank 0's task already serves, instead of starting a server of its own.
+``init_default_group`` (``hvd.init()``) does the same for scripts that never call
+``init_process_group``, and forms a group of one outside any task.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import torch.distributed as dist
 
 from ...shared.failures import is_retried
 from ...shared.spec import COLLECTIVE_TIMEOUT_S
+from ..environ import environ
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +59,7 @@ class RankInfo:
 
 
 _current: RankInfo | None = None
+_script_timeout: timedelta | None = None  # set while a script's task leaves the group to it
 
 
 def current_rank_info() -> RankInfo:
@@ -152,6 +162,7 @@ def process_group(
     use_gpu: bool,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     on_failure: Callable[[int, BaseException], None] | None = None,
+    init_group: bool = True,
 ) -> Iterator[RankInfo]:
     """Join the barrier job's process group for the duration of the ``with`` block.
 
@@ -160,22 +171,24 @@ def process_group(
     ``on_failure(rank, error)`` is called, before the error propagates, for the job's
     first failure unless it is one that a retry may cure (see ``shared/failures.py``), and for a
     rendezvous that cannot form.
+
+    With ``init_group=False`` (a script) the default group is not formed here: the block
+    runs with torchrun's variables exported (see above), the ranks meet at its end through
+    the job's store (the script may have destroyed its group), and a group the script left
+    initialised is destroyed after it.
     """
-    global _current
+    global _current, _script_timeout
     infos = ctx.getTaskInfos()
     rank, world_size = ctx.partitionId(), len(infos)
     device, note = task_device(ctx, use_gpu)
     hosts = [info.address.rsplit(":", 1)[0] for info in infos]
     timeout = timedelta(seconds=timeout_s)
     try:
-        store, server = _rendezvous(ctx, rank, world_size, hosts[0], timeout)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        store, server, port = _rendezvous(ctx, rank, world_size, hosts[0], timeout)
+        if init_group:
+            dist.init_process_group(
+                _backend(device), store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
     except Exception as e:
         error = RendezvousError(
             f"rendezvous: rank {rank} of {world_size} could not form the process group "
@@ -189,11 +202,26 @@ def process_group(
     _current = RankInfo(
         rank, world_size, *local_ranks(hosts, rank), device, note, *cross_ranks(hosts, rank)
     )
+    torchrun = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(_current.local_rank),
+        "LOCAL_WORLD_SIZE": str(_current.local_size),
+        "MASTER_ADDR": hosts[0],
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+    }
+    _script_timeout = None if init_group else timeout
     try:
-        yield _current
+        with environ({} if init_group else torchrun):
+            yield _current
         # nobody leaves while another rank still works: a gloo peer that closes its
         # connections early fails the others' collectives (and their setup)
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+        if init_group:
+            dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+        else:
+            store.set(f"left/{rank}", "1")
+            store.wait([f"left/{r}" for r in range(world_size)], timeout)
     except BaseException as e:  # sys.exit() in the code too
         first = _first_failure(store)
         if first and on_failure is not None and not is_retried(e):
@@ -208,20 +236,57 @@ def process_group(
             time.sleep(LATER_FAILURE_DELAY_S)
         raise
     finally:
-        _current = None
-        dist.destroy_process_group()
+        _current, _script_timeout = None, None
+        if dist.is_initialized():
+            dist.destroy_process_group()
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_default_group() -> None:
+    """Form torch.distributed's default group for code that asks for one (``hvd.init()``),
+    when it is not formed yet.
+
+    In the task of a script run by ``run`` it is the job's group, formed from torchrun's
+    variables (``env://``), on the device the task pinned, with ``collective_timeout``.
+    Outside any Spark task it is a group of one process (rank 0 of 1) on ``cuda:0`` when
+    there is a GPU, else on the CPU, so that ``python train.py`` runs as a job of size 1.
+    """
+    global _current
+    if dist.is_initialized():
+        return
+    if _current is None:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+        _current = RankInfo(0, 1, 0, 1, device)
+    elif _script_timeout is not None:
+        dist.init_process_group(
+            _backend(_current.device), init_method="env://", timeout=_script_timeout
+        )
+    else:
+        raise RuntimeError(
+            "the job's process group was destroyed inside a function run by "
+            "spark_estimator.run; it cannot be formed again there"
+        )
+
+
 def _rendezvous(ctx, rank: int, world_size: int, host: str, timeout: timedelta):
-    """The job's key-value store: (a store private to this job, rank 0's server or None).
+    """The job's key-value store: (a store private to this job, rank 0's server or None,
+    the server's port).
 
     Rank 0 starts a TCPStore server on an OS-chosen port and shares host, port and a random
     secret through the barrier context's ``allGather`` (Spark's own channel). Every rank
     then uses only keys under that secret, so a stranger who connects to the port cannot
-    join or disturb the group without it. The server lives as long as the group.
+    join or disturb the group without it. The server lives as long as the group. (A
+    script's own ``env://`` group knows no secret: its keys are torch's, under
+    ``default_pg``.)
     """
     server = None
     if rank == 0:
@@ -235,7 +300,8 @@ def _rendezvous(ctx, rank: int, world_size: int, host: str, timeout: timedelta):
     client = server or dist.TCPStore(
         master["host"], master["port"], world_size, is_master=False, timeout=timeout
     )
-    return dist.PrefixStore(f"spark-estimator/{master['secret']}/", client), server
+    store = dist.PrefixStore(f"spark-estimator/{master['secret']}/", client)
+    return store, server, master["port"]
 
 
 def _first_failure(store) -> bool:

@@ -2,11 +2,15 @@
 
 While a training task runs, ``RankLog`` copies the lines the process writes to
 ``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too) and the
-records of Python ``logging`` (INFO and above, on the root logger) into a buffer. A
-background thread writes the buffer every ``CHUNK_S`` seconds (when it holds lines, and at
-the end) as a new chunk file, so it works on stores that cannot append (S3)::
+records of Python ``logging`` (INFO and above, on the root logger; counted as stderr, where
+logging writes by default) into a buffer. A background thread writes the buffer every
+``CHUNK_S`` seconds (when it holds lines, and at the end) as new chunk files, one per stream
+that has lines, so it works on stores that cannot append (S3)::
 
-    runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log
+    runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log      stdout
+    runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.err.log  stderr, logging
+
+Lines keep their order within a stream; between the streams only to the chunk.
 
 Lines leave the buffer only once written: a write that fails (a store that failed for a
 moment) is tried again at the next flush, and the last one, at the end of the task, up to
@@ -19,6 +23,7 @@ driver's ``driver/monitor.py`` reads both while the job runs.
 
 from __future__ import annotations
 
+import collections
 import io
 import logging
 import posixpath
@@ -26,25 +31,27 @@ import sys
 import threading
 import time
 
-from ...store import Store
+from ...store import LOG_SUFFIX, Store
 
 FLUSH_S = 0.5  # progress
 CHUNK_S = 2.0  # output lines: a chattier pace would mean many small files in the store
 FINAL_ATTEMPTS = 3  # writes of the last lines tried before the task ends without them
+TAIL_LINES = 20  # the last lines a RankLog keeps in memory (a failing rank's error shows them)
 _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 
 class _Tee(io.TextIOBase):
-    """A text stream that writes through to ``stream`` and hands whole lines to ``sink``."""
+    """A text stream that writes through to ``stream`` and hands whole lines to ``sink``
+    (as ``sink(name, line)``, ``name`` being "stdout" or "stderr")."""
 
-    def __init__(self, stream, sink):
-        self.stream, self.sink, self.partial = stream, sink, ""
+    def __init__(self, stream, sink, name: str):
+        self.stream, self.sink, self.name, self.partial = stream, sink, name, ""
 
     def write(self, text: str) -> int:
         self.stream.write(text)
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
-            self.sink(line)
+            self.sink(self.name, line)
         return len(text)
 
     def flush(self) -> None:
@@ -52,7 +59,7 @@ class _Tee(io.TextIOBase):
 
     def close_line(self) -> None:
         if self.partial:
-            self.sink(self.partial)
+            self.sink(self.name, self.partial)
             self.partial = ""
 
     def __getattr__(self, name):  # fileno, encoding, isatty: those of the real stream
@@ -68,21 +75,23 @@ class _Handler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             for line in self.format(record).split("\n"):
-                self.sink(line)
+                self.sink("stderr", line)
         except Exception:
             self.handleError(record)
 
 
 class OutputCapture:
     """Hands every line written to ``sys.stdout`` / ``sys.stderr`` (still written through)
-    and every root ``logging`` record at INFO and above to ``sink``, while entered."""
+    and every root ``logging`` record at INFO and above to ``sink(stream, line)``, while
+    entered (``stream``: "stdout", or "stderr" for stderr and logging)."""
 
     def __init__(self, sink):
         self.sink = sink
 
     def __enter__(self) -> OutputCapture:
         self.stdout, self.stderr = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = _Tee(sys.stdout, self.sink), _Tee(sys.stderr, self.sink)
+        sys.stdout = _Tee(sys.stdout, self.sink, "stdout")
+        sys.stderr = _Tee(sys.stderr, self.sink, "stderr")
         root = logging.getLogger()
         self.handler, self.root_level = _Handler(self.sink), root.level
         root.addHandler(self.handler)
@@ -109,16 +118,18 @@ class RankLog:
         self.prefix = posixpath.join(run.rank_logs(rank), f"{launch_id}-{attempt:012d}-")
         self.progress_file = run.progress
         self.launch_id = launch_id
-        self.lines: list[str] = []
+        self.lines: list[tuple[str, str]] = []  # (stream, line), not yet written
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.seq, self.chunk_written = 0, time.monotonic()
         self.lock = threading.Lock()
         self.progress: dict | None = None
         self.progress_written: dict | None = None
         self.stop = threading.Event()
 
-    def add_line(self, line: str) -> None:
+    def add_line(self, stream: str, line: str) -> None:
         with self.lock:
-            self.lines.append(line)
+            self.lines.append((stream, line))
+            self.tail.append(line)
 
     def report(self, **progress) -> None:
         """Rank 0's progress (JSON values), written at the next flush."""
@@ -129,19 +140,25 @@ class RankLog:
     def flush(self, final: bool = False) -> None:
         """Write new progress; new lines too at the end or after ``CHUNK_S`` seconds.
 
-        Lines leave the buffer only once their chunk is written: after a failed write the
-        next flush writes them again (under the same chunk name), with any newer lines."""
+        Each stream's lines leave the buffer only once their chunk is written: after a failed
+        write the next flush writes them again (under the same chunk name), with any newer
+        lines. Chunk numbers rise with every file written, so their names sort in writing
+        order."""
         chunk_due = final or time.monotonic() - self.chunk_written >= CHUNK_S
         with self.lock:
             lines = list(self.lines) if chunk_due else []
             progress = self.progress
-        if lines:
-            text = "".join(line + "\n" for line in lines)
-            self.store.write_bytes(f"{self.prefix}{self.seq + 1:06d}.log", text.encode())
-            self.seq += 1
-            self.chunk_written = time.monotonic()
-            with self.lock:
-                del self.lines[: len(lines)]
+        taken = len(lines)  # the buffer's first lines, those of this chunk
+        for stream, suffix in LOG_SUFFIX.items():
+            text = "".join(line + "\n" for s, line in lines if s == stream)
+            if text:
+                self.store.write_bytes(f"{self.prefix}{self.seq + 1:06d}{suffix}", text.encode())
+                self.seq += 1
+                self.chunk_written = time.monotonic()
+                with self.lock:  # this stream's lines of the chunk leave the buffer
+                    kept = [e for e in self.lines[:taken] if e[0] != stream]
+                    self.lines[:taken] = kept
+                    taken = len(kept)
         if progress is not None and progress != self.progress_written:
             self.store.write_json(self.progress_file, progress)
             self.progress_written = progress

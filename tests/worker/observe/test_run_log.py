@@ -1,4 +1,5 @@
-"""RankLog: a rank's prints, stderr and logging records reach chunk files in the store."""
+"""RankLog: a rank's prints, stderr and logging records reach chunk files in the store,
+stdout apart from stderr and logging."""
 
 import logging
 import sys
@@ -23,8 +24,10 @@ def test_prints_stderr_and_logging_are_captured_in_order_and_still_written_throu
         logging.getLogger("user.code").debug("below INFO: not captured")
     paths = chunks(store, "r", 1)
     assert paths and all(p.split("/")[-1].startswith("launch-000000000000-") for p in paths)
-    text = "".join(store.read_bytes(p).decode() for p in paths)
-    assert text == "first line\na warning\nINFO user.code: logged 3\nwithout end\n"
+    out = "".join(store.read_bytes(p).decode() for p in paths if not p.endswith(".err.log"))
+    err = "".join(store.read_bytes(p).decode() for p in paths if p.endswith(".err.log"))
+    assert out == "first line\n"  # each stream in its own chunks, in order
+    assert err == "a warning\nINFO user.code: logged 3\nwithout end\n"
     out, err = capsys.readouterr()  # the executor's own log still gets everything
     assert out == "first line\n" and err == "a warning\nwithout end"
     assert logging.getLogger().level == logging.WARNING  # restored

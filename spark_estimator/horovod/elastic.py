@@ -1,0 +1,230 @@
+"""``hvd.elastic``: training state that survives a lost rank, committed to the run's store.
+
+    state = hvd.elastic.TorchState(model, optimizer, epoch=1, batch=0)
+    state.register_reset_callbacks([on_reset])
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs + 1):
+            ...
+            state.commit()
+
+    train(state)
+
+``state.commit()`` keeps a copy of the state in memory and, in a task of ``run`` (or of
+the launcher), rank 0 writes it to ``runs/<run_id>/elastic/commit.pt`` of the run's store,
+atomically. When a rank or its executor is lost, ``run`` starts the job again (at most
+``max_restarts`` times, only for launches that entered ``hvd.elastic.run``: rank 0 marks
+that in ``runs/<run_id>/elastic/launches/``); ``hvd.elastic.run`` then loads the last
+commit on rank 0, broadcasts it to every rank and calls the reset callbacks, so a failure
+repeats at most the work since the last commit. Outside any task (``python train.py``)
+commits stay in memory.
+
+The processes of a Spark barrier job are fixed while it runs: a lost one fails the job,
+and the next launch has the same size. ``check_host_updates()`` compares the job's size
+with the one the state was synchronised in; it cannot differ within a launch today, so it
+never interrupts. Reset callbacks run after a restart from a commit.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..worker.comm import rendezvous
+from ..worker.run_task import current_run
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The job's processes changed since the state was synchronised (see the module)."""
+
+
+def _rank_info() -> rendezvous.RankInfo:
+    if not dist.is_initialized():
+        rendezvous.init_default_group()
+    return rendezvous.current_rank_info()
+
+
+def _broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_rank_info().device)
+    return box[0]
+
+
+class State:
+    """State that is committed, restored and synchronised across ranks; subclasses say
+    what it holds (``save``, ``restore``, ``sync``, ``state_dict``, ``load_state_dict``)."""
+
+    def __init__(self):
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self._world_size: int | None = None
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Functions (no arguments) called after the state was reset to a commit of an
+        earlier launch, in the order registered."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state in memory and (rank 0, in a ``run`` task) in the run's store,
+        atomically; then ``check_host_updates()``."""
+        self.save()
+        spec = current_run()
+        if spec is not None and _rank_info().rank == 0:
+            buf = io.BytesIO()
+            torch.save(self.state_dict(), buf)
+            with spec.store.open_atomic(spec.store.run(spec.run_id).commit) as f:
+                f.write(buf.getvalue())
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` when the job's size differs from the one at the
+        last ``sync()`` (it cannot change within a launch today: see the module)."""
+        size = _rank_info().world_size
+        if self._world_size is not None and size != self._world_size:
+            raise HostsUpdatedInterrupt(f"{self._world_size} processes became {size}")
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's; then save it in memory."""
+        self._world_size = _rank_info().world_size
+        self._sync()
+        self.save()
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def restore(self) -> None:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, saved: dict) -> None:
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State of picklable attributes, read and written as ``state.<name>``."""
+
+    def __init__(self, **attributes):
+        super().__init__()
+        self._names = list(attributes)
+        self.__dict__.update(attributes)
+        self._saved = copy.deepcopy(attributes)
+
+    def _attributes(self) -> dict:
+        return {name: getattr(self, name) for name in self._names}
+
+    def save(self) -> None:
+        """Keep a copy of the attributes in memory (what ``restore()`` returns to)."""
+        self._saved = copy.deepcopy(self._attributes())
+
+    def restore(self) -> None:
+        """Put the attributes back as they were at the last ``save()`` / ``commit()``."""
+        self.__dict__.update(copy.deepcopy(self._saved))
+
+    def _sync(self) -> None:
+        self.__dict__.update(_broadcast_object(self._attributes()))
+
+    def state_dict(self) -> dict:
+        return {"attributes": self._saved}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self._saved = saved["attributes"]
+        self.restore()
+
+
+class TorchState(ObjectState):
+    """The state of a ``model`` and an ``optimizer`` (either may be None) with any
+    picklable attributes (``TorchState(model, optimizer, epoch=1, batch=0)``)."""
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer=None, **attributes):
+        self.model, self.optimizer = model, optimizer
+        self._saved_model = self._saved_optimizer = None
+        super().__init__(**attributes)
+        self.save()
+
+    def save(self) -> None:
+        super().save()
+        if self.model is not None:
+            self._saved_model = copy.deepcopy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
+
+    def restore(self) -> None:
+        super().restore()
+        if self.model is not None:
+            self.model.load_state_dict(self._saved_model)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._saved_optimizer)
+
+    def _sync(self) -> None:
+        super()._sync()
+        if self.model is not None:
+            with torch.no_grad():
+                for tensor in self.model.state_dict().values():
+                    work = tensor.to(_rank_info().device)
+                    dist.broadcast(work, src=0)
+                    tensor.copy_(work)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(_broadcast_object(self.optimizer.state_dict()))
+
+    def state_dict(self) -> dict:
+        return {
+            **super().state_dict(),
+            "model": self._saved_model,
+            "optimizer": self._saved_optimizer,
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        self._saved_model, self._saved_optimizer = saved["model"], saved["optimizer"]
+        super().load_state_dict(saved)
+
+
+def _restore_commit(state: State) -> bool:
+    """Load the run's last commit into ``state`` on rank 0; whether there was one (on
+    every rank)."""
+    spec = current_run()
+    saved = None
+    if spec is not None and _rank_info().rank == 0:
+        run = spec.store.run(spec.run_id)
+        spec.store.write_bytes(run.elastic_launch(spec.launch_id), b"")
+        if spec.store.exists(run.commit):
+            data = spec.store.read_bytes(run.commit)
+            saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            state.load_state_dict(saved)
+    return bool(_broadcast_object(saved is not None))
+
+
+def run(func: Callable) -> Callable:
+    """Decorate ``func(state, *args, **kwargs)``: before it runs, every rank's ``state``
+    becomes the run's last commit (then the reset callbacks are called) or, without one,
+    rank 0's state. A ``HostsUpdatedInterrupt`` resynchronises and calls it again."""
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args, **kwargs):
+        if _restore_commit(state):
+            state.sync()
+            state.on_reset()
+        else:
+            state.sync()
+        while True:
+            try:
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt:
+                state.sync()
+                state.on_reset()
+
+    return wrapper

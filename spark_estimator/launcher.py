@@ -1,0 +1,137 @@
+"""``spark-estimator-run``: run a training script on N barrier tasks of a Spark job.
+
+    spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
+        [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
+        [--start-timeout S] train.py [script args ...]
+
+(also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
+``--master`` (default ``local[<np>]``: this machine, one core per rank) and every
+``--conf``, runs the script with ``spark_estimator.run`` in script mode (docs/horovod.md),
+and prints each rank's lines as they arrive, ``[rank <r>] <line>``: the ranks' stdout on
+its stdout, their stderr and logging on its stderr. It exits 0 when every rank finished;
+1 when a rank failed, with that rank's error and traceback on stderr; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .runner import MAX_RESTARTS, run
+from .shared.failures import TrainingError
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    return key, value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="spark-estimator-run",
+        description="Run a (Horovod or torchrun style) training script on Spark barrier tasks.",
+    )
+    p.add_argument(
+        "-np",
+        "--num-proc",
+        dest="num_proc",
+        type=int,
+        required=True,
+        help="number of training processes (ranks)",
+    )
+    p.add_argument("--master", help="Spark master URL (default: local[<np>])")
+    p.add_argument(
+        "--conf",
+        type=_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Spark configuration entry (repeatable)",
+    )
+    p.add_argument(
+        "--store",
+        help="store URL for the run's folder: output, commits "
+        "(default: a temporary local folder; a multi-host cluster needs a shared one)",
+    )
+    p.add_argument("--run-id", help="the run's folder in the store (default: a new one)")
+    p.add_argument(
+        "--env",
+        type=_pair,
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="an environment variable set on every rank (repeatable)",
+    )
+    p.add_argument(
+        "--verbose",
+        type=int,
+        default=1,
+        help="0 quiet, 1 the ranks' output (default), 2 also where each rank runs",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        help="restarts of an hvd.elastic script after a lost rank",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        help="seconds to wait for the cluster's task slots",
+    )
+    p.add_argument(
+        "--no-gpu",
+        dest="use_gpu",
+        action="store_false",
+        help="train on CPU even where Spark assigns GPUs",
+    )
+    p.add_argument("script", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser().parse_args(argv)
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(f"spark-estimator-run {options.script}")
+    builder = builder.master(options.master or f"local[{max(1, options.num_proc)}]")
+    for key, value in options.conf:
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}
+    try:
+        run(
+            options.script,
+            args=options.args,
+            num_proc=options.num_proc,
+            use_gpu=options.use_gpu,
+            spark=spark,
+            env=dict(options.env),
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+            verbose=options.verbose,
+            store=options.store,
+            run_id=options.run_id,
+            max_restarts=options.max_restarts,
+            **timeout,
+        )
+    except TrainingError as e:
+        print(f"spark-estimator-run: rank {e.rank} failed: {e}", file=sys.stderr)
+        return 1
+    except (TypeError, ValueError, FileNotFoundError) as e:  # run()'s checks, before any job
+        print(f"spark-estimator-run: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the job failed otherwise (e.g. a lost rank, restarts spent)
+        print(f"spark-estimator-run: the job failed: {e}", file=sys.stderr)
+        return 1
+    finally:
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""hvd.elastic: commits in the run's store; a killed rank restarts the job from the last
+commit (real Spark tasks, a real process killed); a user's exception fails at once."""
+
+import io
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from spark_estimator import Store, TrainingError, run
+from spark_estimator.horovod import elastic
+from tests.test_runner import Recorder
+
+ELASTIC_SCRIPT = """
+import os, sys, time
+import torch
+import torch.distributed as dist
+from spark_estimator.horovod import elastic
+from spark_estimator.worker.comm.rendezvous import init_default_group
+
+init_default_group()
+rank, size = dist.get_rank(), dist.get_world_size()
+wait_after_epoch, fail_at_epoch = int(sys.argv[1]), int(sys.argv[2])
+model = torch.nn.Linear(1, 1, bias=False)
+torch.nn.init.zeros_(model.weight)
+optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+state = elastic.TorchState(model, optimizer, epoch=1, batch=0)
+state.register_reset_callbacks([lambda: print(f"reset at epoch {state.epoch}")])
+
+
+@elastic.run
+def train(state):
+    while state.epoch <= 4:
+        optimizer.zero_grad()
+        (-model.weight.sum()).backward()  # every step adds 1 to the weight
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= size
+        optimizer.step()
+        print(f"epoch {state.epoch} weight {model.weight.item():g}")
+        if rank == 1 and state.epoch == fail_at_epoch:
+            raise ValueError("a bug at epoch 2")
+        state.epoch += 1
+        state.commit()
+        if rank == 1 and state.epoch == wait_after_epoch + 1:
+            for _ in range(3000):  # the test kills this process here, once
+                time.sleep(0.1)
+            sys.exit("not killed")
+
+
+train(state)
+print(f"done: epoch {state.epoch} weight {model.weight.item():g}")
+"""
+
+
+def commit_epoch(store: Store, run_id: str) -> int:
+    path = store.run(run_id).commit
+    if not store.exists(path):
+        return 0
+    data = io.BytesIO(store.read_bytes(path))
+    saved = torch.load(data, map_location="cpu", weights_only=False)
+    return saved["attributes"]["epoch"]
+
+
+def kill_rank_after_commit(store: Store, run_id: str, rank: int, epoch: int, killed: list):
+    """Kill ``rank``'s process (its pid from the run's record) once the commit that
+    starts ``epoch`` is in the store."""
+    deadline = time.monotonic() + 300
+    record_path = store.run(run_id).process(rank)
+    while time.monotonic() < deadline:
+        if commit_epoch(store, run_id) >= epoch and store.exists(record_path):
+            pid = store.read_json(record_path)["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return
+        time.sleep(0.1)
+
+
+def test_a_killed_rank_restarts_the_job_from_the_last_commit(spark, store, tmp_path):
+    script = tmp_path / "elastic_train.py"
+    script.write_text(ELASTIC_SCRIPT)
+    killed: list[int] = []
+    killer = threading.Thread(
+        target=kill_rank_after_commit, args=(store, "elastic", 1, 3, killed), daemon=True
+    )
+    killer.start()
+    out = Recorder()
+    run(
+        str(script), args=["2", "0"], num_proc=2, use_gpu=False, spark=spark, stdout=out,
+        store=store, run_id="elastic", verbose=0,
+    )  # fmt: skip
+    killer.join()
+    assert len(killed) == 1
+    rank0 = [line for line in out.lines if line.startswith("[rank 0]")]
+    assert rank0 == [
+        "[rank 0] epoch 1 weight 1",
+        "[rank 0] epoch 2 weight 2",  # committed: epoch 3 is next, the weight 2
+        "[rank 0] reset at epoch 3",  # the new launch restored the commit, then the callbacks
+        "[rank 0] epoch 3 weight 3",
+        "[rank 0] epoch 4 weight 4",
+        "[rank 0] done: epoch 5 weight 4",
+    ]
+    assert "[rank 1] reset at epoch 3" in out.lines
+    assert "[rank 1] done: epoch 5 weight 4" in out.lines
+    launches = store.fs.ls(store.run("elastic").elastic + "/launches", detail=False)
+    assert len(launches) == 2
+    assert commit_epoch(store, "elastic") == 5
+
+
+def test_an_exception_under_elastic_fails_at_once(spark, store, tmp_path):
+    script = tmp_path / "elastic_bug.py"
+    script.write_text(ELASTIC_SCRIPT)
+    with pytest.raises(TrainingError, match="a bug at epoch 2") as failure:
+        run(
+            str(script), args=["0", "2"], num_proc=2, use_gpu=False, spark=spark,
+            store=store, run_id="bug", verbose=0,
+        )  # fmt: skip
+    assert failure.value.rank == 1
+    assert len(store.fs.ls(store.run("bug").elastic + "/launches", detail=False)) == 1
+
+
+def test_a_lost_rank_of_a_run_that_is_not_elastic_fails_at_once(spark, store, tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import os, signal, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "dist.barrier()\n"
+    )
+    with pytest.raises(Exception) as failure:
+        run(str(script), num_proc=2, use_gpu=False, spark=spark, store=store, run_id="p")
+    assert not isinstance(failure.value, TrainingError)
+    assert not store.exists(store.run("p").elastic)
+
+
+@pytest.fixture
+def group_of_one(monkeypatch):
+    """The one-process group init_default_group forms outside any task, torn down after."""
+    import torch.distributed as dist
+
+    from spark_estimator.worker.comm import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_current", None)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_state_commit_restore_and_sync_on_one_process(group_of_one):
+    """Outside any task: a group of one (rank 0 of 1), commits in memory."""
+    from spark_estimator.worker.comm.rendezvous import current_rank_info
+
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.TorchState(model, optimizer, epoch=1, batch=0)
+    state.sync()
+    assert (current_rank_info().rank, current_rank_info().world_size) == (0, 1)
+    state.epoch, state.batch = 3, 7
+    with torch.no_grad():
+        model.weight.fill_(5.0)
+    state.commit()
+    state.epoch = 4
+    with torch.no_grad():
+        model.weight.fill_(-1.0)
+    state.restore()
+    assert (state.epoch, state.batch) == (3, 7)
+    assert torch.equal(model.weight, torch.full((1, 2), 5.0))
+    objects = elastic.ObjectState(step=1)
+    objects.step = 2
+    objects.restore()
+    assert objects.step == 1
+    calls = []
+    state.register_reset_callbacks([lambda: calls.append("reset")])
+    state.on_reset()
+    assert calls == ["reset"]

@@ -1,0 +1,71 @@
+"""spark-estimator-run (python -m spark_estimator.launcher): a script on N Spark tasks, its
+ranks' output on the terminal by rank and stream, the exit code."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from spark_estimator.worker.comm.rendezvous import init_default_group
+
+init_default_group()
+total = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(total)
+print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "sum", total.item(), sys.argv[1:])
+print("setting", os.environ.get("MY_SETTING"), file=sys.stderr)
+if dist.get_rank() == 1 and "--fail" in sys.argv:
+    raise ValueError("boom on rank 1")
+"""
+
+
+def launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "spark_estimator.launcher", *args]
+    command = [str(script) if a == "train.py" else a for a in command]
+    return subprocess.run(
+        command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_launcher_runs_a_script_and_shows_each_ranks_lines_by_stream(tmp_path):
+    done = launch(
+        tmp_path, "-np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false",
+        "--env", "MY_SETTING=on", "--verbose", "2", "--no-gpu", "train.py", "--lr", "0.1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.splitlines()
+    assert "[rank 0] rank 0 of 2 sum 1.0 ['--lr', '0.1']" in out
+    assert "[rank 1] rank 1 of 2 sum 1.0 ['--lr', '0.1']" in out
+    err = done.stderr.splitlines()
+    assert "[rank 0] setting on" in err and "[rank 1] setting on" in err
+    assert any(line.startswith("[rank 1] spark-estimator: rank 1 of 2 on ") for line in err)
+
+
+def test_a_failing_rank_makes_the_launcher_exit_non_zero_with_its_traceback(tmp_path):
+    done = launch(tmp_path, "-np", "2", "--master", "local[2]", "train.py", "--fail")
+    assert done.returncode == 1
+    assert "spark-estimator-run: rank 1 failed: ValueError: boom on rank 1" in done.stderr
+    assert "Traceback (most recent call last)" in done.stderr
+    assert 'train.py", line 13' in done.stderr
+
+
+def test_bad_arguments_exit_2_before_any_spark(tmp_path):
+    done = launch(tmp_path, "--master", "local[2]", "train.py")  # no -np
+    assert done.returncode == 2 and "-np" in done.stderr
+    assert "SparkContext" not in done.stderr
+
+
+def test_setup_declares_the_console_script():
+    from spark_estimator.launcher import main
+
+    setup = (ROOT / "setup.py").read_text()
+    assert '"spark-estimator-run = spark_estimator.launcher:main"' in setup
+    assert callable(main)
