@@ -15,6 +15,7 @@ its stdout, their stderr and logging on its stderr. It exits 0 when every rank f
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .runner import MAX_RESTARTS, run
@@ -93,13 +94,24 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _defaults(master: str, conf: dict[str, str]) -> dict[str, str]:
+    """``conf`` with the launcher's defaults where it says nothing: no console progress bar
+    (its lines would break the ranks'). On this machine's masters (``local``,
+    ``local-cluster``) the tasks run this launcher's Python, which has spark-estimator and
+    torch, unless ``PYSPARK_PYTHON`` names another; on a cluster, executors use the
+    ``PYSPARK_PYTHON`` given to them."""
+    if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
+        os.environ["PYSPARK_PYTHON"] = sys.executable  # read by pyspark's SparkContext
+    return {"spark.ui.showConsoleProgress": "false", **conf}
+
+
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     from pyspark.sql import SparkSession
 
-    builder = SparkSession.builder.appName(f"spark-estimator-run {options.script}")
-    builder = builder.master(options.master or f"local[{max(1, options.num_proc)}]")
-    for key, value in options.conf:
+    master = options.master or f"local[{max(1, options.num_proc)}]"
+    builder = SparkSession.builder.appName(f"spark-estimator-run {options.script}").master(master)
+    for key, value in _defaults(master, dict(options.conf)).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}

@@ -29,7 +29,7 @@ import cloudpickle
 import torch
 from pyspark.sql import SparkSession
 
-from .driver.launch import SLOT_WAIT_S, available_slots, run_barrier_job
+from .driver.launch import SLOT_WAIT_S, available_slots, run_barrier_job, tasks_print_here
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
 from .driver.validate import check_num_proc, check_positive
 from .shared.failures import TrainingError, carried_failure, read_failure
@@ -246,6 +246,7 @@ def run(
                 run_id,
                 uuid.uuid4().hex,
                 verbose,
+                not tasks_print_here(spark),
             )
             try:
                 summaries = _launch(spark, spec, num_proc, name, show)

@@ -49,6 +49,15 @@ def _local_cores(master: str) -> int | None:
     return None
 
 
+def tasks_print_here(spark: SparkSession) -> bool:
+    """Whether the tasks' own stdout and stderr are this driver's (a ``local`` master: the
+    executor is the driver's JVM); not so on Spark Connect or any cluster."""
+    if is_connect(spark):
+        return False
+    master = spark.sparkContext.master
+    return master == "local" or master.startswith("local[")
+
+
 def master_slots(spark: SparkSession) -> int:
     """Task slots implied by the master URL and ``spark.task.cpus`` (cores / task cpus)."""
     if is_connect(spark):

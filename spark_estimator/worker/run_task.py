@@ -54,6 +54,9 @@ class RunSpec:
     run_id: str
     launch_id: str
     verbose: int
+    # the ranks' lines also go to the tasks' own stdout and stderr; not where those are
+    # the driver's terminal (local masters), which shows them from the store already
+    echo: bool
 
 
 _current: RunSpec | None = None
@@ -115,7 +118,7 @@ def run_task(spec: RunSpec) -> dict:
     def on_failure(rank: int, error: BaseException) -> None:
         record_failure(run.failure(spec.launch_id), store, rank, error)
 
-    with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
+    with RankLog(store, spec.run_id, spec.launch_id, rank, attempt, spec.echo) as log:
         try:
             _current = spec
             call = loads(spec.payload) if spec.script is None else None

@@ -220,8 +220,7 @@ def process_group(
         if init_group:
             dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
         else:
-            store.set(f"left/{rank}", "1")
-            store.wait([f"left/{r}" for r in range(world_size)], timeout)
+            _leave_together(store, rank, world_size, timeout)
     except BaseException as e:  # sys.exit() in the code too
         first = _first_failure(store)
         if first and on_failure is not None and not is_retried(e):
@@ -242,6 +241,18 @@ def process_group(
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _leave_together(store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """Wait, through the store, until every rank has finished its script. Rank 0, whose
+    process serves the store, waits too until every other rank is done waiting: a server
+    that stops while a rank still waits on it fails that rank ("Failed to recv")."""
+    store.set(f"left/{rank}", "1")
+    store.wait([f"left/{r}" for r in range(world_size)], timeout)
+    if rank == 0:
+        store.wait([f"gone/{r}" for r in range(1, world_size)], timeout)
+    else:
+        store.set(f"gone/{rank}", "1")
 
 
 def _backend(device: torch.device) -> str:

@@ -41,14 +41,16 @@ _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 
 class _Tee(io.TextIOBase):
-    """A text stream that writes through to ``stream`` and hands whole lines to ``sink``
-    (as ``sink(name, line)``, ``name`` being "stdout" or "stderr")."""
+    """A text stream that writes through to ``stream`` (with ``echo``) and hands whole
+    lines to ``sink`` (as ``sink(name, line)``, ``name`` being "stdout" or "stderr")."""
 
-    def __init__(self, stream, sink, name: str):
+    def __init__(self, stream, sink, name: str, echo: bool = True):
         self.stream, self.sink, self.name, self.partial = stream, sink, name, ""
+        self.echo = echo
 
     def write(self, text: str) -> int:
-        self.stream.write(text)
+        if self.echo:
+            self.stream.write(text)
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
             self.sink(self.name, line)
@@ -81,17 +83,18 @@ class _Handler(logging.Handler):
 
 
 class OutputCapture:
-    """Hands every line written to ``sys.stdout`` / ``sys.stderr`` (still written through)
-    and every root ``logging`` record at INFO and above to ``sink(stream, line)``, while
-    entered (``stream``: "stdout", or "stderr" for stderr and logging)."""
+    """Hands every line written to ``sys.stdout`` / ``sys.stderr`` (still written through,
+    unless not ``echo``) and every root ``logging`` record at INFO and above to
+    ``sink(stream, line)``, while entered (``stream``: "stdout", or "stderr" for stderr and
+    logging)."""
 
-    def __init__(self, sink):
-        self.sink = sink
+    def __init__(self, sink, echo: bool = True):
+        self.sink, self.echo = sink, echo
 
     def __enter__(self) -> OutputCapture:
         self.stdout, self.stderr = sys.stdout, sys.stderr
-        sys.stdout = _Tee(sys.stdout, self.sink, "stdout")
-        sys.stderr = _Tee(sys.stderr, self.sink, "stderr")
+        sys.stdout = _Tee(sys.stdout, self.sink, "stdout", self.echo)
+        sys.stderr = _Tee(sys.stderr, self.sink, "stderr", self.echo)
         root = logging.getLogger()
         self.handler, self.root_level = _Handler(self.sink), root.level
         root.addHandler(self.handler)
@@ -112,8 +115,18 @@ class OutputCapture:
 class RankLog:
     """Capture this rank's output and progress for the driver (a context manager)."""
 
-    def __init__(self, store: Store, run_id: str, launch_id: str, rank: int, attempt: int):
-        self.store, self.rank = store, rank
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        launch_id: str,
+        rank: int,
+        attempt: int,
+        echo: bool = True,
+    ):
+        """``echo``: the lines are also written to the task's own stdout and stderr (the
+        executor's log), as without a RankLog."""
+        self.store, self.rank, self.echo = store, rank, echo
         run = store.run(run_id)
         self.prefix = posixpath.join(run.rank_logs(rank), f"{launch_id}-{attempt:012d}-")
         self.progress_file = run.progress
@@ -171,7 +184,7 @@ class RankLog:
                 _report_unwritten(e)
 
     def __enter__(self) -> RankLog:
-        self.capture = OutputCapture(self.add_line).__enter__()
+        self.capture = OutputCapture(self.add_line, self.echo).__enter__()
         self.thread = threading.Thread(target=self._flush_loop, name="rank-log", daemon=True)
         self.thread.start()
         return self
