@@ -224,6 +224,33 @@ def test_two_label_columns_with_two_model_outputs(spark, store):
     assert dict(out.dtypes)["prediction_1"] == "array<float>"
 
 
+def test_a_one_hot_vector_label_column_trains_and_the_model_transforms(spark, store):
+    from pyspark.ml.feature import OneHotEncoder
+
+    digits = spark.createDataFrame(digits_rows(400), ["features", "label"])
+    encoder = OneHotEncoder(inputCols=["label"], outputCols=["one_hot"], dropLast=False)
+    df = encoder.fit(digits).transform(digits)  # one_hot: a 10-wide sparse ML Vector
+    net = torch.nn.Sequential(torch.nn.Linear(64, 10))
+    est = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=0.05),
+        loss=torch.nn.CrossEntropyLoss(),  # class probabilities as the target
+        feature_cols=["features"],
+        label_cols=["one_hot"],
+        batch_size=32,
+        epochs=4,
+        num_proc=2,
+        store=store,
+        use_gpu=False,
+    )
+    model = est.fit(df)
+    history = model.getHistory()
+    assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2
+    out = model.transform(df).select("label", "prediction").toPandas()
+    predicted = [max(range(10), key=row.__getitem__) for row in out["prediction"]]
+    assert sum(p == y for p, y in zip(predicted, out["label"])) / len(out) >= 0.9
+
+
 def mean_loss(output, label):
     return ((output.view(-1) - label) ** 2).mean()
 
