@@ -70,7 +70,9 @@ def test_the_fits_first_log_line_states_each_ranks_learning_rate_and_why(df, sto
     caplog.set_level(logging.INFO, logger="spark_estimator")
     net = linear_net()
     groups = [{"params": [net.weight]}, {"params": [net.bias], "lr": 0.01}]
-    fit(df, store, net=net, optimizer=torch.optim.SGD(groups, lr=0.1), lr_scaling="linear", epochs=1)
+    fit(
+        df, store, net=net, optimizer=torch.optim.SGD(groups, lr=0.1), lr_scaling="linear", epochs=1
+    )
     assert first_log_line(caplog) == (
         "learning rates [0.2, 0.02] on each of 2 ranks: the optimizer's [0.1, 0.01] x 2 "
         "(lr_scaling='linear', as Horovod's estimator)"
