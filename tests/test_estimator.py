@@ -167,6 +167,21 @@ def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, st
     assert worst < 0.1
 
 
+def test_a_finished_run_id_is_refused_with_how_to_warm_start_and_that_recipe_works(
+    regression_df, store, tmp_path
+):
+    first = make_estimator(linear_net(), store, run_id="first", epochs=2).fit(regression_df)
+    with pytest.raises(ValueError, match="run_id: run 'first' already finished") as e:
+        make_estimator(linear_net(), store, run_id="first").fit(regression_df)
+    hint = "model.load_state_dict(TorchModel.load(path).getModel().state_dict())"
+    assert "a new run_id" in str(e.value) and hint in str(e.value)
+    first.save(str(tmp_path / "first"))
+    warm = linear_net()
+    warm.load_state_dict(TorchModel.load(str(tmp_path / "first")).getModel().state_dict())
+    resumed = make_estimator(warm, store, run_id="warm", epochs=1).fit(regression_df)
+    assert resumed.getHistory()[0]["train"]["loss"] < first.getHistory()[1]["train"]["loss"]
+
+
 def test_same_seed_same_weights_other_seed_other_weights(regression_df, store):
     def weights(seed):
         model = make_estimator(linear_net(), store, random_seed=seed, validation=0.2).fit(

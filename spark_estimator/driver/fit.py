@@ -399,7 +399,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             return
         if store.exists(store.run(run_id).result):
             raise ValueError(
-                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
+                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id. "
+                "To warm-start from its weights (Horovod's estimator goes on from a finished "
+                "run's checkpoint), fit with a new run_id and a model that holds them: "
+                "model.load_state_dict(TorchModel.load(path).getModel().state_dict()) with "
+                "the fitted model you saved (or getModel() of the one fit returned), and an "
+                "optimizer built on that model"
             )
         run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
 
