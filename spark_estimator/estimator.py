@@ -127,6 +127,13 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             bundle=bundle,
             loop=loop,
             manifest=self._manifest(num_proc, objects["optimizer"]),
+            first_log=validate_training.learning_rate_note(
+                objects["optimizer"],
+                self.getLearningRate(),
+                loop.lr_scaling,
+                num_proc,
+                scheduler=objects["lr_scheduler"] is not None,
+            ),
             check_callbacks=check_callbacks,
             probe_loss=functools.partial(
                 loss_probe.check_loss,

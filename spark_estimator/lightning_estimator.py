@@ -76,6 +76,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
         validation_steps_per_epoch=None,
         transformation_fn=None,
         keep_checkpoints=None,
+        terminate_on_nan=True,
         collective_timeout=COLLECTIVE_TIMEOUT_S,
         verbose=True,
         mlflow_logging=False,
@@ -88,7 +89,9 @@ class LightningEstimator(StoreEstimator, LightningParams):
         pl = validate_lightning.check_module(model)
         validate_lightning.check_callbacks(pl, callbacks)
         trainer_args = validate_lightning.check_trainer_args(pl, self.getTrainerArgs())
-        bundle = validate_lightning.lightning_bundle(model, callbacks, trainer_args)
+        bundle = validate_lightning.lightning_bundle(
+            model, callbacks, trainer_args, self.getTerminateOnNan()
+        )
         fields = {
             **self._run_fields(num_proc),
             "accumulate_grad_batches": trainer_args.get("accumulate_grad_batches", 1),

@@ -167,6 +167,21 @@ def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, st
     assert worst < 0.1
 
 
+def test_a_finished_run_id_is_refused_with_how_to_warm_start_and_that_recipe_works(
+    regression_df, store, tmp_path
+):
+    first = make_estimator(linear_net(), store, run_id="first", epochs=2).fit(regression_df)
+    with pytest.raises(ValueError, match="run_id: run 'first' already finished") as e:
+        make_estimator(linear_net(), store, run_id="first").fit(regression_df)
+    hint = "model.load_state_dict(TorchModel.load(path).getModel().state_dict())"
+    assert "a new run_id" in str(e.value) and hint in str(e.value)
+    first.save(str(tmp_path / "first"))
+    warm = linear_net()
+    warm.load_state_dict(TorchModel.load(str(tmp_path / "first")).getModel().state_dict())
+    resumed = make_estimator(warm, store, run_id="warm", epochs=1).fit(regression_df)
+    assert resumed.getHistory()[0]["train"]["loss"] < first.getHistory()[1]["train"]["loss"]
+
+
 def test_same_seed_same_weights_other_seed_other_weights(regression_df, store):
     def weights(seed):
         model = make_estimator(linear_net(), store, random_seed=seed, validation=0.2).fit(
@@ -222,6 +237,33 @@ def test_two_label_columns_with_two_model_outputs(spark, store):
     out = model.transform(df)
     assert dict(out.dtypes)["prediction_0"] == "double"
     assert dict(out.dtypes)["prediction_1"] == "array<float>"
+
+
+def test_a_one_hot_vector_label_column_trains_and_the_model_transforms(spark, store):
+    from pyspark.ml.feature import OneHotEncoder
+
+    digits = spark.createDataFrame(digits_rows(400), ["features", "label"])
+    encoder = OneHotEncoder(inputCols=["label"], outputCols=["one_hot"], dropLast=False)
+    df = encoder.fit(digits).transform(digits)  # one_hot: a 10-wide sparse ML Vector
+    net = torch.nn.Sequential(torch.nn.Linear(64, 10))
+    est = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=0.05),
+        loss=torch.nn.CrossEntropyLoss(),  # class probabilities as the target
+        feature_cols=["features"],
+        label_cols=["one_hot"],
+        batch_size=32,
+        epochs=4,
+        num_proc=2,
+        store=store,
+        use_gpu=False,
+    )
+    model = est.fit(df)
+    history = model.getHistory()
+    assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2
+    out = model.transform(df).select("label", "prediction").toPandas()
+    predicted = [max(range(10), key=row.__getitem__) for row in out["prediction"]]
+    assert sum(p == y for p, y in zip(predicted, out["label"])) / len(out) >= 0.9
 
 
 def mean_loss(output, label):

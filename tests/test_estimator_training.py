@@ -4,6 +4,7 @@ Every test compares against a run or a value that would differ if the parameter 
 ignored. The fits share one store, so the Parquet of each DataFrame is written once.
 """
 
+import logging
 import math
 import shutil
 import time
@@ -64,6 +65,29 @@ def test_linear_lr_scaling_multiplies_learning_rates_by_the_process_count(df, st
     assert summary["base_learning_rates"] == [0.05] and summary["learning_rates"] == [0.1]
     assert [h["lr"] for h in scaled.getHistory()] == [[0.1]] * 3
     assert plain.getTrainingSummary()["lr_scaling"] == "none"
+
+
+def first_log_line(caplog) -> str:
+    return next(r.getMessage() for r in caplog.records if r.name.startswith("spark_estimator"))
+
+
+def test_the_fits_first_log_line_states_each_ranks_learning_rate_and_why(df, store, caplog):
+    caplog.set_level(logging.INFO, logger="spark_estimator")
+    net = linear_net()
+    groups = [{"params": [net.weight]}, {"params": [net.bias], "lr": 0.01}]
+    fit(
+        df, store, net=net, optimizer=torch.optim.SGD(groups, lr=0.1), lr_scaling="linear", epochs=1
+    )
+    assert first_log_line(caplog) == (
+        "learning rates [0.2, 0.02] on each of 2 ranks: the optimizer's [0.1, 0.01] x 2 "
+        "(lr_scaling='linear', as Horovod's estimator)"
+    )
+    caplog.clear()
+    fit(df, store, learning_rate=0.05, epochs=1)
+    assert first_log_line(caplog) == (
+        "learning rate 0.05 on each of 2 ranks: learning_rate's 0.05 as given "
+        "(lr_scaling='none'; Horovod's estimator would use 0.1: set lr_scaling='linear')"
+    )
 
 
 def test_accumulating_k_batches_equals_one_batch_k_times_bigger(df, store):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -355,3 +356,44 @@ def test_a_float64_fit_gives_a_model_that_transforms_float64_inputs(digits, tmp_
     x = torch.tensor([r.features.toArray() for r in rows], dtype=torch.float64)
     expected = loaded.getModel()(x.reshape(-1, 1, 8, 8)).float().tolist()
     assert [r.prediction for r in rows] == [pytest.approx(e, rel=1e-6) for e in expected]
+
+
+def test_the_default_logger_keeps_step_values_and_learning_rate_monitor_works(digits):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    store, train, _ = digits
+    lightning_estimator(
+        store,
+        run_id="logged",
+        epochs=2,
+        validation=None,
+        train_steps_per_epoch=5,
+        callbacks=[pl.callbacks.LearningRateMonitor(logging_interval="step")],
+        trainer_args={"log_every_n_steps": 1},
+    ).fit(train)
+    logs = EventMultiplexer().AddRunsFromDirectory(store.run("logged").lightning).Reload()
+    scalars = {tag: run for run, tags in logs.Runs().items() for tag in tags["scalars"]}
+    assert {"train_acc_step", "train_acc_epoch", "lr-Adam"} <= set(scalars)
+    steps = [e.step for e in logs.Scalars(scalars["train_acc_step"], "train_acc_step")]
+    assert steps == list(range(10))  # every step of both epochs
+    lrs = [e.value for e in logs.Scalars(scalars["lr-Adam"], "lr-Adam")]
+    assert len(lrs) == 10 and lrs[0] == pytest.approx(3e-3)
+
+
+class NanOnRank1(DigitsModule):
+    """A NaN loss on rank 1 at the third step of epoch 2 (5 steps per epoch)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        bad = self.global_rank == 1 and self.current_epoch == 1 and batch_idx == 2
+        return loss * float("nan") if bad else loss
+
+
+def test_terminate_on_nan_stops_a_lightning_fit_and_keeps_the_last_good_checkpoint(digits):
+    store, train, _ = digits
+    small = dict(model=NanOnRank1(), epochs=3, validation=None, train_steps_per_epoch=5)
+    with pytest.raises(TrainingError, match=r"terminate_on_nan: .* epoch 2, step 3 \(rank 1"):
+        lightning_estimator(store, run_id="nan-lightning", **small).fit(train)
+    assert store.checkpoint_epochs("nan-lightning") == [1]
+    model = lightning_estimator(store, terminate_on_nan=False, **small).fit(train)
+    assert math.isnan(model.getHistory()[1]["train"]["loss"])

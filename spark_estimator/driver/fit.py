@@ -51,6 +51,8 @@ class Training(NamedTuple):
     # (features, labels, sample_weight, *, row_lengths, transformation_fn) -> False when the
     # columns' shapes are not known yet (driver/loss_probe.py); None: no loss to probe
     probe_loss: Callable[..., bool] | None = None
+    # the line a fit logs first (TorchEstimator: the learning rate each rank uses, and why)
+    first_log: str | None = None
 
 
 class _Checked(NamedTuple):
@@ -158,7 +160,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         """Write ``dataset``'s selected columns to Parquet in the store (or find them there)
         and return the dataset folder, for ``fit_on_parquet``; the same as ``fit`` does first.
         """
-        checked = self._validate(dataset.sparkSession, dataset)
+        checked = self._validate(dataset.sparkSession, dataset, log_first=False)
         return self._materialize(dataset, checked).path
 
     def fit_on_parquet(self, path: str, validation_path: str | None = None, params=None):
@@ -338,8 +340,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             )
         return features, labels, sample_weight
 
-    def _validate(self, spark: SparkSession, dataset: DataFrame | None) -> _Checked:
+    def _validate(
+        self, spark: SparkSession, dataset: DataFrame | None, log_first: bool = True
+    ) -> _Checked:
         """Check every input on the driver; return what fit needs. No Spark job runs here.
+        A fit's first log line (``Training.first_log``) comes from here, unless
+        ``log_first`` is False (``materialize`` alone trains nothing).
 
         Without a DataFrame (fit_on_parquet) the columns are checked against the Parquet,
         and the callbacks once it is known whether it has validation rows.
@@ -362,6 +368,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         validate.check_num_proc(num_proc, slots)
         training = self._training(num_proc)
+        if training.first_log and log_first:
+            logger.info(training.first_log)
         if dataset is not None:
             training.check_callbacks(self.getValidation() is not None)
         self._check_run_id(store, training.manifest)
@@ -391,7 +399,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             return
         if store.exists(store.run(run_id).result):
             raise ValueError(
-                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id"
+                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id. "
+                "To warm-start from its weights (Horovod's estimator goes on from a finished "
+                "run's checkpoint), fit with a new run_id and a model that holds them: "
+                "model.load_state_dict(TorchModel.load(path).getModel().state_dict()) with "
+                "the fitted model you saved (or getModel() of the one fit returned), and an "
+                "optimizer built on that model"
             )
         run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
 

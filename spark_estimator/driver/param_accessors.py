@@ -104,6 +104,7 @@ class FitParamsAccessors(Params):
     validation_steps_per_epoch: Param[int | None]
     transformation_fn: Param[Any]
     keep_checkpoints: Param[int | None]
+    terminate_on_nan: Param[bool]
 
     def getModel(self) -> Any:
         """Gets the value of `model`: the module to train"""
@@ -457,6 +458,20 @@ class FitParamsAccessors(Params):
         """
         return self._set(keep_checkpoints=value)
 
+    def getTerminateOnNan(self) -> bool:
+        """Gets the value of `terminate_on_nan`: fail with an error naming the epoch and step
+        when a training loss (Lightning: training_step's) is NaN or infinite (checked at the
+        end of each epoch); the last good checkpoint is kept
+        """
+        return self.getOrDefault(self.terminate_on_nan)
+
+    def setTerminateOnNan(self: _P, value: bool) -> _P:
+        """Sets the value of `terminate_on_nan`: fail with an error naming the epoch and step
+        when a training loss (Lightning: training_step's) is NaN or infinite (checked at the
+        end of each epoch); the last good checkpoint is kept
+        """
+        return self._set(terminate_on_nan=value)
+
 
 class EstimatorParamsAccessors(Params):
     model: Param[Any]
@@ -475,7 +490,6 @@ class EstimatorParamsAccessors(Params):
     lr_scheduler: Param[Any]
     lr_scheduler_interval: Param[str]
     callbacks: Param[Any]
-    terminate_on_nan: Param[bool]
     train_minibatch_fn: Param[Any]
     loss_constructors: Param[Any]
 
@@ -688,20 +702,6 @@ class EstimatorParamsAccessors(Params):
         (EarlyStopping, BestModel or your own), run on every process
         """
         return self._set(callbacks=value)
-
-    def getTerminateOnNan(self) -> bool:
-        """Gets the value of `terminate_on_nan`: fail with an error naming the epoch and step
-        when a training loss is NaN or infinite (checked at the end of each epoch); the last
-        good checkpoint is kept
-        """
-        return self.getOrDefault(self.terminate_on_nan)
-
-    def setTerminateOnNan(self: _P, value: bool) -> _P:
-        """Sets the value of `terminate_on_nan`: fail with an error naming the epoch and step
-        when a training loss is NaN or infinite (checked at the end of each epoch); the last
-        good checkpoint is kept
-        """
-        return self._set(terminate_on_nan=value)
 
     def getTrainMinibatchFn(self) -> Any:
         """Gets the value of `train_minibatch_fn`: your own training step fn(model, optimizer,

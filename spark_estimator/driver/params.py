@@ -381,6 +381,14 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             _to_optional_int,
             default=None,
         ),
+        ParamSpec(
+            "terminate_on_nan",
+            "fail with an error naming the epoch and step when a training loss (Lightning: "
+            "training_step's) is NaN or infinite (checked at the end of each epoch); the last "
+            "good checkpoint is kept",
+            TypeConverters.toBoolean,
+            default=True,
+        ),
     )
 
 
@@ -487,13 +495,6 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
         _FIT["callbacks"].with_doc(
             "list of spark_estimator.callbacks.Callback (EarlyStopping, BestModel or your "
             "own), run on every process"
-        ),
-        ParamSpec(
-            "terminate_on_nan",
-            "fail with an error naming the epoch and step when a training loss is NaN or "
-            "infinite (checked at the end of each epoch); the last good checkpoint is kept",
-            TypeConverters.toBoolean,
-            default=True,
         ),
         ParamSpec(
             "train_minibatch_fn",

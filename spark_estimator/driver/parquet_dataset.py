@@ -92,11 +92,11 @@ def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str)
     if _numeric(element) and (element is t or role != "sample_weight"):  # weights: scalars
         kind = "scalar" if element is t else "array"
         return ColumnSpec(name, kind, "int64" if integral else dtype)
-    if role == "feature" and pa.types.is_struct(t) and {f.name for f in t} == _VECTOR_FIELDS:
+    if role != "sample_weight" and pa.types.is_struct(t) and {f.name for f in t} == _VECTOR_FIELDS:
         return ColumnSpec(name, "vector", dtype)
     expected = {
         "feature": "numbers, lists of numbers or an ML vector",
-        "label": "numbers or lists of numbers",
+        "label": "numbers, lists of numbers or an ML vector",
         "sample_weight": "numbers",
     }[role]
     raise TypeError(

@@ -42,11 +42,11 @@ def column_spec(schema: StructType, name: str, role: str, dtype: str = "float32"
     if role != "sample_weight" and isinstance(dt, ArrayType) and _numeric(dt.elementType):
         integral = role == "label" and isinstance(dt.elementType, IntegralType)
         return ColumnSpec(name, "array", "int64" if integral else dtype)
-    if role == "feature" and isinstance(dt, VectorUDT):
+    if role != "sample_weight" and isinstance(dt, VectorUDT):  # labels: e.g. one-hot
         return ColumnSpec(name, "vector", dtype)
     allowed = {
         "feature": "a numeric scalar or array<numeric> or an ML Vector",
-        "label": "a numeric scalar or array<numeric>",
+        "label": "a numeric scalar or array<numeric> or an ML Vector",
         "sample_weight": "a numeric scalar",
     }[role]
     raise TypeError(f"{param}: column '{name}' has type {dt.simpleString()}; it must be {allowed}")

@@ -126,10 +126,10 @@ def check_trainer_args(pl, trainer_args) -> dict:
     return dict(trainer_args)
 
 
-def lightning_bundle(model, callbacks, trainer_args: dict) -> bytes:
+def lightning_bundle(model, callbacks, trainer_args: dict, terminate_on_nan: bool) -> bytes:
     """The one cloudpickle of what the executors train with; each part is pickled on its
     own first, so a failure names its parameter."""
     objects = {"model": model, "callbacks": callbacks, "trainer_args": trainer_args}
     for name, value in objects.items():
         dumps(value, name)
-    return dumps(objects, "model")
+    return dumps({**objects, "terminate_on_nan": terminate_on_nan}, "model")

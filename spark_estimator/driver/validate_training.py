@@ -203,6 +203,37 @@ def with_learning_rate(optimizer, learning_rate: float | None):
     return effective
 
 
+def learning_rate_note(
+    optimizer, learning_rate: float | None, lr_scaling: str, num_proc: int, scheduler: bool
+) -> str:
+    """The line a fit logs first: the learning rate each rank starts with, and why (the
+    optimizer's or ``learning_rate``'s, times ``num_proc`` with ``lr_scaling='linear'``);
+    without scaling, what Horovod's estimator (which always scales) would use instead."""
+    given = [g["lr"] for g in optimizer.param_groups]
+
+    def rates(values: list[float]) -> str:
+        shown = [f"{v:.6g}" for v in values]
+        return shown[0] if len(shown) == 1 else f"[{', '.join(shown)}]"
+
+    source = "learning_rate's" if learning_rate is not None else "the optimizer's"
+    noun = "learning rate" if len(given) == 1 else "learning rates"
+    ranks = f"{num_proc} rank{'s' if num_proc > 1 else ''}"
+    scaled = rates([lr * num_proc for lr in given])
+    if lr_scaling == "linear":
+        line = (
+            f"{noun} {scaled} on each of {ranks}: {source} {rates(given)} x {num_proc} "
+            "(lr_scaling='linear', as Horovod's estimator)"
+        )
+    elif num_proc > 1:
+        line = (
+            f"{noun} {rates(given)} on each of {ranks}: {source} {rates(given)} as given "
+            f"(lr_scaling='none'; Horovod's estimator would use {scaled}: set lr_scaling='linear')"
+        )
+    else:
+        line = f"{noun} {rates(given)} on 1 rank: {source} as given"
+    return line + ("; the lr_scheduler changes it from there" if scheduler else "")
+
+
 def training_bundle(
     objects: dict, label_cols: list[str], lr_scheduler_interval: str
 ) -> tuple[bytes, dict[str, Callable] | None]:

@@ -63,9 +63,9 @@ def test_unsupported_feature_types_are_named(col):
         validate.check_columns(SCHEMA, [col], ["cls"])
 
 
-def test_vector_labels_are_rejected():
-    with pytest.raises(TypeError, match="label_cols: column 'vec'"):
-        validate.check_columns(SCHEMA, ["arr"], ["vec"])
+def test_vector_labels_are_float_vectors_like_vector_features():
+    _, labels = validate.check_columns(SCHEMA, ["arr"], ["vec"])
+    assert labels == [ColumnSpec("vec", "vector", "float32")]
 
 
 def test_empty_duplicate_and_overlapping_columns():

@@ -34,6 +34,7 @@ from ...shared.serialization import state_from_bytes, state_to_bytes
 from ...store import Store
 from ..comm.ddp import shared_memory_allreduce
 from ..loop.checkpoints import Checkpoints
+from ..loop.metrics import non_finite_loss_error
 from ..loop.resume import seed_epoch
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
@@ -160,8 +161,17 @@ def lightning_parts(pl):
         """Our per-epoch record and checkpoint; the run's state travels in Lightning's
         checkpoint (``state_dict``), so a resumed Trainer restores it with the rest."""
 
-        def __init__(self, store: Store, run_id: str, seed: int, keep: int | None, report):
+        def __init__(
+            self,
+            store: Store,
+            run_id: str,
+            seed: int,
+            keep: int | None,
+            report,
+            terminate_on_nan: bool = True,
+        ):
             self.store, self.run_id, self.seed = store, run_id, seed
+            self.terminate_on_nan = terminate_on_nan
             self.checkpoints = Checkpoints(store, run_id, keep)
             self.report: Callable[..., None] | None = report
             self.reported = 0.0
@@ -172,6 +182,9 @@ def lightning_parts(pl):
             self.first_inputs: list[torch.Tensor] | None = None  # for the output shapes
             self.loss_sum: torch.Tensor | float = 0.0  # sum of loss x rows (on the device)
             self.rows = 0
+            # this epoch's training losses that were not finite: count, first step (device)
+            self.bad_steps: torch.Tensor | int = 0
+            self.first_bad: torch.Tensor | None = None
             self.validation: dict[str, float] = {}
             self.lrs: list[float] = []
             self.epochs = 0
@@ -212,6 +225,7 @@ def lightning_parts(pl):
         def on_train_epoch_start(self, trainer, pl_module) -> None:
             seed_epoch(self.seed, trainer.current_epoch + 1, trainer.global_rank)
             self.loss_sum, self.rows = 0.0, 0
+            self.bad_steps, self.first_bad = 0, None
             self.validation = {}
             self.lrs = [g["lr"] for opt in trainer.optimizers for g in opt.param_groups]
 
@@ -221,6 +235,12 @@ def lightning_parts(pl):
             if isinstance(loss, torch.Tensor) and rows:
                 self.loss_sum = self.loss_sum + loss.detach().double() * rows
                 self.rows += rows
+                bad = ~torch.isfinite(loss.detach())  # no host sync: read at the epoch end
+                self.bad_steps = self.bad_steps + bad.long()
+                step = torch.full_like(bad, batch_idx + 1, dtype=torch.long)
+                none = torch.full_like(step, torch.iinfo(torch.int64).max)
+                first = torch.where(bad, step, none)
+                self.first_bad = first if self.first_bad is None else self.first_bad.minimum(first)
             if self.report is not None and time.monotonic() - self.reported >= FLUSH_S:
                 self._progress(trainer, batch_idx + 1)
 
@@ -230,9 +250,20 @@ def lightning_parts(pl):
 
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             epoch = trainer.current_epoch + 1
-            values = [float(self.loss_sum), self.rows]
+            values = [float(self.loss_sum), self.rows, int(self.bad_steps)]
             sums = torch.tensor(values, dtype=torch.float64, device=pl_module.device)
             dist.all_reduce(sums)
+            if self.terminate_on_nan and sums[2]:  # before this epoch's checkpoint
+                first = int(self.first_bad) if self.first_bad is not None else None
+                raise non_finite_loss_error(
+                    epoch,
+                    first if first != torch.iinfo(torch.int64).max else None,
+                    int(sums[2]),
+                    trainer.world_size,
+                    trainer.global_rank,
+                    pl_module.device,
+                    self.checkpoints.last(),
+                )
             train = {"loss": float(sums[0] / sums[1]) if sums[1] else None}
             logged = {f"train/{k}": v for k, v in epoch_metrics(trainer).items()}
             logged.update({f"validation/{k}": v for k, v in self.validation.items()})

@@ -18,6 +18,7 @@ checkpoint of a ModelCheckpoint that monitors a value; every rank returns its
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import time
 from collections.abc import Callable
@@ -37,10 +38,9 @@ from ..loop.resume import agree_on_checkpoint
 from .hooks import fsspec_defaults, lightning_parts, url
 
 # Trainer arguments whose defaults differ from Lightning's; trainer_args may set them. The
-# driver shows progress and the history goes to TensorBoard, so no logger or bar by default;
-# our driver checks replace the sanity-check validation.
+# driver shows progress, so no bar; our driver checks replace the sanity-check validation.
+# The logger (default_logger) writes in the run's folder of the store.
 DEFAULTS = {
-    "logger": False,
     "enable_progress_bar": False,
     "enable_model_summary": False,
     "num_sanity_val_steps": 0,
@@ -72,7 +72,12 @@ def train_lightning(
     rank, world, device = info.rank, info.world_size, info.device
     store, run_id = spec.store, spec.run_id
     recorder = EpochRecorder(
-        store, run_id, spec.seed, spec.keep_checkpoints, report if rank == 0 else None
+        store,
+        run_id,
+        spec.seed,
+        spec.keep_checkpoints,
+        report if rank == 0 else None,
+        objects["terminate_on_nan"],
     )
     checkpoints = recorder.checkpoints
 
@@ -111,8 +116,10 @@ def train_lightning(
     shared = open_shared_memory(info, spec.collective_timeout)
     if shared is not None:
         callbacks.append(SharedMemoryGradients(shared))
+    trainer_args = {**DEFAULTS, **(objects.get("trainer_args") or {})}
+    trainer_args.setdefault("logger", default_logger(pl, url(store, store.run(run_id).lightning)))
     trainer = pl.Trainer(
-        **{**DEFAULTS, **(objects.get("trainer_args") or {})},
+        **trainer_args,
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=[device.index] if device.type == "cuda" else 1,
         num_nodes=world,
@@ -155,6 +162,18 @@ def train_lightning(
         recorder.optimizer_steps_per_epoch,
         started,
     )
+
+
+def default_logger(pl, folder: str):
+    """The logger of a fit whose trainer_args give none: Lightning's TensorBoardLogger in
+    ``folder``'s ``tensorboard/`` (one folder per run: a resumed fit adds event files beside
+    the first attempt's), or, without tensorboard or tensorboardX installed, its CSVLogger
+    in ``csv/``, as Lightning's own default falls back. Step-level ``self.log`` values and
+    LearningRateMonitor go there."""
+    has = [importlib.util.find_spec(name) for name in ("tensorboard", "tensorboardX")]
+    if any(has):
+        return pl.loggers.TensorBoardLogger(folder, name="tensorboard", version="")
+    return pl.loggers.CSVLogger(folder, name="csv", version="")
 
 
 def _output_shapes(module, inputs: list[torch.Tensor]) -> list[list[int]]:

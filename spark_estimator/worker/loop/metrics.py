@@ -146,3 +146,21 @@ class EpochSums:
 def _mean(pair: list[float]) -> float | None:
     total, rows = pair
     return total / rows if rows else None
+
+
+def non_finite_loss_error(
+    epoch: int, first_bad_step: int | None, bad_steps: int, world: int, rank: int, device, last
+) -> FloatingPointError:
+    """terminate_on_nan's error, the same on every rank (both trainers): the first step with
+    a loss that was not finite over all ranks (ties to the lowest rank; one collective),
+    ``bad_steps`` of them this epoch, and ``last``, the last good checkpoint (or None)."""
+    code = first_bad_step * world + rank if first_bad_step is not None else _NONE
+    code = torch.tensor([code], dtype=torch.int64, device=device)
+    dist.all_reduce(code, op=dist.ReduceOp.MIN)
+    step, bad_rank = divmod(int(code.item()), world)
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    return FloatingPointError(
+        f"terminate_on_nan: the training loss was NaN or infinite at epoch {epoch}, step "
+        f"{step} (rank {bad_rank}; {bad_steps} such steps this epoch); training stopped and "
+        f"{kept}"
+    )

@@ -39,7 +39,7 @@ from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
 from .checkpoints import Checkpoints
 from .loss import as_outputs, batch_metrics
-from .metrics import EpochSums
+from .metrics import EpochSums, non_finite_loss_error
 from .objects import build_objects
 from .resume import (
     agree_on_checkpoint,
@@ -305,19 +305,14 @@ class _TrainingLoop:
 
     def _nan_error(self, sums: EpochSums, epoch: int) -> Exception:
         """The error every rank raises when a training loss was not finite this epoch."""
-        world = self.info.world_size
-        # the first bad step over all ranks, ties to the lowest rank: step * world + rank
-        first = sums.first_bad_step
-        code = first * world + self.info.rank if first is not None else torch.iinfo(torch.int64).max
-        code = torch.tensor([code], dtype=torch.int64, device=self.device)
-        dist.all_reduce(code, op=dist.ReduceOp.MIN)
-        step, rank = divmod(int(code.item()), world)
-        last = self.checkpoints.last()
-        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-        return FloatingPointError(
-            f"terminate_on_nan: the training loss was NaN or infinite at epoch {epoch}, step "
-            f"{step} (rank {rank}; {sums.non_finite_steps} such steps this epoch); training "
-            f"stopped and {kept}"
+        return non_finite_loss_error(
+            epoch,
+            sums.first_bad_step,
+            sums.non_finite_steps,
+            self.info.world_size,
+            self.info.rank,
+            self.device,
+            self.checkpoints.last(),
         )
 
     # -- the end --------------------------------------------------------------------------
