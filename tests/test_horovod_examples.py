@@ -14,13 +14,20 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "horovod"
 LAUNCHER = Path(sys.executable).parent / "spark-estimator-run"
 CLUSTER = "local-cluster[2,1,1024]"
-CLASSIC = [str(EXAMPLES / "pytorch_digits.py"), "--epochs", "12", "--lr", "0.05"]
-ELASTIC = [str(EXAMPLES / "pytorch_digits_elastic.py"), "--epochs", "12", "--lr", "0.05"]
+EPOCHS = 20
+CLASSIC = [str(EXAMPLES / "pytorch_digits.py"), "--epochs", str(EPOCHS), "--lr", "0.05"]
+ELASTIC = [str(EXAMPLES / "pytorch_digits_elastic.py"), "--epochs", str(EPOCHS), "--lr", "0.05"]
 
 
 def accuracies(output: str) -> list[float]:
     """Every test accuracy rank 0 printed, in order."""
     return [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", output)]
+
+
+def final(output: str) -> float:
+    """The accuracy a run ends with: the mean of its last 3 epochs' (dropout and 360 test
+    images make single epochs vary by a few points)."""
+    return sum(accuracies(output)[-3:]) / 3
 
 
 def run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
@@ -42,7 +49,7 @@ def alone(script: list[str], tmp_path: Path, *flags: str) -> float:
     """The final test accuracy of ``script`` as one plain Python process (size 1)."""
     key = (*script, *flags)
     if key not in _alone:
-        _alone[key] = accuracies(run([sys.executable, *script, *flags], tmp_path).stdout)[-1]
+        _alone[key] = final(run([sys.executable, *script, *flags], tmp_path).stdout)
     return _alone[key]
 
 
@@ -58,10 +65,10 @@ def alone(script: list[str], tmp_path: Path, *flags: str) -> float:
 def test_the_classic_script_learns_as_well_as_on_one_process(master, flags, tmp_path):
     done = launch(CLASSIC, master, tmp_path, *flags)
     epochs = accuracies(done.stdout)
-    assert len(epochs) == 12, done.stdout[-3000:]  # rank 0 alone reports, once per epoch
-    assert re.search(r"^\[rank 1\] Train Epoch: 12 ", done.stdout, re.M)  # both ranks train
-    assert epochs[-1] >= alone(CLASSIC, tmp_path, *flags) - 2.0
-    assert epochs[-1] > 90.0
+    assert len(epochs) == EPOCHS, done.stdout[-3000:]  # rank 0 alone reports, once per epoch
+    assert re.search(rf"^\[rank 1\] Train Epoch: {EPOCHS} ", done.stdout, re.M)  # both train
+    assert final(done.stdout) >= alone(CLASSIC, tmp_path, *flags) - 2.0
+    assert final(done.stdout) > 90.0
 
 
 @pytest.mark.parametrize(
@@ -74,15 +81,15 @@ def test_the_classic_script_learns_as_well_as_on_one_process(master, flags, tmp_
 def test_the_elastic_script_learns_as_well_as_on_one_process(master, flags, tmp_path):
     done = launch(ELASTIC, master, tmp_path, *flags)
     epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
-    assert epochs == [str(e) for e in range(1, 13)], done.stdout[-3000:]
-    assert accuracies(done.stdout)[-1] >= alone(ELASTIC, tmp_path, *flags) - 2.0
+    assert epochs == [str(e) for e in range(1, EPOCHS + 1)], done.stdout[-3000:]
+    assert final(done.stdout) >= alone(ELASTIC, tmp_path, *flags) - 2.0
 
 
 KILLER = """
     # Runs the example, and kills this process (SIGKILL: nothing raised, nothing cleaned
     # up) on rank 1 at its {step}th optimizer step, once: the marker file says it happened.
     import os, runpy, signal, sys
-    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     marker, script = sys.argv[1], sys.argv[2]
     steps = [0]
@@ -93,7 +100,7 @@ KILLER = """
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    torch.optim.optimizer.register_optimizer_step_post_hook(kill_once)
+    register_optimizer_step_post_hook(kill_once)
     sys.argv = sys.argv[2:]
     runpy.run_path(script, run_name="__main__")
 """
@@ -108,5 +115,5 @@ def test_the_elastic_script_resumes_from_its_last_commit_when_a_rank_is_killed(t
     done = launch([str(killer), str(marker), *ELASTIC], "local[2]", tmp_path)
     assert marker.exists()  # the kill happened
     epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
-    assert epochs == [str(e) for e in range(1, 13)], done.stdout[-3000:]
-    assert accuracies(done.stdout)[-1] >= alone(ELASTIC, tmp_path) - 2.0
+    assert epochs == [str(e) for e in range(1, EPOCHS + 1)], done.stdout[-3000:]
+    assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0
