@@ -108,11 +108,7 @@ def _run_store(store) -> tuple[Store, str | None]:
     if store is None:
         folder = tempfile.mkdtemp(prefix="spark-estimator-run-")
         return Store.create(folder), folder
-    if isinstance(store, str):
-        return Store.create(store), None
-    if isinstance(store, Store):
-        return store, None
-    raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
+    return (Store.create(store) if isinstance(store, str) else store), None
 
 
 def _shower(stdout, stderr, verbose: int) -> Callable[[int, str, str], None]:
@@ -225,7 +221,8 @@ def run(
     else:
         shipped, payload = None, _payload(fn, tuple(args), dict(kwargs))
         name = getattr(fn, "__qualname__", type(fn).__name__)
-    store, temporary = _run_store(store)
+    if store is not None and not isinstance(store, (str, Store)):
+        raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
     spark = spark if spark is not None else SparkSession.active()
     slots = available_slots(spark, num_proc, start_timeout)
     num_proc = slots if num_proc is None else num_proc
@@ -233,6 +230,7 @@ def run(
 
     run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
     show = _shower(stdout, stderr, verbose)
+    store, temporary = _run_store(store)  # a default one is removed in the finally below
     try:
         for restart in range(max_restarts + 1):
             spec = RunSpec(
