@@ -29,7 +29,13 @@ import cloudpickle
 import torch
 from pyspark.sql import SparkSession
 
-from .driver.launch import SLOT_WAIT_S, available_slots, run_barrier_job, tasks_print_here
+from .driver.launch import (
+    SLOT_WAIT_S,
+    available_slots,
+    cancel_jobs,
+    run_barrier_job,
+    tasks_print_here,
+)
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
 from .driver.validate import check_num_proc, check_positive
 from .shared.failures import TrainingError, carried_failure, read_failure
@@ -284,7 +290,9 @@ def _launch(spark, spec: RunSpec, num_proc: int, name: str, show) -> list[dict]:
     ``TrainingError`` for an error of the training code, ``_LostRank`` (from Spark's
     error) for another failure of a launch that entered ``hvd.elastic.run``."""
     store, run = spec.store, spec.store.run(spec.run_id)
-    monitor = FitMonitor(store, spec.run_id, spec.launch_id, verbose=False, show=show)
+    tag = f"spark-estimator-{spec.launch_id}"
+    cancel = functools.partial(cancel_jobs, spark, tag)
+    monitor = FitMonitor(store, spec.run_id, spec.launch_id, False, show=show, cancel=cancel)
     try:
         with monitor:
             return run_barrier_job(
@@ -292,6 +300,7 @@ def _launch(spark, spec: RunSpec, num_proc: int, name: str, show) -> list[dict]:
                 num_proc,
                 functools.partial(run_task, spec),
                 f"spark-estimator run {name} on {num_proc} tasks",
+                tag=tag,
             )
     except Exception as e:
         record = read_failure(run.failure(spec.launch_id), store)

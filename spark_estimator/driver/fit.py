@@ -32,7 +32,7 @@ from ..shared.summary import RankSummary
 from ..store import Store
 from ..worker.task import training_task
 from . import mlflow_log, run_manifest, validate
-from .launch import available_slots, run_barrier_job
+from .launch import available_slots, cancel_jobs, run_barrier_job
 from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
@@ -290,7 +290,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         code's own error as a TrainingError, with the failing rank's last output lines."""
         store, run_id = spec.store, spec.run_id
         failure = store.run(run_id).failure(spec.launch_id)
-        monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose())
+        tag = f"spark-estimator-{spec.launch_id}"
+        cancel = functools.partial(cancel_jobs, spark, tag)
+        monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose(), cancel=cancel)
         try:
             with monitor:
                 summaries = run_barrier_job(
@@ -299,6 +301,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                     functools.partial(training_task, spec),
                     f"spark-estimator {run_id}",
                     retry=True,
+                    tag=tag,
                 )
         except Exception as e:
             if (record := read_failure(failure, store)) is not None:

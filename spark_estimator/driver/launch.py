@@ -149,22 +149,38 @@ def job_tag(description: str) -> str:
 
 
 @contextmanager
-def labelled_jobs(spark: SparkSession, description: str) -> Iterator[None]:
+def labelled_jobs(spark: SparkSession, description: str, tag: str | None = None) -> Iterator[None]:
     """Label the jobs this thread starts inside the block: the job description of a
-    classic session, a job tag on Spark Connect (``spark.interruptTag`` can cancel it)."""
+    classic session, a job tag on Spark Connect (``spark.interruptTag`` can cancel it).
+    With ``tag`` the jobs also carry that tag on a classic session, and on Spark Connect it
+    is the tag: ``cancel_jobs(spark, tag)`` cancels them from any thread."""
     if is_connect(spark):
-        tag = job_tag(description)
+        tag = job_tag(tag or description)
         spark.addTag(tag)
         try:
             yield
         finally:
             spark.removeTag(tag)
         return
-    spark.sparkContext.setJobDescription(description)
+    sc = spark.sparkContext
+    sc.setJobDescription(description)
+    if tag:
+        sc.addJobTag(tag)
     try:
         yield
     finally:
-        spark.sparkContext.setJobDescription(None)
+        sc.setJobDescription(None)
+        if tag:
+            sc.removeJobTag(tag)
+
+
+def cancel_jobs(spark: SparkSession, tag: str) -> None:
+    """Cancel the running jobs labelled with ``tag`` (see ``labelled_jobs``); their tasks
+    are killed, and the thread waiting for a job's result gets Spark's error."""
+    if is_connect(spark):
+        spark.interruptTag(job_tag(tag))
+    else:
+        spark.sparkContext.cancelJobsWithTag(tag)
 
 
 def run_barrier_job(
@@ -173,10 +189,12 @@ def run_barrier_job(
     task: Callable[[], dict],
     description: str,
     retry: bool = False,
+    tag: str | None = None,
 ) -> list[dict]:
     """Run ``task`` on ``num_proc`` barrier tasks at once; return their summaries by rank.
-    With ``retry``, Spark relaunches all tasks when one fails (see above)."""
-    with labelled_jobs(spark, description):
+    With ``retry``, Spark relaunches all tasks when one fails (see above); with ``tag``,
+    ``cancel_jobs(spark, tag)`` cancels the job."""
+    with labelled_jobs(spark, description, tag):
         summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
             barrier_job(task), "summary string", barrier=True
         )

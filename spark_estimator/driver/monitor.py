@@ -14,6 +14,12 @@ every ``POLL_S`` seconds:
 
 The last lines of every rank are kept for error messages (``tail``). Reading is
 best-effort: a store that fails for a moment delays lines, it never fails the fit.
+
+Given ``cancel``, it also ends a job that outlives its recorded failure: once a rank has
+written the launch's failure record (``shared/failures.py``), Spark normally fails the
+job within seconds (the failing task ends, Spark kills the others). Should a rank not end
+(one that waits on a peer Spark never kills), ``cancel`` is called ``FAILED_JOB_GRACE_S``
+after the record appeared, and the fit raises the recorded error.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import logging
 import posixpath
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from tqdm.auto import tqdm
@@ -32,7 +39,9 @@ from ..store import Store
 
 POLL_S = 0.5
 TAIL_LINES = 20
+FAILED_JOB_GRACE_S = 30.0  # a failed launch's job still running after this is cancelled
 logger = logging.getLogger("spark_estimator.worker")
+log = logging.getLogger(__name__)
 
 
 def rank_lines(rank: int, lines) -> str:
@@ -71,8 +80,10 @@ class FitMonitor:
         launch_id: str,
         verbose: bool,
         show: Callable[[int, str, str], None] | None = None,
+        cancel: Callable[[], None] | None = None,
     ):
         self.store, self.launch_id, self.verbose = store, launch_id, verbose
+        self.cancel, self.failure_seen = cancel, None
         self.run = store.run(run_id)
         self.seen: set[str] = set()
         self.tails: dict[int, collections.deque] = {}
@@ -131,8 +142,24 @@ class FitMonitor:
         while not self.stop.wait(POLL_S):
             try:
                 self.poll()
+                self._end_a_failed_job()
             except Exception as e:  # e.g. a file of the store not readable for a moment
                 logger.debug("could not read the run's progress: %s", e)
+
+    def _end_a_failed_job(self) -> None:
+        if self.cancel is None:
+            return
+        if self.failure_seen is None:
+            if self.store.exists(self.run.failure(self.launch_id)):
+                self.failure_seen = time.monotonic()
+        elif time.monotonic() - self.failure_seen >= FAILED_JOB_GRACE_S:
+            log.warning(
+                "a rank's failure was recorded %.0f s ago and the training job still runs: "
+                "cancelling it",
+                FAILED_JOB_GRACE_S,
+            )
+            cancel, self.cancel = self.cancel, None
+            cancel()
 
     # -- context --------------------------------------------------------------------------
     def __enter__(self) -> FitMonitor:

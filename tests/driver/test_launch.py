@@ -1,9 +1,13 @@
 import os
+import time
 
 import pytest
 
+from spark_estimator import Store
+from spark_estimator.driver import monitor as monitor_module
 from spark_estimator.driver.launch import (
     available_slots,
+    cancel_jobs,
     connect_slots,
     is_connect,
     job_tag,
@@ -95,6 +99,33 @@ def test_with_retry_spark_relaunches_all_tasks_after_one_died(spark, tmp_path):
 def test_without_retry_the_job_fails(spark, tmp_path):
     with pytest.raises(Exception, match="barrier"):
         run_barrier_job(spark, 2, failing_once(str(tmp_path / "m")), "t")
+
+
+def recorded_then_stuck(store):
+    def task():
+        from pyspark import BarrierTaskContext
+
+        from spark_estimator.shared.failures import record_failure
+
+        if BarrierTaskContext.get().partitionId() == 0:
+            error = ValueError("the training code failed")
+            record_failure(store.run("r").failure("L"), store, 0, error)
+        time.sleep(600)  # no task fails: Spark has no reason to end the job
+
+    return task
+
+
+def test_a_job_that_outlives_its_recorded_failure_is_cancelled(spark, tmp_path, monkeypatch):
+    monkeypatch.setattr(monitor_module, "FAILED_JOB_GRACE_S", 2.0)
+    store = Store.create(str(tmp_path / "store"))
+    tag = f"spark-estimator-{os.getpid()}-cancel"
+    cancel = monitor_module.FitMonitor(
+        store, "r", "L", verbose=False, cancel=lambda: cancel_jobs(spark, tag)
+    )
+    started = time.monotonic()
+    with pytest.raises(Exception, match="cancel"), cancel:
+        run_barrier_job(spark, 2, recorded_then_stuck(store), "stuck", tag=tag)
+    assert time.monotonic() - started < 60
 
 
 class FakeConnectConf:

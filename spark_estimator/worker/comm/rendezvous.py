@@ -222,12 +222,15 @@ def process_group(
         else:
             _leave_together(store, rank, world_size, timeout)
     except BaseException as e:  # sys.exit() in the code too
-        first = _first_failure(store)
-        if first and on_failure is not None and not is_retried(e):
+        # a peer's failure never claims to be first: the rank that caused it may leave
+        # the shared-memory allreduce (its training's ``finally``) before it claims
+        first = not is_retried(e) and _first_failure(store)
+        if first and on_failure is not None:
             on_failure(rank, e)
         if not first:
             log.warning(
-                "rank %d failed (%s) after another rank did; raising in %.0f s",
+                "rank %d failed (%s) after another rank or with an error a retry may cure; "
+                "raising in %.0f s",
                 rank,
                 type(e).__name__,
                 LATER_FAILURE_DELAY_S,
@@ -320,9 +323,10 @@ def _first_failure(store) -> bool:
 
     When one rank raises, the others usually fail a moment later inside a collective
     ("connection closed by peer"), and Spark reports whichever task failure reaches it
-    first. So the first rank to fail claims that in the job's TCPStore and raises at once;
-    later ones wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job
-    with the original error and kills them.
+    first. So the first rank to fail in its own code claims that in the job's TCPStore and
+    raises at once; the others (and every rank whose error only reports a peer's failure)
+    wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job with the
+    original error and kills them.
     """
     try:
         return store.add(_FAILURES_KEY, 1) == 1

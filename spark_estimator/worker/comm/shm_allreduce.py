@@ -18,7 +18,9 @@ Linux x86-64, where stores are not seen in program order without fences), every 
 gloo. The file is unlinked as soon as all ranks have mapped it, so nothing is left behind.
 
 Waits are bounded: a peer process that died is noticed within ``LIVENESS_S`` (its pid is
-gone from ``/proc``), and a peer that hangs after ``timeout_s``; both raise a
+gone from ``/proc``), as is one that closed its mapping while alive (its training failed
+and the process lives on as Spark's reused Python worker: ``close`` marks its pid slot
+``LEFT``), and a peer that hangs after ``timeout_s``; all raise a
 ``RuntimeError`` tagged ``SHM_TAG``, which ``shared/failures.py`` counts as a peer failure, as it
 does gloo's "connection closed" errors.
 """
@@ -42,6 +44,7 @@ LIVENESS_S = 0.5  # how often a waiting rank checks that its peers still live
 # the file: a header of int64 words, per rank its arrive and done sequence numbers and its
 # pid (padded to a page), then two sets of one slot per rank
 _SPIN = 200  # waits that only yield the CPU before sleeping between checks
+LEFT = -1  # a rank's pid word once it has closed the mapping
 
 
 def shm_folder() -> str | None:
@@ -101,6 +104,9 @@ class SharedMemoryAllreduce:
         return cls(mapped, rank, world, timeout_s)
 
     def close(self) -> None:
+        """Unmap; a peer still waiting for this rank then raises (``LEFT``)."""
+        if self.pids is not None:
+            self.pids[self.rank] = LEFT
         self.arrive = self.done = self.pids = self.slots = None
         try:
             self.mapped.close()
@@ -151,6 +157,12 @@ class SharedMemoryAllreduce:
 
     def _check_peers(self, flags: np.ndarray, value: int, waited: float) -> None:
         missing = [r for r in range(self.world) if flags[r] < value]
+        left = [r for r in missing if self.pids[r] == LEFT]
+        if left:
+            raise RuntimeError(
+                f"{SHM_TAG} rank {self.rank}: rank {left[0]} left the job (its training "
+                "stopped) during a gradient allreduce"
+            )
         dead = [r for r in missing if not _alive(int(self.pids[r]))]
         if dead:
             raise RuntimeError(

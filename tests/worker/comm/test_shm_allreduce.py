@@ -70,6 +70,9 @@ def _peer_lost(rank: int, folder: str, how: str) -> None:
     if rank == 1:
         if how == "hangs":
             time.sleep(6)
+        if how == "leaves":  # its training failed: it closes and lives on (a reused worker)
+            shared.close()
+            time.sleep(6)
         os._exit(0)  # dies without a word: no exception, no closed collective
     start = time.monotonic()
     try:
@@ -106,14 +109,17 @@ def test_every_rank_gets_the_same_mean_as_gloo_and_no_file_is_left(tmp_path):
     assert [r["fallback"] for r in ranks] == [None, None]
 
 
-@pytest.mark.parametrize("how", ["dies", "hangs"])
-def test_a_peer_that_dies_or_hangs_ends_the_wait_with_a_peer_failure(tmp_path, how):
+@pytest.mark.parametrize("how", ["dies", "leaves", "hangs"])
+def test_a_peer_that_dies_leaves_or_hangs_ends_the_wait_with_a_peer_failure(tmp_path, how):
     _spawn(_peer_lost, tmp_path, how)
     outcome = torch.load(tmp_path / "rank-0.pt")
     assert outcome["error"] and SHM_TAG in outcome["error"] and outcome["peer"]
     if how == "dies":
         assert "rank 1" in outcome["error"] and "ended" in outcome["error"]
         assert outcome["seconds"] < 2  # noticed by its pid, not by the timeout
+    elif how == "leaves":
+        assert "rank 1" in outcome["error"] and "left" in outcome["error"]
+        assert outcome["seconds"] < 2  # noticed by its mark, not by the timeout
     else:
         assert "collective_timeout=2" in outcome["error"]
         assert 2 <= outcome["seconds"] < 5
