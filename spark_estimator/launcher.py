@@ -2,6 +2,7 @@
 
     spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
         [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
+        [--min-np N] [--elastic-timeout S]
         [--start-timeout S] train.py [script args ...]
 
 (also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
@@ -18,7 +19,8 @@ import argparse
 import os
 import sys
 
-from .runner import MAX_RESTARTS, run
+from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
+from .runner import run
 from .shared.failures import TrainingError
 
 
@@ -78,6 +80,21 @@ def parser() -> argparse.ArgumentParser:
         help="restarts of an hvd.elastic script after a lost rank",
     )
     p.add_argument(
+        "--min-np",
+        "--min-num-proc",
+        dest="min_num_proc",
+        type=int,
+        default=None,
+        help="an hvd.elastic script goes on with at least this many ranks after losing some "
+        "(default: -np)",
+    )
+    p.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=ELASTIC_TIMEOUT_S,
+        help="seconds to wait for enough task slots after a lost rank",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         default=None,
@@ -129,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             store=options.store,
             run_id=options.run_id,
             max_restarts=options.max_restarts,
+            min_num_proc=options.min_num_proc,
+            elastic_timeout=options.elastic_timeout,
             **timeout,
         )
     except TrainingError as e:

@@ -29,6 +29,7 @@ import cloudpickle
 import torch
 from pyspark.sql import SparkSession
 
+from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS, ElasticSize, lost_reason
 from .driver.launch import (
     SLOT_WAIT_S,
     available_slots,
@@ -37,7 +38,7 @@ from .driver.launch import (
     tasks_print_here,
 )
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
-from .driver.validate import check_num_proc, check_positive
+from .driver.validate import check_min_num_proc, check_num_proc, check_positive
 from .shared.failures import TrainingError, carried_failure, read_failure
 from .shared.serialization import dumps
 from .shared.spec import COLLECTIVE_TIMEOUT_S
@@ -45,7 +46,6 @@ from .store import Store
 from .worker.run_task import RunSpec, run_task
 
 log = logging.getLogger(__name__)
-MAX_RESTARTS = 3  # run()'s default: launches of an elastic run started again after a lost rank
 
 
 class _LostRank(Exception):
@@ -152,6 +152,8 @@ def run(
     store: Store | str | None = None,
     run_id: str | None = None,
     max_restarts: int = MAX_RESTARTS,
+    min_num_proc: int | None = None,
+    elastic_timeout: float = ELASTIC_TIMEOUT_S,
 ) -> list | Any:
     """Run ``fn(*args, **kwargs)``, or the script ``fn`` with ``args``, on ``num_proc``
     Spark barrier tasks, one rank each.
@@ -194,7 +196,10 @@ def run(
     entered ``hvd.elastic.run``: then the job is started again, at most ``max_restarts``
     times, and resumes from the last ``state.commit()`` in ``runs/<run_id>/elastic/``.
     ``run_id`` names that folder (by default a new one); a ``run_id`` with a commit
-    resumes from it.
+    resumes from it. It starts again with as many ranks as the cluster can run then: with
+    ``min_num_proc``, any number from ``min_num_proc`` to ``num_proc`` (the script's reset
+    callbacks see the new size), else ``num_proc``; it waits at most ``elastic_timeout``
+    seconds for those slots (see ``driver/elastic.py``).
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
@@ -219,6 +224,9 @@ def run(
     _check_stream("stderr", stderr)
     verbose = _check_count("verbose", verbose, 0)
     max_restarts = _check_count("max_restarts", max_restarts, 0)
+    if min_num_proc is not None:
+        _check_count("min_num_proc", min_num_proc, 1)
+    elastic_timeout = _check_seconds("elastic_timeout", elastic_timeout)
     if run_id is not None and (not isinstance(run_id, str) or not run_id or "/" in run_id):
         raise ValueError(f"run_id: expected a folder name (no '/'), got {run_id!r}")
     if script:
@@ -232,13 +240,22 @@ def run(
     spark = spark if spark is not None else SparkSession.active()
     slots = available_slots(spark, num_proc, start_timeout)
     num_proc = slots if num_proc is None else num_proc
-    check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s")
+    if min_num_proc is None:
+        check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s")
+    size = ElasticSize(
+        spark,
+        num_proc,
+        min_num_proc,
+        check_min_num_proc(min_num_proc, num_proc, slots),
+        max_restarts,
+        elastic_timeout,
+    )
 
     run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
     show = _shower(stdout, stderr, verbose)
     store, temporary = _run_store(store)  # a default one is removed in the finally below
     try:
-        for restart in range(max_restarts + 1):
+        while True:
             spec = RunSpec(
                 payload,
                 shipped,
@@ -253,17 +270,17 @@ def run(
                 not tasks_print_here(spark),
             )
             try:
-                summaries = _launch(spark, spec, num_proc, name, show)
+                summaries = _launch(spark, spec, size.procs, name, show)
                 break
             except _LostRank as lost:
-                if restart == max_restarts:
-                    raise lost.__cause__ from None
+                size.after_loss(lost.__cause__)
                 log.warning(
-                    "run '%s': a rank was lost (%s); starting the job again from the last "
-                    "hvd.elastic commit (restart %d of at most %d)",
+                    "run '%s': ranks were lost (%s); starting the job again with %d ranks "
+                    "from the last hvd.elastic commit (restart %d of at most %d)",
                     run_id,
-                    str(lost.__cause__).strip().splitlines()[0] if str(lost.__cause__) else "",
-                    restart + 1,
+                    lost_reason(lost.__cause__),
+                    size.procs,
+                    size.restarts,
                     max_restarts,
                 )
     finally:

@@ -19,6 +19,8 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     runs/<run_id>/processes/rank-<r>.json                    run(): rank r's host, pid, attempt
     runs/<run_id>/elastic/launches/<launch>                  run(): the launch entered hvd.elastic
     runs/<run_id>/elastic/commit.pt                          run(): the last hvd.elastic commit
+    runs/<run_id>/elastic/grow.json                          a fit: ranks stop at the epoch's end
+                                                             so the job can grow
 
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
 Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
@@ -124,6 +126,7 @@ class RunFolder:
     processes = _child("processes", "run(): where each rank runs, written at its start")
     elastic = _child("elastic", "run(): hvd.elastic's launches and last commit")
     commit = _child("elastic/commit.pt", "run(): the last hvd.elastic commit (rank 0's)")
+    grow = _child("elastic/grow.json", "an elastic fit: stop at the epoch's end to grow")
 
     def process(self, rank: int | str) -> str:
         """Rank ``rank``'s record: host, pid, launch and task attempt of its process."""
@@ -175,6 +178,7 @@ def layout() -> list[str]:
         run.process("<r>"),
         run.elastic_launch("<launch>"),
         run.commit,
+        run.grow,
     ]
     return [p.removeprefix("/") for p in paths]
 

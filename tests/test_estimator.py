@@ -464,6 +464,23 @@ def _bad_inputs():
         ),
         "num_proc < 1": (dict(num_proc=0), ValueError, "num_proc: must be >= 1"),
         "num_proc > slots": (dict(num_proc=5), ValueError, "num_proc: 5 training processes"),
+        "min_num_proc > num_proc": (
+            dict(num_proc=2, min_num_proc=3),
+            ValueError,
+            "min_num_proc: 3 is more than num_proc=2",
+        ),
+        "min_num_proc > slots": (
+            dict(num_proc=8, min_num_proc=5),
+            ValueError,
+            "min_num_proc: 5 training processes requested but the cluster can run only 4",
+        ),
+        "min_num_proc < 1": (dict(min_num_proc=0), ValueError, "min_num_proc: must be >= 1"),
+        "max_restarts < 0": (dict(max_restarts=-1), ValueError, "max_restarts: must be >= 0"),
+        "elastic_timeout <= 0": (
+            dict(elastic_timeout=0.0),
+            ValueError,
+            "elastic_timeout: must be > 0",
+        ),
         "validation out of range": (dict(validation=1.5), ValueError, "validation: a fraction"),
         "validation not boolean or 0/1": (
             dict(validation="name"),

@@ -162,3 +162,25 @@ def test_two_fits_in_threads_share_the_store(regression_df, store):
             torch.testing.assert_close(weights(together[f"thread-{lr}"])[name], value)
     first, second = (weights(together[f"thread-{lr}"])["weight"] for lr in (0.1, 0.05))
     assert not torch.equal(first, second)
+
+
+def test_an_elastic_fit_still_fails_at_once_on_an_error_of_the_training_code(
+    regression_df, store, tmp_path
+):
+    fault = Fault("raise", rank=1, epoch=2, marker=tmp_path / "m", once=False)
+    est = momentum_estimator(store, callbacks=[fault], num_proc=2, min_num_proc=1)
+    started = time.monotonic()
+    with pytest.raises(TrainingError, match="ValueError: injected fault on rank 1"):
+        est.fit(regression_df)
+    assert time.monotonic() - started < 60  # not started again: it would raise again
+
+
+def test_a_fit_that_loses_processes_more_than_max_restarts_times_fails(
+    regression_df, store, tmp_path
+):
+    fault = Fault("kill", rank=1, epoch=2, marker=tmp_path / "m")
+    est = momentum_estimator(store, callbacks=[fault], max_restarts=0, run_id="lost")
+    with pytest.raises(RuntimeError, match="lost processes 1 times, more than max_restarts=0"):
+        est.fit(regression_df)
+    assert (tmp_path / "m").exists()
+    assert store.checkpoint_epochs("lost") == [1]  # a later fit resumes from there

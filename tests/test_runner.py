@@ -233,6 +233,13 @@ def _bad_inputs():
         "verbose not int": (dict(verbose="2"), TypeError, "verbose: expected an int"),
         "max_restarts negative": (dict(max_restarts=-1), ValueError, "max_restarts: must be >= 0"),
         "start_timeout 0": (dict(start_timeout=0), ValueError, "start_timeout: must be > 0"),
+        "min_num_proc 0": (dict(min_num_proc=0), ValueError, "min_num_proc: must be >= 1"),
+        "min_num_proc above num_proc": (
+            dict(num_proc=2, min_num_proc=3),
+            ValueError,
+            "min_num_proc: 3 is more than num_proc=2",
+        ),
+        "elastic_timeout 0": (dict(elastic_timeout=0), ValueError, "elastic_timeout: must be > 0"),
         "store not a store": (dict(store=42), TypeError, "store: expected a Store or a URL"),
         "run_id with a slash": (dict(run_id="a/b"), ValueError, "run_id: expected a folder"),
         "fn not picklable": (

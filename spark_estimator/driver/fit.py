@@ -29,9 +29,10 @@ from ..shared.failures import TrainingError, read_failure
 from ..shared.serialization import loads, state_from_bytes
 from ..shared.spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
 from ..shared.summary import RankSummary
-from ..store import Store
+from ..store import RunFolder, Store
 from ..worker.task import training_task
 from . import mlflow_log, run_manifest, validate
+from .elastic import ElasticSize, lost_reason
 from .launch import available_slots, cancel_jobs, run_barrier_job
 from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
@@ -80,6 +81,9 @@ _PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
     "reader_num_workers": _positive,
     "row_group_size_mb": _positive,
     "collective_timeout": _positive,
+    "min_num_proc": _optional_positive,
+    "max_restarts": validate.check_non_negative,
+    "elastic_timeout": _positive,
     "shuffle_buffer_size": _optional_positive,
     "train_steps_per_epoch": _optional_positive,
     "validation_steps_per_epoch": _optional_positive,
@@ -99,6 +103,17 @@ def log_placements(summaries: list[RankSummary]) -> None:
     for placement, which in ranks.items():
         listed = ", ".join(map(str, which))
         logger.info("rank%s %s: data %s", "s" if len(which) > 1 else "", listed, placement)
+
+
+class _LostProcesses(Exception):
+    """A launch of the training job failed without an error of the training code."""
+
+
+def _ask_to_grow(run: RunFolder, size: ElasticSize, store: Store) -> None:
+    """While an elastic fit runs below num_proc and the cluster offers more slots, ask the
+    ranks to stop at the epoch's end (they read ``run.grow``, see worker/loop/train.py)."""
+    if not store.exists(run.grow) and size.grow_to() is not None:
+        store.write_json(run.grow, {"from": size.procs})
 
 
 class _Clock:
@@ -247,7 +262,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             trainer=self._TRAINER,
         )
         with clock("job"):
-            summaries = self._launch(spark, spec, checked.num_proc)
+            summaries, resizes = self._launch(spark, spec, checked.num_proc)
         store.write_json(store.run(run_id).ranks, [asdict(s) for s in summaries])
         digests = {s.weights_digest for s in summaries}
         if len(digests) != 1:
@@ -277,6 +292,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             training_summary={
                 **result["summary"],
                 "dataset_reused": data.reused,
+                "resizes": resizes,
                 "fit_seconds": clock.report(summaries),
             },
         )
@@ -284,23 +300,73 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             mlflow_log.log_fit(self, fitted)
         return fitted
 
-    def _launch(self, spark: SparkSession, spec: TrainSpec, num_proc: int) -> list[RankSummary]:
-        """Run the training job (retried by Spark after a lost task, resuming from the last
-        checkpoint), following it from the driver (driver/monitor.py); raise the training
-        code's own error as a TrainingError, with the failing rank's last output lines."""
+    def _launch(
+        self, spark: SparkSession, spec: TrainSpec, num_proc: int
+    ) -> tuple[list[RankSummary], list[dict]]:
+        """Run the training job, starting it again after lost processes, resized when the
+        fit is elastic (``driver/elastic.py``); the ranks' summaries and the resizes.
+        Raises the training code's own error as a TrainingError, with the failing rank's
+        last output lines."""
+        size = ElasticSize(
+            spark,
+            self.getNumProc() or num_proc,
+            self.getMinNumProc(),
+            num_proc,
+            self.getMaxRestarts(),
+            self.getElasticTimeout(),
+        )
+        store, run = spec.store, spec.store.run(spec.run_id)
+        while True:
+            if store.exists(run.grow):
+                store.remove(run.grow)
+            try:
+                summaries = self._launch_once(spark, spec, size)
+            except _LostProcesses as lost:
+                resumed = (store.checkpoint_epochs(spec.run_id) or [0])[-1]
+                size.after_loss(lost.__cause__, resumed)
+                logger.warning(
+                    "run %s: the training job lost processes (%s); starting it again with "
+                    "%d from epoch %d (restart %d of at most %d)",
+                    spec.run_id,
+                    lost_reason(lost.__cause__),
+                    size.procs,
+                    resumed,
+                    size.restarts,
+                    size.max_restarts,
+                )
+                continue
+            if not any(s["paused"] for s in summaries):
+                return [RankSummary(**s) for s in summaries], [r.as_dict() for r in size.resizes]
+            resumed = store.checkpoint_epochs(spec.run_id)[-1]
+            size.after_growth_request(resumed)
+            logger.info(
+                "run %s: slots returned; starting the job again with %d processes from epoch %d",
+                spec.run_id,
+                size.procs,
+                resumed,
+            )
+
+    def _launch_once(self, spark: SparkSession, spec: TrainSpec, size: ElasticSize) -> list[dict]:
+        """One launch of the training job, followed from the driver (driver/monitor.py).
+        Raises a TrainingError for an error of the training code, ``_LostProcesses`` for
+        any other failure; asks the ranks to grow when slots return (``ElasticSize``)."""
         store, run_id = spec.store, spec.run_id
         failure = store.run(run_id).failure(spec.launch_id)
         tag = f"spark-estimator-{spec.launch_id}"
         cancel = functools.partial(cancel_jobs, spark, tag)
-        monitor = FitMonitor(store, run_id, spec.launch_id, self.getVerbose(), cancel=cancel)
+        # Lightning's trainer has no way to stop for the driver: its fits only shrink
+        grow = functools.partial(_ask_to_grow, store.run(run_id), size, store)
+        watch = grow if spec.trainer == "torch" else None
+        monitor = FitMonitor(
+            store, run_id, spec.launch_id, self.getVerbose(), cancel=cancel, watch=watch
+        )
         try:
             with monitor:
-                summaries = run_barrier_job(
+                return run_barrier_job(
                     spark,
-                    num_proc,
+                    size.procs,
                     functools.partial(training_task, spec),
                     f"spark-estimator {run_id}",
-                    retry=True,
                     tag=tag,
                 )
         except Exception as e:
@@ -308,11 +374,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 raise TrainingError(run_id, record, monitor.tail(record["rank"])) from e
             if hasattr(e, "add_note") and monitor.tail():
                 e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
-            raise
-        if any(s.get("aborted") for s in summaries):
-            record = read_failure(failure, store)
-            raise TrainingError(run_id, record, monitor.tail(record["rank"]))
-        return [RankSummary(**s) for s in summaries]
+            raise _LostProcesses() from e
 
     def _check_columns(
         self, dataset: DataFrame | None
@@ -369,7 +431,10 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             mlflow_log.check_installed()
         slots = available_slots(spark, self.getNumProc())
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
-        validate.check_num_proc(num_proc, slots)
+        if self.getMinNumProc() is None:
+            validate.check_num_proc(num_proc, slots)
+        else:
+            num_proc = validate.check_min_num_proc(self.getMinNumProc(), num_proc, slots)
         training = self._training(num_proc)
         if training.first_log and log_first:
             logger.info(training.first_log)

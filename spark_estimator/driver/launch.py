@@ -5,10 +5,9 @@ The job is built with the DataFrame API (``mapInPandas(..., barrier=True)`` over
 alike. Each task returns one row, a JSON summary of its rank; large results go through the
 store, not through rows.
 
-Spark does not retry a failed barrier stage whose output is the job's result, but it does
-retry a barrier stage that feeds a shuffle (up to ``spark.stage.maxConsecutiveAttempts``
-times, 4 by default), relaunching all of its tasks. ``retry=True`` adds that shuffle (of
-``num_proc`` small rows) so that a fit survives a lost process or executor.
+Spark does not retry a failed barrier stage whose output is the job's result: after a lost
+task the whole job fails, and the driver decides whether to start it again
+(``driver/elastic.py``).
 
 On Spark Connect there is no SparkContext on this side: slots are counted from the
 server's configuration alone (see ``connect_slots``), and the job is labelled with a job
@@ -188,15 +187,13 @@ def run_barrier_job(
     num_proc: int,
     task: Callable[[], dict],
     description: str,
-    retry: bool = False,
     tag: str | None = None,
 ) -> list[dict]:
     """Run ``task`` on ``num_proc`` barrier tasks at once; return their summaries by rank.
-    With ``retry``, Spark relaunches all tasks when one fails (see above); with ``tag``,
-    ``cancel_jobs(spark, tag)`` cancels the job."""
+    With ``tag``, ``cancel_jobs(spark, tag)`` cancels the job."""
     with labelled_jobs(spark, description, tag):
         summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
             barrier_job(task), "summary string", barrier=True
         )
-        rows = (summaries.repartition(1) if retry else summaries).collect()
+        rows = summaries.collect()
     return sorted((json.loads(r.summary) for r in rows), key=lambda s: s["rank"])

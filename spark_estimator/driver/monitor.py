@@ -19,7 +19,9 @@ Given ``cancel``, it also ends a job that outlives its recorded failure: once a 
 written the launch's failure record (``shared/failures.py``), Spark normally fails the
 job within seconds (the failing task ends, Spark kills the others). Should a rank not end
 (one that waits on a peer Spark never kills), ``cancel`` is called ``FAILED_JOB_GRACE_S``
-after the record appeared, and the fit raises the recorded error.
+after the record appeared, and the fit raises the recorded error. Given ``watch``, it
+calls it every ``WATCH_S`` seconds while the job runs (an elastic fit asks its ranks to grow
+from there, ``driver/fit.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ..store import Store
 POLL_S = 0.5
 TAIL_LINES = 20
 FAILED_JOB_GRACE_S = 30.0  # a failed launch's job still running after this is cancelled
+WATCH_S = 2.0  # how often ``watch`` is called
 logger = logging.getLogger("spark_estimator.worker")
 log = logging.getLogger(__name__)
 
@@ -81,9 +84,11 @@ class FitMonitor:
         verbose: bool,
         show: Callable[[int, str, str], None] | None = None,
         cancel: Callable[[], None] | None = None,
+        watch: Callable[[], None] | None = None,
     ):
         self.store, self.launch_id, self.verbose = store, launch_id, verbose
         self.cancel, self.failure_seen = cancel, None
+        self.watch, self.watched = watch, 0.0
         self.run = store.run(run_id)
         self.seen: set[str] = set()
         self.tails: dict[int, collections.deque] = {}
@@ -143,6 +148,9 @@ class FitMonitor:
             try:
                 self.poll()
                 self._end_a_failed_job()
+                if self.watch is not None and time.monotonic() - self.watched >= WATCH_S:
+                    self.watched = time.monotonic()
+                    self.watch()
             except Exception as e:  # e.g. a file of the store not readable for a moment
                 logger.debug("could not read the run's progress: %s", e)
 

@@ -81,6 +81,9 @@ class FitParamsAccessors(Params):
     batch_size: Param[int]
     epochs: Param[int]
     num_proc: Param[int | None]
+    min_num_proc: Param[int | None]
+    max_restarts: Param[int]
+    elastic_timeout: Param[float]
     validation: Param[float | str | None]
     random_seed: Param[int]
     store: Param[Any]
@@ -159,6 +162,48 @@ class FitParamsAccessors(Params):
         every task slot of the cluster
         """
         return self._set(num_proc=value)
+
+    def getMinNumProc(self) -> int | None:
+        """Gets the value of `min_num_proc`: elastic training: after processes are lost (a
+        killed process, a lost executor), the fit starts again from its last checkpoint with
+        as many processes as the cluster can run then, at least min_num_proc and at most
+        num_proc, and grows back toward num_proc at an epoch's end when slots return;
+        default: num_proc (a fixed size, started again once the cluster has num_proc slots)
+        """
+        return self.getOrDefault(self.min_num_proc)
+
+    def setMinNumProc(self: _P, value: int | None) -> _P:
+        """Sets the value of `min_num_proc`: elastic training: after processes are lost (a
+        killed process, a lost executor), the fit starts again from its last checkpoint with
+        as many processes as the cluster can run then, at least min_num_proc and at most
+        num_proc, and grows back toward num_proc at an epoch's end when slots return;
+        default: num_proc (a fixed size, started again once the cluster has num_proc slots)
+        """
+        return self._set(min_num_proc=value)
+
+    def getMaxRestarts(self) -> int:
+        """Gets the value of `max_restarts`: how many times a fit is started again after losing
+        processes before it fails
+        """
+        return self.getOrDefault(self.max_restarts)
+
+    def setMaxRestarts(self: _P, value: int) -> _P:
+        """Sets the value of `max_restarts`: how many times a fit is started again after losing
+        processes before it fails
+        """
+        return self._set(max_restarts=value)
+
+    def getElasticTimeout(self) -> float:
+        """Gets the value of `elastic_timeout`: seconds to wait, after processes were lost, for
+        the cluster to offer at least min_num_proc task slots before the fit fails
+        """
+        return self.getOrDefault(self.elastic_timeout)
+
+    def setElasticTimeout(self: _P, value: float) -> _P:
+        """Sets the value of `elastic_timeout`: seconds to wait, after processes were lost, for
+        the cluster to offer at least min_num_proc task slots before the fit fails
+        """
+        return self._set(elastic_timeout=value)
 
     def getValidation(self) -> float | str | None:
         """Gets the value of `validation`: fraction of rows held out for validation (a seeded

@@ -23,6 +23,7 @@ from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
 
 from ..shared.spec import COLLECTIVE_TIMEOUT_S
 from . import param_accessors as accessors
+from .elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
 
 
 def _to_optional_int(value: Any) -> int | None:
@@ -229,6 +230,29 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "number of training processes (barrier tasks); default: every task slot of the cluster",
             _to_optional_int,
             default=None,
+        ),
+        ParamSpec(
+            "min_num_proc",
+            "elastic training: after processes are lost (a killed process, a lost executor), "
+            "the fit starts again from its last checkpoint with as many processes as the "
+            "cluster can run then, at least min_num_proc and at most num_proc, and grows back "
+            "toward num_proc at an epoch's end when slots return; default: num_proc (a fixed "
+            "size, started again once the cluster has num_proc slots)",
+            _to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "max_restarts",
+            "how many times a fit is started again after losing processes before it fails",
+            TypeConverters.toInt,
+            default=MAX_RESTARTS,
+        ),
+        ParamSpec(
+            "elastic_timeout",
+            "seconds to wait, after processes were lost, for the cluster to offer at least "
+            "min_num_proc task slots before the fit fails",
+            TypeConverters.toFloat,
+            default=ELASTIC_TIMEOUT_S,
         ),
         ParamSpec(
             "validation",

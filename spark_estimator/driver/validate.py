@@ -141,6 +141,11 @@ def check_positive(name: str, value, optional: bool = False) -> None:
         raise ValueError(f"{name}: must be {bound}, got {value}")
 
 
+def check_non_negative(name: str, value) -> None:
+    if value is None or value < 0:
+        raise ValueError(f"{name}: must be >= 0, got {value}")
+
+
 def check_fraction(name: str, value) -> None:
     """A fraction in [0, 1]."""
     if not 0 <= value <= 1:
@@ -168,14 +173,29 @@ def check_transformation_fn(fn) -> bytes | None:
     return dumps(fn, "transformation_fn")
 
 
-def check_num_proc(num_proc: int, slots: int, waited: str = "") -> None:
+def check_min_num_proc(min_num_proc: int | None, num_proc: int, slots: int) -> int:
+    """The number of processes an elastic fit starts with: as many of ``num_proc`` as the
+    cluster's ``slots`` allow, at least ``min_num_proc``; ``num_proc`` itself when the fit
+    is not elastic (``min_num_proc`` None)."""
+    if min_num_proc is None:
+        return num_proc
+    if min_num_proc > num_proc:
+        raise ValueError(
+            f"min_num_proc: {min_num_proc} is more than num_proc={num_proc}; an elastic fit "
+            "runs between min_num_proc and num_proc processes"
+        )
+    check_num_proc(min_num_proc, slots, name="min_num_proc")
+    return min(num_proc, slots)
+
+
+def check_num_proc(num_proc: int, slots: int, waited: str = "", name: str = "num_proc") -> None:
     """``num_proc`` against the cluster's ``slots``; ``waited`` says how long the slots were
     waited for (e.g. "start_timeout=30 s"), for the message."""
-    check_positive("num_proc", num_proc)
+    check_positive(name, num_proc)
     if num_proc > slots:
         within = f" (counted within {waited})" if waited else ""
         raise ValueError(
-            f"num_proc: {num_proc} training processes requested but the cluster can run only "
+            f"{name}: {num_proc} training processes requested but the cluster can run only "
             f"{slots} tasks at once{within}; a barrier job needs all of them at the same time. "
             "Lower num_proc or add executor cores."
         )

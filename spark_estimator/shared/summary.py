@@ -36,6 +36,7 @@ class RankSummary:
     weights_digest: str  # of the final weights: the same on every rank
     seconds: float  # from the end of the rank's setup (loaders open) to its summary
     compiled: str | None = None  # the torch.compile backend of the module trained; None: eager
+    paused: bool = False  # stopped at an epoch's end so the job starts again larger (elastic)
 
 
 def training_summary(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..shared.failures import read_failure, record_failure
+from ..shared.failures import record_failure
 from ..shared.spec import TrainSpec
 from .comm.rendezvous import process_group
 from .loop.train import train
@@ -13,19 +13,13 @@ from .observe.run_log import RankLog
 
 def training_task(spec: TrainSpec) -> dict:
     """Run this task's rank of the training job; return its summary (a ``RankSummary`` as a
-    dict, for the job's JSON).
-
-    When an earlier attempt of this launch already failed in the training code (Spark
-    retried the stage after it), the task ends at once with ``{"aborted": True}`` and the
-    driver raises the recorded failure (see ``shared/failures.py``).
-    """
+    dict, for the job's JSON). An error of the training code is recorded in the store
+    first (see ``shared/failures.py``)."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
     store = spec.store
     path = store.run(spec.run_id).failure(spec.launch_id)
-    if read_failure(path, store) is not None:
-        return {"rank": ctx.partitionId(), "aborted": True}
 
     def on_failure(rank: int, error: BaseException) -> None:
         record_failure(path, store, rank, error)

@@ -91,12 +91,7 @@ def failing_once(marker):
     return task
 
 
-def test_with_retry_spark_relaunches_all_tasks_after_one_died(spark, tmp_path):
-    summaries = run_barrier_job(spark, 2, failing_once(str(tmp_path / "m")), "t", retry=True)
-    assert [s["rank"] for s in summaries] == [0, 1]
-
-
-def test_without_retry_the_job_fails(spark, tmp_path):
+def test_a_lost_task_fails_the_whole_job(spark, tmp_path):
     with pytest.raises(Exception, match="barrier"):
         run_barrier_job(spark, 2, failing_once(str(tmp_path / "m")), "t")
 

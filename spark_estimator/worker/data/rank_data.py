@@ -89,10 +89,12 @@ def rank_summary(
     optimizer_steps_per_epoch: list[int],
     started: float,
     compiled: str | None = None,
+    paused: bool = False,
 ) -> RankSummary:
     """What this rank did: ``hook`` is the DDP gradient hook's state (None without one),
     ``weights`` the final state dict, ``started`` when training began (``time.time()``),
-    ``compiled`` the torch.compile backend of the module it trained (None: not compiled)."""
+    ``compiled`` the torch.compile backend of the module it trained (None: not compiled),
+    ``paused`` whether it stopped at an epoch's end for the job to grow."""
     return RankSummary(
         rank=info.rank,
         local_rank=info.local_rank,
@@ -112,4 +114,5 @@ def rank_summary(
         weights_digest=state_dict_digest(weights),
         seconds=round(time.time() - started, 3),
         compiled=compiled,
+        paused=paused,
     )

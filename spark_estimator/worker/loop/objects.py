@@ -37,6 +37,19 @@ def scale_learning_rates(optimizer: torch.optim.Optimizer, factor: float) -> Non
         group["lr"] = group["lr"] * factor
 
 
+def rescale_restored(objects: TrainingObjects, factor: float) -> None:
+    """Scale the rates restored from a checkpoint written with another number of
+    processes, ``lr_scaling="linear"``: the optimizer's, and those an LR scheduler starts
+    from (``initial_lr``, ``base_lrs``), so the schedule goes on at the new scale."""
+    scale_learning_rates(objects.optimizer, factor)
+    for group in objects.optimizer.param_groups:
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * factor
+    scheduler = objects.scheduler
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+
+
 def build_losses(loss, loss_constructors, num_labels: int) -> list[Callable]:
     """One loss per label column: ``loss`` (one for all, or a list), or built here by
     calling ``loss_constructors`` (one for all, or one per label column)."""

@@ -40,7 +40,7 @@ from ..observe.tensorboard import TensorBoardLog
 from .checkpoints import Checkpoints
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums, non_finite_loss_error
-from .objects import build_objects
+from .objects import build_objects, rescale_restored
 from .resume import (
     agree_on_checkpoint,
     callback_states,
@@ -108,6 +108,7 @@ class _TrainingLoop:
         self.output_shapes: list[list[int]] | None = None
         self.started = time.time()
         self.start_epoch, self.batches_drawn, self.stopped = 0, 0, False
+        self.paused = False  # stopped at an epoch's end for the driver to grow the job
         resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
         if resume_epoch:
             self._restore(resume_epoch)
@@ -132,6 +133,12 @@ class _TrainingLoop:
         self.output_shapes = saved["output_shapes"]
         self.start_epoch, self.batches_drawn = epoch, saved["batches_drawn"]
         self.stopped = saved["stop_training"]
+        saved_world = saved.get("world_size", self.info.world_size)
+        if saved_world != self.info.world_size:  # an elastic fit started again resized
+            if self.spec.loop.lr_scaling == "linear":
+                rescale_restored(objects, self.info.world_size / saved_world)
+            # the stream of passes goes on as if this size had trained from the start
+            self.batches_drawn = epoch * self.steps_per_epoch
 
     # -- the epochs -----------------------------------------------------------------------
     def run(self) -> None:
@@ -152,7 +159,12 @@ class _TrainingLoop:
             sums.reduce(self.info.rank, times)  # the epoch's one collective for metrics
             if self.spec.loop.terminate_on_nan and sums.non_finite_steps:
                 raise self._nan_error(sums, epoch)
-            record = {"epoch": epoch, "lr": lrs, "train": sums.record("train")}
+            record = {
+                "epoch": epoch,
+                "num_proc": self.info.world_size,
+                "lr": lrs,
+                "train": sums.record("train"),
+            }
             if self.has_validation:
                 record["validation"] = sums.record("validation")
             record["seconds"] = sums.times()
@@ -161,12 +173,14 @@ class _TrainingLoop:
             self._step_scheduler(record)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, record, state)
-            stop = self._agree_to_stop(state.stop_training)
+            stop, self.paused = self._agree_to_stop(state.stop_training, epoch < last)
             if self.info.rank == 0:
                 self._write_checkpoint(epoch, stop)
                 self.tensorboard.write(state.history)
-            if stop:
+            if stop or self.paused:
                 break
+        if self.paused:  # the driver starts the job again with more processes
+            return
         for cb in callbacks:
             cb.on_train_end(state)
 
@@ -283,11 +297,16 @@ class _TrainingLoop:
         else:
             scheduler.step()
 
-    def _agree_to_stop(self, requested: bool) -> bool:
-        """Rank 0's stop request, the same on every rank."""
-        flag = torch.tensor([1.0 if requested else 0.0], device=self.device)
+    def _agree_to_stop(self, requested: bool, epochs_left: bool) -> tuple[bool, bool]:
+        """Rank 0's stop request, and whether to pause so the driver can start the job again
+        with more processes (elastic growth, ``driver/elastic.py``), the same on every rank."""
+        pause = False
+        if self.info.rank == 0 and epochs_left and not requested:
+            store, grow = self.spec.store, self.spec.store.run(self.spec.run_id).grow
+            pause = store.exists(grow) and store.read_json(grow)["from"] == self.info.world_size
+        flag = torch.tensor([2.0 if pause else 1.0 if requested else 0.0], device=self.device)
         dist.broadcast(flag, src=0)
-        return bool(flag.item())
+        return flag.item() == 1.0, flag.item() == 2.0
 
     def _write_checkpoint(self, epoch: int, stop: bool) -> None:
         state = {
@@ -297,6 +316,7 @@ class _TrainingLoop:
             "callbacks": callback_states(self.objects.callbacks),
             "output_shapes": self.output_shapes,
             "batches_drawn": self.batches_drawn,
+            "world_size": self.info.world_size,
             "stop_training": stop,
             **self.stepper.state_dict(),
         }
@@ -320,7 +340,7 @@ class _TrainingLoop:
         """Rank 0 writes the result; every rank returns its summary."""
         model = self.objects.model
         weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-        if self.info.rank == 0:
+        if self.info.rank == 0 and not self.paused:
             selection = self.best.selection() if self.best else None
             result = {
                 "model": self.best.best_state if selection else weights,
@@ -340,6 +360,7 @@ class _TrainingLoop:
             self.optimizer_steps_run,
             self.started,
             compile_backend(self.spec.loop.compile),
+            self.paused,
         )
 
     def _training_summary(self, selection: dict | None) -> dict:
