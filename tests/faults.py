@@ -6,6 +6,8 @@ rank's ``after_batches``-th training forward pass of the epoch:
 - ``"kill"``: SIGKILL its own process (a crash: nothing is raised, nothing cleaned up);
 - ``"kill-executor"``: SIGKILL the executor JVM running it (an executor lost; only on a
   cluster master such as local-cluster, where executors are processes of their own);
+- ``"kill-worker"``: SIGKILL the standalone Worker JVM that started that executor, then
+  the executor: its slot is lost for good (tests/clusters.py's clusters);
 - ``"raise"``: raise ``ValueError("injected fault ...")`` from the training code;
 - ``"io-error"``: raise ``OSError("injected I/O error ...")``, as a store that failed;
 - ``"hang"``: sleep for an hour, as a rank stuck outside any collective.
@@ -23,7 +25,12 @@ import time
 
 from spark_estimator.callbacks import Callback
 
-ACTIONS = ("kill", "kill-executor", "raise", "io-error", "hang")
+ACTIONS = ("kill", "kill-executor", "kill-worker", "raise", "io-error", "hang")
+
+
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def executor_jvm_pid() -> int:
@@ -33,8 +40,7 @@ def executor_jvm_pid() -> int:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"CoarseGrainedExecutorBackend" in f.read():
                 return pid
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        pid = parent_pid(pid)
     raise RuntimeError("no executor JVM above this process (not a cluster master?)")
 
 
@@ -73,6 +79,13 @@ class Fault(Callback):
         if self.action == "kill-executor":
             os.kill(executor_jvm_pid(), signal.SIGKILL)
             time.sleep(3600)  # this worker goes down with its executor
+        if self.action == "kill-worker":
+            executor = executor_jvm_pid()
+            with open(f"/proc/{parent_pid(executor)}/cmdline", "rb") as f:
+                assert b"deploy.worker.Worker" in f.read(), "not on a standalone Worker"
+            os.kill(parent_pid(executor), signal.SIGKILL)
+            os.kill(executor, signal.SIGKILL)
+            time.sleep(3600)
         if self.action == "hang":
             time.sleep(3600)
         if self.action == "io-error":

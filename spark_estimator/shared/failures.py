@@ -1,23 +1,23 @@
 """Which training failures are retried and how the others reach the driver.
 
-Spark retries a fit's barrier stage when one of its tasks fails: that is how training
-survives a lost process or executor, resuming from the last checkpoint. It must not
-retry an exception raised by the training code (a bug or bad data raises again, every
-attempt). So the first rank to raise such an exception writes it, with its traceback, to
-the run's ``failures/<launch_id>.json`` in the store before its task fails. The tasks of
-the retried attempt find the record and end at once without training, and the driver
-raises it as a ``TrainingError``.
+The driver starts a fit's barrier job again when one of its tasks fails
+(``driver/elastic.py``): that is how training survives a lost process or executor, resuming
+from the last checkpoint. It must not retry an exception raised by the training code (a
+bug or bad data raises again, every attempt). So the first rank to raise such an exception
+writes it, with its traceback, to the run's ``failures/<launch_id>.json`` in the store
+before its task fails, and the driver, finding the record, raises it as a
+``TrainingError`` instead.
 
 Two kinds of exception are retried (not recorded), and the retry resumes:
 - those that only say a peer went away (gloo's "connection reset" or "timed out", the
   shared-memory allreduce's ``SHM_TAG`` errors, or torch.distributed's ``DistError``):
   the rank that died is the failure;
 - I/O errors (``OSError``: a store or a network that failed for a moment). One that
-  persists fails every attempt, and Spark's error after the last attempt carries it.
+  persists fails every attempt, and the driver's error after the last one
+  (``max_restarts``) chains Spark's, which carries it.
 
-``run(fn)`` records the same failure in its run's folder, and Spark does not retry it
-(only a run that entered ``hvd.elastic.run`` is started again, by the driver, after a
-failure without a record). Its failing rank also carries the record, with its last lines
+``run(fn)`` records the same failure in its run's folder; a run is started again after a
+failure without a record only when its ranks entered ``hvd.elastic.run``. Its failing rank also carries the record, with its last lines
 of output, in a note of its exception (``carry_failure``): Spark's error on the driver shows
 the note within the remote traceback, and the driver reads the record back from it
 (``carried_failure``) where it cannot read the store (a multi-host cluster given no shared
@@ -66,7 +66,7 @@ class TrainingError(RuntimeError):
 
 
 def is_retried(error: BaseException) -> bool:
-    """Whether Spark should retry the training stage after ``error`` (see above)."""
+    """Whether the training job should be started again after ``error`` (see above)."""
     return is_peer_failure(error) or isinstance(error, OSError)
 
 

@@ -1,0 +1,191 @@
+"""Elastic fits on a real standalone cluster (tests/clusters.py) whose Workers die for good:
+the fit shrinks, grows back at an epoch's end, or fails when too few slots remain."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from spark_estimator import Store, TorchEstimator
+from spark_estimator.callbacks import Callback
+from tests.clusters import StandaloneCluster
+from tests.conftest import regression_rows
+from tests.faults import Fault
+
+pytestmark = pytest.mark.cluster
+ROWS = 300
+LR = 0.02
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with StandaloneCluster(workers=3) as started:
+        yield started
+
+
+@pytest.fixture
+def three_workers(cluster):
+    """The module's cluster with 3 live Workers (a test before may have lost one)."""
+    while len(cluster.alive_workers()) < 3:
+        cluster.start_worker()
+    cluster.wait_workers(3)
+    spark = cluster.session()
+    deadline = time.monotonic() + 120
+    while spark.sparkContext._jsc.sc().getExecutorIds().size() < 3:
+        assert time.monotonic() < deadline, "the executors did not register"
+        time.sleep(0.2)
+    return cluster, spark
+
+
+class EpochRecordingNet(torch.nn.Module):
+    """Linear; each training forward appends its row ids to ``<epoch>-<world>-<pid>.txt``."""
+
+    def __init__(self, out_dir: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 1)
+        self.out_dir, self.epoch, self.world = out_dir, None, None
+
+    def forward(self, x, row_id):
+        if self.training and self.epoch is not None:
+            name = f"{self.epoch}-{self.world}-{os.getpid()}.txt"
+            with open(os.path.join(self.out_dir, name), "a") as f:
+                f.write(" ".join(str(int(i)) for i in row_id.tolist()) + "\n")
+        return self.lin(x)
+
+
+class TellEpoch(Callback):
+    def on_epoch_begin(self, epoch, state):
+        state.model.epoch, state.model.world = epoch, state.world_size
+
+
+class WaitForGrowth(Callback):
+    """At the end of ``epoch`` on fewer than ``procs`` processes, wait (at most 3 minutes)
+    until the driver has asked the ranks to grow, so the test does not race the cluster."""
+
+    def __init__(self, grow_file: str, epoch: int, procs: int):
+        self.grow_file, self.epoch, self.procs = grow_file, epoch, procs
+
+    def on_epoch_end(self, epoch, logs, state):
+        if epoch == self.epoch and state.world_size < self.procs:
+            deadline = time.monotonic() + 180
+            while not os.path.exists(self.grow_file) and time.monotonic() < deadline:
+                time.sleep(0.2)
+
+
+def estimator(store, net, run_id, callbacks=(), **params):
+    return TorchEstimator(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x", "id"],
+        label_cols=["y"],
+        batch_size=10,
+        epochs=6,
+        num_proc=3,
+        lr_scaling="linear",
+        store=store,
+        use_gpu=False,
+        verbose=False,
+        run_id=run_id,
+        callbacks=[TellEpoch(), *callbacks],
+        **params,
+    )
+
+
+def rows_per_epoch(out_dir: Path, history: list[dict]) -> dict[int, list[int]]:
+    """Each finished epoch's row ids, from the launch that finished it (its size)."""
+    seen: dict[int, list[int]] = {}
+    for record in history:
+        epoch, world = record["epoch"], record["num_proc"]
+        for path in out_dir.glob(f"{epoch}-{world}-*.txt"):
+            ids = [int(v) for v in path.read_text().split()]
+            seen.setdefault(epoch, []).extend(ids)
+    return seen
+
+
+def final_loss(model, df) -> float:
+    out = model.transform(df).select("y", "prediction").toPandas()
+    return float(((out["y"] - out["prediction"].map(lambda p: p[0])) ** 2).mean())
+
+
+def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers, tmp_path):
+    cluster, spark = three_workers
+    store = Store.create(str(tmp_path / "store"))
+    df = spark.createDataFrame(regression_rows(ROWS), "x array<double>, y double, id long")
+    clean = estimator(store, EpochRecordingNet(str(tmp_path)), "clean").fit(df)
+
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    grow_file = store.run("elastic").grow  # a local store: a path of this filesystem
+    fault = Fault("kill-worker", rank=1, epoch=2, marker=tmp_path / "killed", after_batches=3)
+    est = estimator(
+        store,
+        EpochRecordingNet(str(seen)),
+        "elastic",
+        callbacks=[fault, WaitForGrowth(grow_file, epoch=3, procs=3)],
+        min_num_proc=2,
+    )
+    started = time.monotonic()
+    killed = []
+
+    def bring_a_worker_back():  # once the fit runs on 2 processes, as an operator would
+        while not (tmp_path / "killed").exists():
+            time.sleep(0.1)
+        killed.append(time.monotonic() - started)
+        while not list(seen.glob("2-2-*.txt")):
+            time.sleep(0.1)
+        killed.append(time.monotonic() - started)
+        cluster.start_worker()
+
+    helper = threading.Thread(target=bring_a_worker_back, daemon=True)
+    helper.start()
+    model = est.fit(df)
+    helper.join(60)
+    print(
+        f"elastic fit: {time.monotonic() - started:.1f} s; kill at {killed[0]:.1f} s, "
+        f"training again on 2 processes at {killed[1]:.1f} s"
+    )
+
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert [h["num_proc"] for h in history] == [3, 2, 2, 3, 3, 3]
+    # lr_scaling="linear": the rate follows the number of processes
+    assert [h["lr"][0] for h in history] == pytest.approx([LR * h["num_proc"] for h in history])
+    resizes = model.getTrainingSummary()["resizes"]
+    assert [(r["from_procs"], r["to_procs"]) for r in resizes] == [(3, 2), (2, 3)]
+    assert resizes[0]["why"].startswith("lost processes") and resizes[0]["resumed_epoch"] == 1
+    assert resizes[1]["why"] == "slots returned" and resizes[1]["resumed_epoch"] == 3
+    print("resizes:", resizes)
+    # each finished epoch saw every row exactly once, whatever its number of processes
+    for epoch, ids in rows_per_epoch(seen, history).items():
+        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
+    # as good as the run that lost nothing (same data; its own sizes, so not bitwise)
+    assert final_loss(model, df) == pytest.approx(final_loss(clean, df), abs=0.01)
+    assert final_loss(model, df) < 0.05
+
+
+def test_too_few_slots_after_a_loss_fail_the_fit_within_elastic_timeout(three_workers, tmp_path):
+    _, spark = three_workers
+    store = Store.create(str(tmp_path / "store"))
+    df = spark.createDataFrame(regression_rows(ROWS), "x array<double>, y double, id long")
+    fault = Fault("kill-worker", rank=2, epoch=2, marker=tmp_path / "killed")
+    est = estimator(
+        store,
+        EpochRecordingNet(str(tmp_path)),
+        "too-few",
+        callbacks=[fault],
+        min_num_proc=3,
+        elastic_timeout=5.0,
+    )
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"fewer than 3 task slots for elastic_timeout=5 s") as e:
+        est.fit(df)
+    assert "slots seen since then: 2 at 0 s" in str(e.value)
+    assert time.monotonic() - started < 120
+    assert store.checkpoint_epochs("too-few") == [1]  # kept for a later fit to resume
