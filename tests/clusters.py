@@ -26,6 +26,14 @@ JVM, its executor JVM and their Python workers; a namespace host loses all of it
 processes and its network); ``start_worker()`` adds a Worker (a new host) whose executor
 the Master gives the running application; ``alive_workers()`` is the Master's view.
 
+How soon a loss is noticed (measured on a 2-core machine): a killed Worker's connections
+close, so the Master drops it and the driver its executor within about 2 s, and a barrier
+job running on it fails as fast. A host whose network is cut first
+(``stop_worker(i, cut_network=True)``) is noticed by the driver only after
+``spark.network.timeout`` (120 s by default; checked every ``spark.network.timeoutInterval``)
+and by the Master after ``spark.worker.timeout`` (60 s, a Master setting: ``master_conf``).
+A ``spark.worker.timeout`` of 5 s made healthy Workers of a busy machine flap; 15 s did not.
+
 One SparkContext per process: pytest runs every test of a process on one SparkContext,
 the one ``tests/conftest.py``'s ``spark_session(master)`` keeps. ``session(**conf)`` asks
 it for a session on this cluster (which stops the session of another master, e.g. the
