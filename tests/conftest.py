@@ -27,26 +27,39 @@ CLUSTER = "local-cluster[2,1,1024]"
 _current: dict[str, SparkSession] = {}
 
 
-def spark_session(master: str) -> SparkSession:
-    """The session for ``master``, stopping a session of another master first."""
+def spark_session(master: str, **conf: str) -> SparkSession:
+    """The session for ``master``, stopping a session of another master first.
+
+    A process has one SparkContext at a time, so every test gets its session here: ``conf``
+    (Spark settings, ``**{"spark.x": "v"}``) applies when the session is created, and a
+    session of a master that goes away (a cluster a test started, see tests/clusters.py) is
+    ended with ``stop_session``; the next test's fixture then starts its own again."""
     if master in _current:
         return _current[master]
     for other in list(_current):
         _current.pop(other).stop()
-    session = (
+    builder = (
         SparkSession.builder.master(master)
         .appName("spark-estimator tests")
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.driver.memory", "2g")
-        .getOrCreate()
     )
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
     # getOrCreate returns a running session whatever its master: none may run here
     assert session.sparkContext.master == master, session.sparkContext.master
     session.sparkContext.setLogLevel("ERROR")
     _current[master] = session
     return session
+
+
+def stop_session(master: str) -> None:
+    """Stop the session of ``master``, if one runs."""
+    if master in _current:
+        _current.pop(master).stop()
 
 
 def pytest_collection_modifyitems(items):

@@ -1,0 +1,149 @@
+"""The test clusters of tests/clusters.py: Workers lost for good, hosts of their own."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+
+import pytest
+
+from spark_estimator.driver.launch import available_slots, run_barrier_job, scheduler_slots
+from tests.clusters import NetnsCluster, StandaloneCluster
+
+pytestmark = pytest.mark.cluster
+
+
+def where_am_i() -> dict:
+    """A barrier task's rank, process and address (as the barrier context lists it)."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    rank = ctx.partitionId()
+    address = ctx.getTaskInfos()[rank].address.rsplit(":", 1)[0]
+    return {"rank": rank, "pid": os.getpid(), "address": address}
+
+
+def all_reduce_ranks() -> dict:
+    """Join the job's gloo group as a training task does and sum rank + 1 over it."""
+    import torch
+    import torch.distributed as dist
+    from pyspark import BarrierTaskContext
+
+    from spark_estimator.worker.comm.rendezvous import process_group
+
+    ctx = BarrierTaskContext.get()
+    with process_group(ctx, use_gpu=False, timeout_s=60) as info:
+        total = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(total)
+        return {
+            **where_am_i(),
+            "sum": total.item(),
+            "local_size": info.local_size,
+            "resolves_to": socket.gethostbyname(socket.gethostname()),
+        }
+
+
+def wait_slots(spark, n: int, timeout_s: float = 120.0) -> float:
+    """Seconds until the driver's scheduler counts ``n`` task slots."""
+    began = time.monotonic()
+    while (slots := scheduler_slots(spark)) != n:
+        assert time.monotonic() - began < timeout_s, f"{slots} slots, not {n}, after {timeout_s} s"
+        time.sleep(0.1)
+    return time.monotonic() - began
+
+
+def shm_files() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def leaked_shm(before: set[str]) -> set[str]:
+    """Files new in /dev/shm since ``before``, less those of processes that still run
+    (another test's, whose names carry its pid)."""
+
+    def owner_alive(name: str) -> bool:
+        m = re.match(r"spark-estimator-(\d+)-", name)
+        return bool(m) and os.path.exists(f"/proc/{m.group(1)}")
+
+    return {f for f in shm_files() - before if not owner_alive(f)}
+
+
+def test_standalone_cluster_loses_a_worker_for_good_and_gains_a_new_one():
+    shm_before = shm_files()
+    with StandaloneCluster(workers=3) as cluster:
+        print(f"\nstandalone: 3 workers ALIVE {cluster.startup_s:.1f} s after start")
+        began = time.monotonic()
+        spark = cluster.session()
+        print(f"standalone: session with 3 executors in {time.monotonic() - began:.1f} s")
+        assert spark.sparkContext.master == cluster.url
+        assert available_slots(spark) == 3
+
+        ranks = run_barrier_job(spark, 3, where_am_i, "where am I")
+        pids = {r["pid"] for r in ranks}
+        assert len(pids) == 3 and os.getpid() not in pids
+        assert all(pid in cluster.processes() for pid in pids)
+
+        killed = time.monotonic()
+        cluster.kill_worker(0)
+        master_s = cluster.wait_workers(2, timeout_s=60)
+        wait_slots(spark, 2)
+        print(
+            f"standalone: after kill_worker the Master lists 2 ALIVE in {master_s:.1f} s, "
+            f"the driver counts 2 slots in {time.monotonic() - killed:.1f} s"
+        )
+        assert available_slots(spark, wanted=3, wait_s=0) == 2
+        # for good: no executor comes back on the two Workers left
+        watch_until = time.monotonic() + 10
+        while time.monotonic() < watch_until:
+            assert scheduler_slots(spark) == 2
+            assert len(cluster.alive_workers()) == 2
+            time.sleep(0.5)
+        assert len(run_barrier_job(spark, 2, where_am_i, "two left")) == 2
+
+        began = time.monotonic()
+        cluster.start_worker()
+        wait_slots(spark, 3)
+        print(f"standalone: start_worker -> 3 slots in {time.monotonic() - began:.1f} s")
+        ranks = run_barrier_job(spark, 3, where_am_i, "three again")
+        assert len({r["pid"] for r in ranks}) == 3
+    assert cluster.processes() == []
+    assert not cluster.dir.exists()
+    assert leaked_shm(shm_before) == set()
+
+
+def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host():
+    shm_before = shm_files()
+    with NetnsCluster(workers=3) as cluster:
+        print(f"\nnetns: 3 worker hosts ALIVE {cluster.startup_s:.1f} s after start")
+        hosts = [f"{cluster.subnet}.{10 + i}" for i in range(3)]
+        assert sorted(w["host"] for w in cluster.alive_workers()) == hosts
+        spark = cluster.session()
+
+        ranks = run_barrier_job(spark, 3, all_reduce_ranks, "gloo across hosts")
+        assert sorted(r["address"] for r in ranks) == hosts
+        assert [r["sum"] for r in ranks] == [6.0, 6.0, 6.0]
+        assert [r["local_size"] for r in ranks] == [1, 1, 1]  # one rank per host
+        assert all(r["resolves_to"] == r["address"] for r in ranks)
+
+        stopped = time.monotonic()
+        cluster.stop_worker(1)
+        cluster.wait_workers(2, timeout_s=60)
+        wait_slots(spark, 2)
+        print(f"netns: stop_worker -> 2 slots in {time.monotonic() - stopped:.1f} s")
+        assert hosts[1] not in [w["host"] for w in cluster.alive_workers()]
+        assert len(cluster.namespaces()) == 2
+
+        began = time.monotonic()
+        new = cluster.start_worker()
+        wait_slots(spark, 3)
+        print(f"netns: start_worker -> 3 slots in {time.monotonic() - began:.1f} s")
+        ranks = run_barrier_job(spark, 3, all_reduce_ranks, "gloo on the new host")
+        assert sorted(r["address"] for r in ranks) == sorted(
+            [hosts[0], hosts[2], f"{cluster.subnet}.{10 + new}"]
+        )
+        assert [r["sum"] for r in ranks] == [6.0, 6.0, 6.0]
+    assert cluster.processes() == []
+    assert cluster.namespaces() == [] and cluster.links() == []
+    assert not list(cluster.etc_folders())
+    assert leaked_shm(shm_before) == set()
