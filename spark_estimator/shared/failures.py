@@ -17,11 +17,11 @@ Two kinds of exception are retried (not recorded), and the retry resumes:
   (``max_restarts``) chains Spark's, which carries it.
 
 ``run(fn)`` records the same failure in its run's folder; a run is started again after a
-failure without a record only when its ranks entered ``hvd.elastic.run``. Its failing rank also carries the record, with its last lines
-of output, in a note of its exception (``carry_failure``): Spark's error on the driver shows
-the note within the remote traceback, and the driver reads the record back from it
-(``carried_failure``) where it cannot read the store (a multi-host cluster given no shared
-store).
+failure without a record only when its ranks entered ``hvd.elastic.run``. Its failing rank
+also carries the record, with its last lines of output, in a note of its exception
+(``carry_failure``): Spark's error on the driver shows the note within the remote
+traceback, and the driver reads the record back from it (``carried_failure``) where it
+cannot read the store (a multi-host cluster given no shared store).
 
 Used on both sides: executors write records, the driver reads them.
 """

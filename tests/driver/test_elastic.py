@@ -111,7 +111,7 @@ def rows_per_epoch(out_dir: Path, history: list[dict]) -> dict[int, list[int]]:
 
 def final_loss(model, df) -> float:
     out = model.transform(df).select("y", "prediction").toPandas()
-    return float(((out["y"] - out["prediction"].map(lambda p: p[0])) ** 2).mean())
+    return float(((out["y"] - out["prediction"]) ** 2).mean())
 
 
 def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers, tmp_path):

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...shared.spec import PRECISION_DTYPES, torch_dtype
 from .adasum import adasum_allreduce_
-from .rendezvous import RankInfo
+from .rendezvous import RankInfo, at_leave
 from .shm_allreduce import SharedMemoryAllreduce
 
 
@@ -132,10 +132,14 @@ def wrap_model(
 
 def open_shared_memory(info: RankInfo, timeout_s: float) -> SharedMemoryAllreduce | None:
     """The shared-memory allreduce when every rank is a CPU process on this host and all
-    can map it, else None (on every rank: a collective whenever the ranks qualify)."""
+    can map it, else None (on every rank: a collective whenever the ranks qualify). It is
+    closed when the task leaves the process group (``rendezvous.at_leave``)."""
     if info.device.type != "cpu" or not 1 < info.world_size == info.local_size:
         return None
-    return SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
+    shared = SharedMemoryAllreduce.open(info.rank, info.world_size, timeout_s)
+    if shared is not None:
+        at_leave(shared.close)  # only once a failing rank has claimed its failure
+    return shared
 
 
 def gradient_path(state: "CompressionState | AdasumState | SharedMemoryAllreduce | None") -> str:

@@ -60,6 +60,7 @@ class RankInfo:
 
 _current: RankInfo | None = None
 _script_timeout: timedelta | None = None  # set while a script's task leaves the group to it
+_leaving: list[Callable[[], None]] = []  # at_leave's, run when the task leaves the group
 
 
 def current_rank_info() -> RankInfo:
@@ -222,15 +223,12 @@ def process_group(
         else:
             _leave_together(store, rank, world_size, timeout)
     except BaseException as e:  # sys.exit() in the code too
-        # a peer's failure never claims to be first: the rank that caused it may leave
-        # the shared-memory allreduce (its training's ``finally``) before it claims
-        first = not is_retried(e) and _first_failure(store)
-        if first and on_failure is not None:
+        first = _first_failure(store)
+        if first and on_failure is not None and not is_retried(e):
             on_failure(rank, e)
         if not first:
             log.warning(
-                "rank %d failed (%s) after another rank or with an error a retry may cure; "
-                "raising in %.0f s",
+                "rank %d failed (%s) after another rank did; raising in %.0f s",
                 rank,
                 type(e).__name__,
                 LATER_FAILURE_DELAY_S,
@@ -239,11 +237,20 @@ def process_group(
         raise
     finally:
         _current, _script_timeout = None, None
+        while _leaving:
+            _leaving.pop()()
         if dist.is_initialized():
             dist.destroy_process_group()
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def at_leave(close: Callable[[], None]) -> None:
+    """Call ``close`` when this task leaves the job's process group (``process_group``):
+    after a failing rank has claimed and recorded its failure, before the group goes, so
+    peers waiting on what ``close`` releases (the shared-memory allreduce) fail later."""
+    _leaving.append(close)
 
 
 def _leave_together(store, rank: int, world_size: int, timeout: timedelta) -> None:
@@ -323,10 +330,10 @@ def _first_failure(store) -> bool:
 
     When one rank raises, the others usually fail a moment later inside a collective
     ("connection closed by peer"), and Spark reports whichever task failure reaches it
-    first. So the first rank to fail in its own code claims that in the job's TCPStore and
-    raises at once; the others (and every rank whose error only reports a peer's failure)
-    wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job with the
-    original error and kills them.
+    first. So the first rank to fail claims that in the job's TCPStore and raises at once;
+    later ones wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job
+    with the original error and kills them. A failing rank tells its peers only after it
+    claimed: it leaves the group, and what ``at_leave`` registered, once past the claim.
     """
     try:
         return store.add(_FAILURES_KEY, 1) == 1

@@ -138,8 +138,6 @@ def train_lightning(
     finally:
         if stream is not None:
             stream.close()
-        if shared is not None:
-            shared.close()
     module = module.cpu()
     weights = {k: v.detach().to("cpu") for k, v in module.state_dict().items()}
     if rank == 0:

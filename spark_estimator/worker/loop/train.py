@@ -64,8 +64,6 @@ def train(
         return loop.finish()
     finally:
         loop.steps.close()
-        if isinstance(loop.hook, SharedMemoryAllreduce):
-            loop.hook.close()
 
 
 class _TrainingLoop:
