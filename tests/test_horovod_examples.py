@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.clusters import StandaloneCluster
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "horovod"
 LAUNCHER = Path(sys.executable).parent / "spark-estimator-run"
@@ -30,9 +32,9 @@ def final(output: str) -> float:
     return sum(accuracies(output)[-3:]) / 3
 
 
-def run(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def run(argv: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     # as typed in a shell: on a local master the launcher has its tasks run its own Python
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}, **env}
     done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -114,6 +116,62 @@ def test_the_elastic_script_resumes_from_its_last_commit_when_a_rank_is_killed(t
     marker = tmp_path / "killed"
     done = launch([str(killer), str(marker), *ELASTIC], "local[2]", tmp_path)
     assert marker.exists()  # the kill happened
+    epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
+    assert epochs == [str(e) for e in range(1, EPOCHS + 1)], done.stdout[-3000:]
+    assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0
+
+
+KILL_WORKER = """
+    # Runs the example; rank 1, at its {step}th optimizer step, SIGKILLs the standalone
+    # Worker that started its executor, then the executor: that slot is gone for good.
+    # Every launch says its size first.
+    import os, runpy, signal, sys
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    marker, script = sys.argv[1], sys.argv[2]
+    print("size", os.environ["WORLD_SIZE"], flush=True)
+    steps = [0]
+
+    def parent(pid):
+        with open(f"/proc/{{pid}}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    def cmdline(pid):
+        with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+            return f.read()
+
+    def kill_worker_once(optimizer, args, kwargs):
+        steps[0] += 1
+        if os.environ["RANK"] == "1" and steps[0] == {step} and not os.path.exists(marker):
+            open(marker, "w").close()
+            executor = parent(os.getpid())
+            while b"CoarseGrainedExecutorBackend" not in cmdline(executor):
+                executor = parent(executor)
+            os.kill(parent(executor), signal.SIGKILL)
+            os.kill(executor, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    register_optimizer_step_post_hook(kill_worker_once)
+    sys.argv = sys.argv[2:]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+@pytest.mark.cluster
+def test_the_elastic_script_goes_on_with_fewer_ranks_after_losing_a_worker(tmp_path):
+    # 1,437 training images, 3 ranks, batch 64: 7 steps per epoch. The kill comes at
+    # rank 1's 17th step, in epoch 3 after its commit at batch 0 (--batches-per-commit 4).
+    killer = tmp_path / "kill_worker.py"
+    killer.write_text(textwrap.dedent(KILL_WORKER.format(step=17)))
+    marker = tmp_path / "killed"
+    with StandaloneCluster(workers=3) as cluster:
+        argv = [str(LAUNCHER), "-np", "3", "--min-np", "2", "--master", cluster.url]
+        argv += ["--store", str(tmp_path / "store"), str(killer), str(marker), *ELASTIC]
+        done = run(argv, tmp_path, PYSPARK_PYTHON=sys.executable)
+        assert len(cluster.alive_workers()) == 2  # the Worker stayed lost
+    assert marker.exists()
+    sizes = re.findall(r"^\[rank 0\] size (\d+)$", done.stdout, re.M)
+    assert sizes == ["3", "2"], done.stdout[-3000:]
     epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
     assert epochs == [str(e) for e in range(1, EPOCHS + 1)], done.stdout[-3000:]
     assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0

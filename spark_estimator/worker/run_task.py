@@ -124,7 +124,12 @@ def run_task(spec: RunSpec) -> dict:
             call = loads(spec.payload) if spec.script is None else None
             with (
                 process_group(
-                    ctx, spec.use_gpu, spec.collective_timeout, on_failure, spec.script is None
+                    ctx,
+                    spec.use_gpu,
+                    spec.collective_timeout,
+                    on_failure,
+                    spec.script is None,
+                    on_error=log.write_now,
                 ) as info,
                 environ(spec.env),
             ):

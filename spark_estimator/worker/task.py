@@ -26,7 +26,9 @@ def training_task(spec: TrainSpec) -> dict:
 
     rank, attempt = ctx.partitionId(), ctx.taskAttemptId()  # unique, rising over retries
     with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
-        with process_group(ctx, spec.use_gpu, spec.collective_timeout, on_failure) as info:
+        with process_group(
+            ctx, spec.use_gpu, spec.collective_timeout, on_failure, on_error=log.write_now
+        ) as info:
             if spec.trainer == "lightning":  # imported here: lightning is an optional extra
                 from .lightning.train import train_lightning
 

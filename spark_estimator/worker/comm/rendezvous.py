@@ -164,6 +164,7 @@ def process_group(
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     on_failure: Callable[[int, BaseException], None] | None = None,
     init_group: bool = True,
+    on_error: Callable[[], None] | None = None,
 ) -> Iterator[RankInfo]:
     """Join the barrier job's process group for the duration of the ``with`` block.
 
@@ -171,7 +172,9 @@ def process_group(
     collective (a rank that died or hangs makes the others raise after that long).
     ``on_failure(rank, error)`` is called, before the error propagates, for the job's
     first failure unless it is one that a retry may cure (see ``shared/failures.py``), and for a
-    rendezvous that cannot form.
+    rendezvous that cannot form. ``on_error()`` is called first whenever the block raises
+    (the task writes its output lines then: leaving the group may take long, and Spark may
+    kill the process meanwhile).
 
     With ``init_group=False`` (a script) the default group is not formed here: the block
     runs with torchrun's variables exported (see above), the ranks meet at its end through
@@ -223,6 +226,8 @@ def process_group(
         else:
             _leave_together(store, rank, world_size, timeout)
     except BaseException as e:  # sys.exit() in the code too
+        if on_error is not None:
+            on_error()
         first = _first_failure(store)
         if first and on_failure is not None and not is_retried(e):
             on_failure(rank, e)

@@ -135,6 +135,7 @@ class RankLog:
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.seq, self.chunk_written = 0, time.monotonic()
         self.lock = threading.Lock()
+        self.writing = threading.Lock()  # one flush at a time (the thread's, write_now)
         self.progress: dict | None = None
         self.progress_written: dict | None = None
         self.stop = threading.Event()
@@ -150,7 +151,19 @@ class RankLog:
             with self.lock:
                 self.progress = {"launch_id": self.launch_id, **progress}
 
+    def write_now(self) -> None:
+        """Write the lines so far at once (best effort): the task failed, and Spark may
+        kill its process before the block ends."""
+        try:
+            self.flush(final=True)
+        except Exception as e:
+            _report_unwritten(e)
+
     def flush(self, final: bool = False) -> None:
+        with self.writing:
+            self._flush(final)
+
+    def _flush(self, final: bool) -> None:
         """Write new progress; new lines too at the end or after ``CHUNK_S`` seconds.
 
         Each stream's lines leave the buffer only once their chunk is written: after a failed
