@@ -10,6 +10,11 @@ result, next to the same fit without a fault:
 - hang: rank 1 sleeps in epoch 2, ``collective_timeout=3`` (local[4]); resumes.
 - kill: rank 1's Python process is SIGKILLed in epoch 3 (local-cluster[2,1,1024]); resumes.
 - kill-executor: its executor JVM is SIGKILLed instead; resumes on a new executor.
+- lose an executor for good: on a standalone cluster of 3 one-core Workers started here
+  (tests/clusters.py), an elastic fit (``num_proc=3, min_num_proc=2``) whose rank 1 kills
+  its Worker and executor after 2 batches of epoch 3; it goes on with 2 processes. Also
+  reported: seconds from the kill to the resumed launch's first epoch, and the work
+  repeated (the batches of the interrupted epoch done before the kill).
 
 Writes ``benchmarks/results/faults.md`` with the machine.
 """
@@ -17,6 +22,7 @@ Writes ``benchmarks/results/faults.md`` with the machine.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import sys
@@ -32,17 +38,22 @@ import cloudpickle  # noqa: E402
 from pyspark import cloudpickle as pyspark_cloudpickle  # noqa: E402
 
 from spark_estimator import Store, TrainingError  # noqa: E402
-from tests import conftest, faults, test_reliability  # noqa: E402
+from spark_estimator.callbacks import Callback  # noqa: E402
+from tests import clusters, conftest, faults, test_reliability  # noqa: E402
 
 for module in (conftest, faults, test_reliability):
     cloudpickle.register_pickle_by_value(module)
     pyspark_cloudpickle.register_pickle_by_value(module)
 
+STANDALONE = "standalone, 3 Workers"  # started here: tests/clusters.py
+ELASTIC = {"num_proc": 3, "min_num_proc": 2}
+ROWS, BATCH = 200, 20  # conftest.regression_rows(), momentum_estimator's batch_size
 SCENARIOS = [  # (name, master, fault action, epoch, extra params)
     ("raise", conftest.LOCAL, "raise", 2, {}),
     ("hang", conftest.LOCAL, "hang", 2, {"collective_timeout": 3.0}),
     ("kill", conftest.CLUSTER, "kill", 3, {}),
     ("kill-executor", conftest.CLUSTER, "kill-executor", 3, {}),
+    ("lose an executor for good", STANDALONE, "kill-worker", 3, ELASTIC),
 ]
 
 
@@ -55,14 +66,27 @@ def cpu_model() -> str:
         return platform.processor() or "unknown CPU"
 
 
+class TrainingAgain(Callback):
+    """Writes when an epoch first begins on fewer than ``procs`` processes (the launch
+    after a loss trains again)."""
+
+    def __init__(self, path: str, procs: int):
+        self.path, self.procs = path, procs
+
+    def on_epoch_begin(self, epoch, state):
+        if state.world_size < self.procs and state.rank == 0 and not os.path.exists(self.path):
+            Path(self.path).write_text(f"{time.time()} {epoch}")
+
+
 def timed_fit(spark, tmp: Path, action: str | None, epoch: int, params: dict) -> tuple:
     store = Store.create(str(tmp / "store"))
     df = spark.createDataFrame(conftest.regression_rows(), "x array<double>, y double, id long")
     df.count()
-    callbacks = []
+    callbacks, marker, again = [], tmp / f"marker-{time.time()}", tmp / f"again-{time.time()}"
     if action:
-        once = action != "raise"
-        callbacks = [faults.Fault(action, 1, epoch, tmp / f"marker-{time.time()}", once=once)]
+        callbacks = [faults.Fault(action, 1, epoch, marker, once=action != "raise")]
+    if "min_num_proc" in params:
+        callbacks.append(TrainingAgain(str(again), params["num_proc"]))
     est = test_reliability.momentum_estimator(store, callbacks=callbacks, **params)
     started = time.monotonic()
     try:
@@ -70,6 +94,16 @@ def timed_fit(spark, tmp: Path, action: str | None, epoch: int, params: dict) ->
         outcome = f"resumed from epoch {model.getTrainingSummary()['resumed_from_epoch']}"
     except TrainingError as e:
         outcome = f"TrainingError from rank {e.rank}"
+    if action and again.exists():
+        procs = [h["num_proc"] for h in model.getHistory()]
+        resumed = model.getTrainingSummary()["resizes"][0]["resumed_epoch"]
+        again_s = float(again.read_text().split()[0]) - marker.stat().st_mtime
+        steps = math.ceil(math.ceil(ROWS / params["num_proc"]) / BATCH)
+        outcome = (
+            f"processes per epoch {procs}, resumed from epoch {resumed}; training again "
+            f"{again_s:.1f} s after the kill; work repeated: the 2 batches (of {steps}) "
+            f"epoch {epoch} had run"
+        )
     return time.monotonic() - started, outcome
 
 
@@ -79,11 +113,21 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name, master, action, epoch, params in SCENARIOS:
-        spark = conftest.spark_session(master)
+        cluster = clusters.StandaloneCluster(workers=3) if master == STANDALONE else None
+        if cluster is not None:
+            cluster.__enter__()
+        spark = cluster.session() if cluster else conftest.spark_session(master)
         with tempfile.TemporaryDirectory() as tmp:
             timed_fit(spark, Path(tmp), None, epoch, params)  # warm up workers and the cache
             clean, _ = timed_fit(spark, Path(tmp), None, epoch, params)
-            runs = [timed_fit(spark, Path(tmp), action, epoch, params) for _ in range(args.repeats)]
+            runs = []
+            for _ in range(args.repeats):
+                runs.append(timed_fit(spark, Path(tmp), action, epoch, params))
+                if cluster is not None:  # a new Worker for the next repeat
+                    cluster.start_worker()
+                    cluster.session()
+        if cluster is not None:
+            cluster.__exit__(None, None, None)
         times = ", ".join(f"{t:.1f}" for t, _ in runs)
         rows.append((name, master, times, f"{clean:.1f}", runs[-1][1]))
         print(rows[-1], flush=True)

@@ -71,7 +71,7 @@ def test_two_executor_processes_see_disjoint_rows_and_end_with_identical_weights
 
 
 @pytest.mark.parametrize("action", ["kill", "kill-executor"])
-def test_a_killed_rank_is_retried_by_spark_and_training_resumes_exactly(
+def test_a_killed_rank_is_started_again_and_training_resumes_exactly(
     cluster_spark, tmp_path, action
 ):
     """Fault injection in the middle of epoch 3: rank 1's Python process is SIGKILLed, or

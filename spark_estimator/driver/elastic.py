@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from pyspark.sql import SparkSession
 
-from .launch import master_slots, scheduler_slots
+from .launch import connect_slots, is_connect, master_slots, scheduler_slots
 
 SLOT_POLL_S = 0.5
 MAX_RESTARTS = 3  # the default of max_restarts (fits and run())
@@ -51,9 +51,11 @@ def lost_reason(error: BaseException) -> str:
     return (lines or [type(error).__name__])[0][:300]
 
 
-def slots_now(spark: SparkSession) -> int:
-    """Task slots the cluster offers now (the scheduler's count; the master URL's where the
-    scheduler cannot be asked)."""
+def slots_now(spark: SparkSession) -> int | None:
+    """Task slots the cluster offers now: the scheduler's count; on Spark Connect the
+    server's configuration's, None where it does not tell."""
+    if is_connect(spark):
+        return connect_slots(spark)
     counted = scheduler_slots(spark)
     return master_slots(spark) if counted is None else counted
 
@@ -100,11 +102,11 @@ class ElasticSize:
         if not self.elastic or self.procs >= self.num_proc:
             return None
         slots = slots_now(self.spark)
-        return min(slots, self.num_proc) if slots > self.procs else None
+        return min(slots, self.num_proc) if slots is not None and slots > self.procs else None
 
     def after_growth_request(self, resumed_epoch: int) -> int:
         """The size of the next launch after the ranks stopped to grow at an epoch's end."""
-        procs = max(self.procs, min(slots_now(self.spark), self.num_proc))
+        procs = max(self.procs, min(slots_now(self.spark) or 0, self.num_proc))
         self._resize(procs, "slots returned", resumed_epoch)
         return procs
 
@@ -116,11 +118,15 @@ class ElasticSize:
 
     def _wait_for_slots(self) -> int:
         """At least ``min_num_proc`` slots (``num_proc`` when not elastic), at most
-        ``num_proc``, waiting up to ``timeout_s`` for them."""
+        ``num_proc``, waiting up to ``timeout_s`` for them. Where the slots cannot be
+        counted (Spark Connect without them in its configuration), the same size as before:
+        Spark itself refuses a barrier job larger than the cluster."""
         began = time.monotonic()
         seen: list[tuple[float, int]] = []
         while True:
             slots = slots_now(self.spark)
+            if slots is None:
+                return self.procs
             if not seen or seen[-1][1] != slots:
                 seen.append((time.monotonic() - began, slots))
             if slots >= self.min_num_proc:

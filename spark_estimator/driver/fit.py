@@ -63,7 +63,8 @@ class _Checked(NamedTuple):
     labels: list[ColumnSpec] | None
     sample_weight: ColumnSpec | None
     training: Training
-    num_proc: int
+    num_proc: int  # the processes asked for (num_proc, or every slot)
+    start_procs: int  # the processes the first launch has: fewer when elastic and short
     store: Store
     loader: LoaderSpec
     probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
@@ -262,7 +263,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             trainer=self._TRAINER,
         )
         with clock("job"):
-            summaries, resizes = self._launch(spark, spec, checked.num_proc)
+            summaries, resizes = self._launch(spark, spec, checked.num_proc, checked.start_procs)
         store.write_json(store.run(run_id).ranks, [asdict(s) for s in summaries])
         digests = {s.weights_digest for s in summaries}
         if len(digests) != 1:
@@ -301,7 +302,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         return fitted
 
     def _launch(
-        self, spark: SparkSession, spec: TrainSpec, num_proc: int
+        self, spark: SparkSession, spec: TrainSpec, num_proc: int, start_procs: int
     ) -> tuple[list[RankSummary], list[dict]]:
         """Run the training job, starting it again after lost processes, resized when the
         fit is elastic (``driver/elastic.py``); the ranks' summaries and the resizes.
@@ -309,9 +310,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         last output lines."""
         size = ElasticSize(
             spark,
-            self.getNumProc() or num_proc,
-            self.getMinNumProc(),
             num_proc,
+            self.getMinNumProc(),
+            start_procs,
             self.getMaxRestarts(),
             self.getElasticTimeout(),
         )
@@ -433,8 +434,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         if self.getMinNumProc() is None:
             validate.check_num_proc(num_proc, slots)
-        else:
-            num_proc = validate.check_min_num_proc(self.getMinNumProc(), num_proc, slots)
+        start_procs = validate.check_min_num_proc(self.getMinNumProc(), num_proc, slots)
         training = self._training(num_proc)
         if training.first_log and log_first:
             logger.info(training.first_log)
@@ -458,7 +458,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 features, labels, sample_weight, row_lengths={}, transformation_fn=transformation_fn
             )
         )
-        return _Checked(features, labels, sample_weight, training, num_proc, store, loader, probed)
+        return _Checked(
+            features, labels, sample_weight, training, num_proc, start_procs, store, loader, probed
+        )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:
         """A given ``run_id`` is not finished, and its checkpoints (if any) can be resumed

@@ -13,11 +13,49 @@ import torch
 
 from spark_estimator import Store, TorchEstimator
 from spark_estimator.callbacks import Callback
+from spark_estimator.driver.elastic import ElasticSize
 from tests.clusters import StandaloneCluster
 from tests.conftest import regression_rows
+from tests.driver.test_launch import FakeConnectSession
 from tests.faults import Fault
 
-pytestmark = pytest.mark.cluster
+LOST = RuntimeError("Job aborted\nExecutorLostFailure (executor 2 exited) Reason: worker lost")
+
+
+def test_a_lost_launch_starts_again_with_the_slots_there_are_between_min_and_max():
+    spark = FakeConnectSession(spark_master="local[2]")  # 2 slots, by its configuration
+    size = ElasticSize(spark, 4, 1, 4, max_restarts=2, timeout_s=5)
+    assert size.after_loss(LOST, resumed_epoch=3) == 2
+    [resize] = size.resizes
+    assert (resize.from_procs, resize.to_procs, resize.resumed_epoch) == (4, 2, 3)
+    assert (
+        resize.why == "lost processes: ExecutorLostFailure (executor 2 exited) Reason: worker lost"
+    )
+    assert size.after_loss(LOST, resumed_epoch=4) == 2 and len(size.resizes) == 1  # same size
+    with pytest.raises(RuntimeError, match="lost processes 3 times, more than max_restarts=2"):
+        size.after_loss(LOST)
+
+
+def test_too_few_slots_fail_after_the_timeout_with_what_was_seen():
+    spark = FakeConnectSession(spark_master="local[1]")
+    size = ElasticSize(spark, 4, 2, 4, max_restarts=3, timeout_s=0.2)
+    with pytest.raises(
+        RuntimeError,
+        match=r"min_num_proc: the cluster offered fewer than 2 "
+        r"task slots for elastic_timeout=0.2 s .*slots seen since then: 1 at 0 s",
+    ):
+        size.after_loss(LOST)
+    fixed = ElasticSize(spark, 2, None, 2, max_restarts=3, timeout_s=0.2)
+    with pytest.raises(RuntimeError, match="num_proc: the cluster offered fewer than 2"):
+        fixed.after_loss(LOST)
+
+
+def test_slots_that_cannot_be_counted_keep_the_size():
+    spark = FakeConnectSession(spark_master="yarn")  # Spark Connect, no count in its conf
+    size = ElasticSize(spark, 4, 2, 3, max_restarts=3, timeout_s=0.2)
+    assert size.after_loss(LOST) == 3 and size.grow_to() is None
+
+
 ROWS = 300
 LR = 0.02
 
@@ -114,6 +152,7 @@ def final_loss(model, df) -> float:
     return float(((out["y"] - out["prediction"]) ** 2).mean())
 
 
+@pytest.mark.cluster
 def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers, tmp_path):
     cluster, spark = three_workers
     store = Store.create(str(tmp_path / "store"))
@@ -170,6 +209,7 @@ def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers
     assert final_loss(model, df) < 0.05
 
 
+@pytest.mark.cluster
 def test_too_few_slots_after_a_loss_fail_the_fit_within_elastic_timeout(three_workers, tmp_path):
     _, spark = three_workers
     store = Store.create(str(tmp_path / "store"))

@@ -204,6 +204,7 @@ def lightning_parts(pl):
             return {
                 "history": self.history,
                 "batches_drawn": self.batches_drawn,
+                "world_size": dist.get_world_size(),
                 "output_shapes": self.output_shapes,
                 "stopped": self.stopped,
             }
@@ -211,6 +212,10 @@ def lightning_parts(pl):
         def load_state_dict(self, state: dict) -> None:
             self.history = list(state["history"])
             self.batches_drawn = state["batches_drawn"]
+            if state.get("world_size", dist.get_world_size()) != dist.get_world_size():
+                # an elastic fit started again resized: the stream of passes goes on as if
+                # this size had trained from the start (as our own loop's resume does)
+                self.batches_drawn = len(self.history) * self.steps_per_epoch
             self.output_shapes = state["output_shapes"]
             self.stopped = state["stopped"]
 
@@ -267,7 +272,12 @@ def lightning_parts(pl):
             train = {"loss": float(sums[0] / sums[1]) if sums[1] else None}
             logged = {f"train/{k}": v for k, v in epoch_metrics(trainer).items()}
             logged.update({f"validation/{k}": v for k, v in self.validation.items()})
-            record = {"epoch": epoch, "lr": self.lrs, "train": train}
+            record = {
+                "epoch": epoch,
+                "num_proc": trainer.world_size,
+                "lr": self.lrs,
+                "train": train,
+            }
             for key, value in mean_over_ranks(logged).items():
                 split, name = key.split("/", 1)
                 record.setdefault(split, {})[name] = value
