@@ -82,8 +82,18 @@ class StepPlan:
     """Batch sizes of one pass over a rank's training shard, equal step counts on all ranks."""
 
     def __init__(self, total_rows: int, world_size: int, rank: int, batch_size: int):
-        self.world_size = world_size
         rows = [shard_rows(total_rows, world_size, r) for r in range(world_size)]
+        self._cut(rows, rank, batch_size)
+
+    @classmethod
+    def over(cls, rows: list[int], rank: int, batch_size: int) -> StepPlan:
+        """The plan of shards of ``rows`` rows per rank (the rest of a resized epoch)."""
+        plan = cls.__new__(cls)
+        plan._cut(rows, rank, batch_size)
+        return plan
+
+    def _cut(self, rows: list[int], rank: int, batch_size: int) -> None:
+        self.world_size = len(rows)
         self.rows = rows[rank]
         self.steps = max(1, math.ceil(max(rows) / batch_size))
         per_rank = [split_sizes(n, self.steps) for n in rows]

@@ -1,0 +1,111 @@
+"""Executor: the rest of an epoch after a resize, re-sharded over the new processes.
+
+An epoch's rows reach each rank as a list of *runs*: rows ``[start, stop)`` of the order in
+which rank ``rank`` of a ``world``-process job reads its shard in that epoch's pass (the
+same seeded order on every attempt, see ``loader.py``). Normally a rank has one run, its
+own whole shard (``own_runs``). A commit inside an epoch (``loop/commits.py``) records
+every rank's runs and how many of their rows it had trained on. When the job starts again
+with another number of processes, the rows not yet trained on, rank after rank, are cut
+into ``world`` contiguous parts of near-equal size (``reshard``), so no row of the epoch is
+repeated or skipped; each new rank reads its part's runs again from the loaders that made
+them (``remainder_batches``) and trains on them in batches of a step plan over the parts'
+sizes (``shards.StepPlan.over``). Runs always name the epoch's first sharding, so a second
+resize within the same epoch cuts the runs again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+
+from .convert import Tensors, chunk_rows
+from .shards import shard_rows
+
+
+class Run(NamedTuple):
+    """Rows [start, stop) of rank ``rank``'s pass order in a ``world``-process job."""
+
+    world: int
+    rank: int
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+def own_runs(total_rows: int, world: int) -> list[list[Run]]:
+    """Every rank's runs of an epoch not resized: its whole shard."""
+    return [[Run(world, r, 0, shard_rows(total_rows, world, r))] for r in range(world)]
+
+
+def after(runs: list[Run], consumed: int) -> list[Run]:
+    """``runs`` without their first ``consumed`` rows."""
+    left = []
+    for run in runs:
+        skip = min(consumed, run.rows)
+        consumed -= skip
+        if run.start + skip < run.stop:
+            left.append(Run(run.world, run.rank, run.start + skip, run.stop))
+    return left
+
+
+def reshard(remaining: list[list[Run]], world: int) -> list[list[Run]]:
+    """The rows of ``remaining`` (per old rank, in rank order) cut into ``world`` contiguous
+    parts whose sizes differ by at most one."""
+    flat = [run for runs in remaining for run in runs]
+    total = sum(run.rows for run in flat)
+    base, extra = divmod(total, world)
+    parts: list[list[Run]] = []
+    for r in range(world):
+        size = base + (1 if r < extra else 0)
+        part: list[Run] = []
+        while size:
+            run = flat[0]
+            take = min(size, run.rows)
+            part.append(Run(run.world, run.rank, run.start, run.start + take))
+            size -= take
+            if take == run.rows:
+                flat.pop(0)
+            else:
+                flat[0] = Run(run.world, run.rank, run.start + take, run.stop)
+        parts.append(part)
+    return parts
+
+
+def remainder_batches(
+    runs: list[Run],
+    sizes: list[int],
+    pass_index: int,
+    open_source: Callable[[int, int], object],
+    template: Tensors,
+) -> Iterator[Tensors]:
+    """Batches of ``sizes`` rows from ``runs``: each run's rows read again, in their order,
+    from ``open_source(world, rank)`` (a loader of that shard, as the epoch's first
+    sharding read it), then cut to the sizes. A batch of 0 rows is ``template``'s."""
+    pieces = _run_rows(runs, pass_index, open_source)
+    pending: list[Tensors] = []
+    held = 0
+    for size in sizes:
+        while held < size:
+            piece = next(pieces)
+            pending.append(piece)
+            held += chunk_rows(piece)
+        if size == 0:
+            yield {k: v.clone() for k, v in template.items()}
+            continue
+        joined = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
+        yield {k: v[:size] for k, v in joined.items()}
+        rest = {k: v[size:] for k, v in joined.items()}
+        held -= size
+        pending = [rest] if held else []
+
+
+def _run_rows(runs, pass_index, open_source) -> Iterator[Tensors]:
+    for run in runs:
+        loader = open_source(run.world, run.rank)
+        _, rows = loader.batches([run.start, run.rows], pass_index)
+        yield rows
