@@ -361,6 +361,10 @@ class NetnsCluster(StandaloneCluster):
             self.subnet = f"10.77.{octet}"
             self.host = f"{self.subnet}.1"
             _run("ip", "link", "add", self.bridge, "type", "bridge")
+            # a bridge without an address of its own takes its ports' lowest one, so losing
+            # a host would change it and leave the other hosts' ARP entries for the driver
+            # and the Master stale (their heartbeats then stopped for a minute)
+            _run("ip", "link", "set", self.bridge, "address", f"02:77:{octet:02x}:00:00:01")
             _run("ip", "addr", "add", f"{self.host}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
 
