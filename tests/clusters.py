@@ -10,8 +10,11 @@ installed pyspark (``SPARK_HOME`` = the pyspark package) instead:
   a Linux network namespace with its own IP address, joined by a veth pair to a bridge in
   this namespace that carries the driver's and the Master's address. Inside a namespace the
   machine's host name resolves to that host's address (``/etc/netns/<ns>/hosts``, which
-  ``ip netns exec`` mounts over ``/etc/hosts``), as on a real multi-host cluster. Creating
-  namespaces needs root and ``ip``; where that fails the test is skipped, saying why.
+  ``ip netns exec`` mounts over ``/etc/hosts``), as on a real multi-host cluster; with
+  ``resolve_own_name=False`` no such file is written, so the name resolves as this
+  machine's ``/etc/hosts`` says (often to a loopback address, as on hosts whose
+  ``/etc/hosts`` maps their own name to 127.0.x.1). Creating namespaces needs root and
+  ``ip``; where that fails the test is skipped, saying why.
 
 Both are context managers: entering starts the daemons and waits until the Master lists
 every Worker ALIVE; leaving stops the session, kills every process of the cluster (Master,
@@ -300,8 +303,14 @@ class NetnsCluster(StandaloneCluster):
 
     _LOCK = "/tmp/spark-estimator-netns.lock"
 
-    def __init__(self, workers: int = 3, master_conf: dict[str, str] | None = None):
+    def __init__(
+        self,
+        workers: int = 3,
+        master_conf: dict[str, str] | None = None,
+        resolve_own_name: bool = True,
+    ):
         super().__init__(workers, master_conf)
+        self.resolve_own_name = resolve_own_name
         pid = os.getpid()
         self.bridge = f"sebr{pid}"
         self.ns_prefix = f"se{pid}w"
@@ -352,15 +361,20 @@ class NetnsCluster(StandaloneCluster):
             self.subnet = f"10.77.{octet}"
             self.host = f"{self.subnet}.1"
             _run("ip", "link", "add", self.bridge, "type", "bridge")
+            # a bridge without an address of its own takes its ports' lowest one, so losing
+            # a host would change it and leave the other hosts' ARP entries for the driver
+            # and the Master stale (their heartbeats then stopped for a minute)
+            _run("ip", "link", "set", self.bridge, "address", f"02:77:{octet:02x}:00:00:01")
             _run("ip", "addr", "add", f"{self.host}/24", "dev", self.bridge)
             _run("ip", "link", "set", self.bridge, "up")
 
     def _worker_host(self, index: int) -> tuple[str, list[str]]:
         ns, veth = f"{self.ns_prefix}{index}", f"sev{os.getpid()}w{index}"
         ip = f"{self.subnet}.{10 + index}"
-        etc = Path("/etc/netns") / ns
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {socket.gethostname()}\n")
+        if self.resolve_own_name:
+            etc = Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{ip} {socket.gethostname()}\n")
         _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
         _run("ip", "link", "set", veth, "master", self.bridge)

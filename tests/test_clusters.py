@@ -41,8 +41,15 @@ def all_reduce_ranks() -> dict:
             **where_am_i(),
             "sum": total.item(),
             "local_size": info.local_size,
-            "resolves_to": socket.gethostbyname(socket.gethostname()),
+            "resolves_to": resolve_own_name(),
         }
+
+
+def resolve_own_name() -> str | None:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
 
 
 def wait_slots(spark, n: int, timeout_s: float = 120.0) -> float:
@@ -147,3 +154,16 @@ def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host():
     assert cluster.namespaces() == [] and cluster.links() == []
     assert not list(cluster.etc_folders())
     assert leaked_shm(shm_before) == set()
+
+
+def test_gloo_crosses_hosts_whose_own_name_resolves_elsewhere():
+    """Hosts whose name does not resolve to their own address (here /etc/hosts maps it to
+    127.0.0.1): gloo must still use the interface that carries the task's address."""
+    with NetnsCluster(workers=2, resolve_own_name=False) as cluster:
+        assert not list(cluster.etc_folders())
+        spark = cluster.session()
+        ranks = run_barrier_job(spark, 2, all_reduce_ranks, "gloo, name not resolving")
+        hosts = [f"{cluster.subnet}.{10 + i}" for i in range(2)]
+        assert sorted(r["address"] for r in ranks) == hosts
+        assert all(r["resolves_to"] != r["address"] for r in ranks)
+        assert [r["sum"] for r in ranks] == [3.0, 3.0]

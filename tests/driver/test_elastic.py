@@ -1,9 +1,12 @@
 """Elastic fits on a real standalone cluster (tests/clusters.py) whose Workers die for good:
-the fit shrinks, grows back at an epoch's end, or fails when too few slots remain."""
+the fit shrinks, grows back at an epoch's end, or fails when too few slots remain; and the
+same across hosts of their own (NetnsCluster), one of which is stopped."""
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,7 +17,7 @@ import torch
 from spark_estimator import Store, TorchEstimator
 from spark_estimator.callbacks import Callback
 from spark_estimator.driver.elastic import ElasticSize
-from tests.clusters import StandaloneCluster
+from tests.clusters import NetnsCluster, StandaloneCluster
 from tests.conftest import regression_rows
 from tests.driver.test_launch import FakeConnectSession
 from tests.faults import Fault
@@ -150,6 +153,86 @@ def rows_per_epoch(out_dir: Path, history: list[dict]) -> dict[int, list[int]]:
 def final_loss(model, df) -> float:
     out = model.transform(df).select("y", "prediction").toPandas()
     return float(((out["y"] - out["prediction"]) ** 2).mean())
+
+
+def namespace_of(pid: int) -> str:
+    """The named network namespace (``ip netns``) process ``pid`` runs in."""
+    out = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.cluster
+def test_a_fit_across_hosts_loses_a_host_shrinks_and_grows_back_on_a_new_one(tmp_path, caplog):
+    """Runs first in this module: the module's standalone cluster is not started yet."""
+    caplog.set_level(logging.INFO, logger="spark_estimator.driver.fit")
+    with NetnsCluster(workers=3) as cluster:
+        spark = cluster.session()
+        store = Store.create(str(tmp_path / "store"))  # one filesystem: every host sees it
+        df = spark.createDataFrame(regression_rows(ROWS), "x array<double>, y double, id long")
+        seen, hung = tmp_path / "seen", tmp_path / "hung"
+        seen.mkdir()
+        # rank 1 stops in epoch 2 (the others wait in its allreduce); then its host is stopped
+        fault = Fault("hang", rank=1, epoch=2, marker=hung, after_batches=3)
+        est = estimator(
+            store,
+            EpochRecordingNet(str(seen)),
+            "across-hosts",
+            callbacks=[fault, WaitForGrowth(store.run("across-hosts").grow, epoch=3, procs=3)],
+            min_num_proc=2,
+        )
+        at: dict[str, float] = {}
+
+        def operator():  # stops the hung rank's host, then adds a host once 2 train
+            while not hung.exists():
+                time.sleep(0.05)
+            pid = int(hung.read_text().split()[-1])
+            ns = namespace_of(pid)
+            at["stop"] = time.time()
+            cluster.stop_worker(int(ns.removeprefix(cluster.ns_prefix)))
+            while not list(seen.glob("2-2-*.txt")):
+                time.sleep(0.05)
+            at["training on 2"] = time.time()
+            cluster.start_worker()
+            at["host started"] = time.time()
+            while not list(seen.glob("4-3-*.txt")):
+                time.sleep(0.05)
+            at["training on 3"] = time.time()
+
+        helper = threading.Thread(target=operator, daemon=True)
+        started = time.monotonic()
+        helper.start()
+        model = est.fit(df)
+        helper.join(60)
+        took = time.monotonic() - started
+        for record in caplog.records:
+            if "lost processes" in record.getMessage():  # one per restart
+                at[f"job failed #{sum(k.startswith('job') for k in at) + 1}"] = record.created
+            if "slots returned" in record.getMessage():
+                at.setdefault("grow", record.created)
+        times = ", ".join(
+            f"{k} +{v - at['stop']:.1f} s" for k, v in sorted(at.items(), key=lambda kv: kv[1])
+        )
+        print(f"\nnetns elastic fit: {took:.1f} s; after the host stop: {times}")
+
+        assert [k for k in at if k.startswith("job failed")] == ["job failed #1"]  # one loss
+        history = model.getHistory()
+        assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+        assert [h["num_proc"] for h in history] == [3, 2, 2, 3, 3, 3]
+        resizes = model.getTrainingSummary()["resizes"]
+        assert [(r["from_procs"], r["to_procs"]) for r in resizes] == [(3, 2), (2, 3)]
+        assert resizes[0]["why"].startswith("lost processes") and resizes[0]["resumed_epoch"] == 1
+        assert resizes[1]["why"] == "slots returned" and resizes[1]["resumed_epoch"] == 3
+        for epoch, ids in rows_per_epoch(seen, history).items():
+            assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
+        # no clean run to compare with (to save its time): the standalone test below has one
+        assert final_loss(model, df) < 0.05
+        # the last launch: one rank on each of 3 hosts (the new one among them), over gloo
+        ranks = store.read_json(store.run("across-hosts").ranks)
+        assert [r["gradient_path"] for r in ranks] == ["gloo"] * 3
+        assert [r["local_rank"] for r in ranks] == [0, 0, 0]
+        spaces = {namespace_of(r["pid"]) for r in ranks}
+        assert spaces <= set(cluster.namespaces()) and len(spaces) == 3
+        assert f"{cluster.ns_prefix}3" in spaces
 
 
 @pytest.mark.cluster

@@ -15,14 +15,25 @@ torch's ``env://`` rendezvous connects every rank, rank 0 included, as a client 
 TCPStore rank 0's task already serves, instead of starting a server of its own.
 ``init_default_group`` (``hvd.init()``) does the same for scripts that never call
 ``init_process_group``, and forms a group of one outside any task.
+
+Gloo finds its own address by resolving the machine's host name; where that resolves to a
+loopback address (an ``/etc/hosts`` that maps the name to 127.0.x.1) no rank on another
+host can reach it. So when the ranks span several hosts and the user set no
+``GLOO_SOCKET_IFNAME``, the task sets it, for the length of the group, to the interface
+that carries its own address in the barrier context (``gloo_interface``).
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import json
 import logging
 import os
 import secrets
+import socket
+import struct
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -187,18 +198,22 @@ def process_group(
     device, note = task_device(ctx, use_gpu)
     hosts = [info.address.rsplit(":", 1)[0] for info in infos]
     timeout = timedelta(seconds=timeout_s)
+    network = gloo_interface(hosts, rank)
+    began = time.monotonic()
     try:
         store, server, port = _rendezvous(ctx, rank, world_size, hosts[0], timeout)
         if init_group:
-            dist.init_process_group(
-                _backend(device), store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
+            with environ(network):
+                dist.init_process_group(
+                    _backend(device), store=store, rank=rank, world_size=world_size, timeout=timeout
+                )
     except Exception as e:
         error = RendezvousError(
-            f"rendezvous: rank {rank} of {world_size} could not form the process group "
-            f"within collective_timeout={timeout_s:g} s ({type(e).__name__}: {e}). Every "
-            f"task must reach the TCP port rank 0 opened on {hosts[0]}; check firewalls and "
-            "that all executors can run at once."
+            f"rendezvous: rank {rank} of {world_size} could not form the process group: it "
+            f"failed after {time.monotonic() - began:.0f} s (collective_timeout="
+            f"{timeout_s:g} s) with {type(e).__name__}: {e}. Every task must reach the TCP "
+            f"port rank 0 opened on {hosts[0]}, and every other rank's host; check firewalls, "
+            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, and that all executors can run at once."
         )
         if on_failure is not None:
             on_failure(rank, error)
@@ -217,7 +232,7 @@ def process_group(
     }
     _script_timeout = None if init_group else timeout
     try:
-        with environ({} if init_group else torchrun):
+        with environ({**network, **({} if init_group else torchrun)}):
             yield _current
         # nobody leaves while another rank still works: a gloo peer that closes its
         # connections early fails the others' collectives (and their setup)
@@ -268,6 +283,50 @@ def _leave_together(store, rank: int, world_size: int, timeout: timedelta) -> No
         store.wait([f"gone/{r}" for r in range(1, world_size)], timeout)
     else:
         store.set(f"gone/{rank}", "1")
+
+
+def gloo_interface(hosts: Sequence[str], rank: int) -> dict[str, str]:
+    """``{"GLOO_SOCKET_IFNAME": name}`` for a group whose ranks span several hosts: the
+    interface that carries ``hosts[rank]`` (this task's address in the barrier context);
+    empty when the user chose one, the ranks share one host, the address is a loopback
+    one, or no interface here carries it."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or len(set(hosts)) < 2:
+        return {}
+    try:
+        address = ipaddress.ip_address(socket.gethostbyname(hosts[rank]))
+    except (OSError, ValueError):
+        return {}
+    name = None if address.is_loopback else interface_of(str(address))
+    log.debug("rank %d: gloo interface for %s: %s", rank, address, name)
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h: an interface's (first) IPv4 address
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that carries the IPv4 ``address``, or
+    None: each interface's address by ioctl, then ``ip -o addr`` for secondary ones."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    try:
+        lines = subprocess.run(
+            ["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, timeout=10
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in lines:  # "2: eth0    inet 10.0.0.2/24 brd ... scope global eth0"
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1]
+    return None
 
 
 def _backend(device: torch.device) -> str:
