@@ -11,10 +11,10 @@ import functools
 
 from pyspark import keyword_only
 
-from .driver import loss_probe, run_manifest, validate_training
+from .driver import loss_probe, run_manifest, validate, validate_training
 from .driver.fit import StoreEstimator, Training
 from .driver.params import EstimatorParams
-from .shared.spec import COLLECTIVE_TIMEOUT_S, SPLITS, LoopSpec, metric_keys
+from .shared.spec import COLLECTIVE_TIMEOUT_S, COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
 
 # the params whose objects the executors rebuild from one pickle (worker/loop/objects.py)
 _BUNDLED = (
@@ -97,6 +97,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         sample_weight_col=None,
         lr_scheduler=None,
         lr_scheduler_interval="epoch",
+        commit_every_steps=None,
         callbacks=None,
         terminate_on_nan=True,
         train_minibatch_fn=None,
@@ -146,6 +147,13 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             ),
         )
 
+    def _commit_every_steps(self) -> int:
+        """commit_every_steps for the loop: its default resolved (loop/commits.py)."""
+        if self.getCommitEverySteps() is not None:
+            validate.check_non_negative("commit_every_steps", self.getCommitEverySteps())
+            return self.getCommitEverySteps()
+        return COMMIT_AUTO if self.getMinNumProc() is not None else 0
+
     def _manifest(self, num_proc: int, optimizer) -> dict:
         """What this fit's checkpoints depend on (but the data), with the optimizer it
         trains (``learning_rate`` applied)."""
@@ -172,6 +180,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             loss_weights=tuple(weights) if weights else None,
             lr_scheduler_interval=self.getLrSchedulerInterval(),
             terminate_on_nan=self.getTerminateOnNan(),
+            commit_every_steps=self._commit_every_steps(),
         )
         validate_training.check_loop(loop, self.getLabelCols(), self.getTrainMinibatchFn())
         return loop

@@ -9,6 +9,7 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
                                                              its files, rows, row lengths
     runs/<run_id>/run.json                                   what the checkpoints were made with
     runs/<run_id>/checkpoints/epoch-0001.pt                  rank 0's checkpoint after each epoch
+    runs/<run_id>/commit.pt                                  the last commit inside an epoch
     runs/<run_id>/failures/<launch>.json                     the training code's error, if raised
     runs/<run_id>/result.pt                                  final weights, history, output shapes
     runs/<run_id>/ranks.json                                 one summary per rank (rows, digest)
@@ -116,6 +117,7 @@ class RunFolder:
     path: str
     manifest = _child("run.json", "what the run's checkpoints were made with")
     checkpoints = _child("checkpoints", "rank 0's checkpoint after each epoch")
+    step_commit = _child("commit.pt", "the last commit inside an epoch (commit_every_steps)")
     failures = _child("failures", "the training code's error, when a rank raised one")
     result = _child("result.pt", "final weights, history, output shapes")
     ranks = _child("ranks.json", "one summary per rank")
@@ -168,6 +170,7 @@ def layout() -> list[str]:
         data.meta,
         run.manifest,
         run.checkpoint(1),
+        run.step_commit,
         run.failure("<launch>"),
         run.result,
         run.ranks,

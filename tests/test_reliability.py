@@ -184,3 +184,18 @@ def test_a_fit_that_loses_processes_more_than_max_restarts_times_fails(
         est.fit(regression_df)
     assert (tmp_path / "m").exists()
     assert store.checkpoint_epochs("lost") == [1]  # a later fit resumes from there
+
+
+def test_a_fit_started_again_goes_on_exactly_from_its_last_commit_inside_the_epoch(
+    regression_df, store, tmp_path
+):
+    clean = momentum_estimator(store, run_id="clean", commit_every_steps=1).fit(regression_df)
+    # 5 batches an epoch: rank 1 dies in its 3rd batch of epoch 3, after the commit of step 2
+    fault = Fault("kill", rank=1, epoch=3, marker=tmp_path / "m", after_batches=3)
+    est = momentum_estimator(store, callbacks=[fault], commit_every_steps=1, run_id="commits")
+    resumed = est.fit(regression_df)
+    assert (tmp_path / "m").exists()
+    summary = resumed.getTrainingSummary()
+    assert summary["resumed_from_commit"] == {"epoch": 3, "step": 2}
+    assert summary["resumed_from_epoch"] == 2
+    assert_same_training(resumed, clean)  # random state, sums and batches went on exactly

@@ -534,6 +534,7 @@ class EstimatorParamsAccessors(Params):
     sample_weight_col: Param[str | None]
     lr_scheduler: Param[Any]
     lr_scheduler_interval: Param[str]
+    commit_every_steps: Param[int | None]
     callbacks: Param[Any]
     train_minibatch_fn: Param[Any]
     loss_constructors: Param[Any]
@@ -735,6 +736,26 @@ class EstimatorParamsAccessors(Params):
         loss
         """
         return self._set(lr_scheduler_interval=value)
+
+    def getCommitEverySteps(self) -> int | None:
+        """Gets the value of `commit_every_steps`: commit the training state every this many
+        optimizer steps inside an epoch (runs/<run_id>/commit.pt: model, optimizer,
+        scheduler, scaler, callbacks, random state, the epoch's sums and rows), so that a fit
+        started again after lost processes goes on from there, re-sharding the epoch's
+        remaining rows when the number of processes changed; 0: only the epochs' checkpoints;
+        default: 4 times an epoch in an elastic fit (min_num_proc set), else 0
+        """
+        return self.getOrDefault(self.commit_every_steps)
+
+    def setCommitEverySteps(self: _P, value: int | None) -> _P:
+        """Sets the value of `commit_every_steps`: commit the training state every this many
+        optimizer steps inside an epoch (runs/<run_id>/commit.pt: model, optimizer,
+        scheduler, scaler, callbacks, random state, the epoch's sums and rows), so that a fit
+        started again after lost processes goes on from there, re-sharding the epoch's
+        remaining rows when the number of processes changed; 0: only the epochs' checkpoints;
+        default: 4 times an epoch in an elastic fit (min_num_proc set), else 0
+        """
+        return self._set(commit_every_steps=value)
 
     def getCallbacks(self) -> Any:
         """Gets the value of `callbacks`: list of spark_estimator.callbacks.Callback

@@ -516,6 +516,17 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             TypeConverters.toString,
             default="epoch",
         ),
+        ParamSpec(
+            "commit_every_steps",
+            "commit the training state every this many optimizer steps inside an epoch "
+            "(runs/<run_id>/commit.pt: model, optimizer, scheduler, scaler, callbacks, random "
+            "state, the epoch's sums and rows), so that a fit started again after lost "
+            "processes goes on from there, re-sharding the epoch's remaining rows when the "
+            "number of processes changed; 0: only the epochs' checkpoints; default: 4 times an "
+            "epoch in an elastic fit (min_num_proc set), else 0",
+            _to_optional_int,
+            default=None,
+        ),
         _FIT["callbacks"].with_doc(
             "list of spark_estimator.callbacks.Callback (EarlyStopping, BestModel or your "
             "own), run on every process"

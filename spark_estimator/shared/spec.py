@@ -123,6 +123,9 @@ class LoaderSpec:
     transformation_fn: bytes | None = None  # cloudpickled fn(dict of tensors) -> dict
 
 
+COMMIT_AUTO = -1  # commit_every_steps: a few commits per epoch (worker/loop/commits.py)
+
+
 @dataclass(frozen=True)
 class LoopSpec:
     """How the training loop steps: TorchEstimator's loop parameters (a LightningEstimator
@@ -138,6 +141,8 @@ class LoopSpec:
     loss_weights: tuple[float, ...] | None = None  # one per label column
     lr_scheduler_interval: str = "epoch"  # "epoch" | "step"
     terminate_on_nan: bool = True
+    # steps between commits inside an epoch; 0: none; COMMIT_AUTO: a few per epoch
+    commit_every_steps: int = 0
 
 
 def compile_backend(options: dict | None) -> str | None:

@@ -139,14 +139,20 @@ def estimator(store, net, run_id, callbacks=(), **params):
     )
 
 
-def rows_per_epoch(out_dir: Path, history: list[dict]) -> dict[int, list[int]]:
-    """Each finished epoch's row ids, from the launch that finished it (its size)."""
+def rows_per_epoch(out_dir: Path, history: list[dict], committed: dict) -> dict[int, list[int]]:
+    """Each finished epoch's row ids: from the launch that finished it (its size), and for
+    an epoch in ``committed`` ({epoch: (size, steps)}), the first ``steps`` batches of the
+    launch of that size which committed them before it lost a process."""
     seen: dict[int, list[int]] = {}
     for record in history:
         epoch, world = record["epoch"], record["num_proc"]
         for path in out_dir.glob(f"{epoch}-{world}-*.txt"):
-            ids = [int(v) for v in path.read_text().split()]
-            seen.setdefault(epoch, []).extend(ids)
+            seen.setdefault(epoch, []).extend(int(v) for v in path.read_text().split())
+        if epoch in committed:
+            size, steps = committed[epoch]
+            for path in out_dir.glob(f"{epoch}-{size}-*.txt"):
+                batches = path.read_text().splitlines()[:steps]
+                seen[epoch].extend(int(v) for line in batches for v in line.split())
     return seen
 
 
@@ -222,7 +228,9 @@ def test_a_fit_across_hosts_loses_a_host_shrinks_and_grows_back_on_a_new_one(tmp
         assert [(r["from_procs"], r["to_procs"]) for r in resizes] == [(3, 2), (2, 3)]
         assert resizes[0]["why"].startswith("lost processes") and resizes[0]["resumed_epoch"] == 1
         assert resizes[1]["why"] == "slots returned" and resizes[1]["resumed_epoch"] == 3
-        for epoch, ids in rows_per_epoch(seen, history).items():
+        # 10 batches an epoch on 3 processes, a commit every 2 (commit_every_steps' default
+        # for an elastic fit): the fault came in batch 3, after the commit of step 2
+        for epoch, ids in rows_per_epoch(seen, history, {2: (3, 2)}).items():
             assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
         # no clean run to compare with (to save its time): the standalone test below has one
         assert final_loss(model, df) < 0.05
@@ -285,7 +293,10 @@ def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers
     assert resizes[1]["why"] == "slots returned" and resizes[1]["resumed_epoch"] == 3
     print("resizes:", resizes)
     # each finished epoch saw every row exactly once, whatever its number of processes
-    for epoch, ids in rows_per_epoch(seen, history).items():
+    # 10 batches an epoch on 3 processes, a commit every 2 (commit_every_steps' default for
+    # an elastic fit): the kill came in batch 3, after the commit of step 2, whose rows the
+    # 2 processes did not train on again
+    for epoch, ids in rows_per_epoch(seen, history, {2: (3, 2)}).items():
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
     # as good as the run that lost nothing (same data; its own sizes, so not bitwise)
     assert final_loss(model, df) == pytest.approx(final_loss(clean, df), abs=0.01)

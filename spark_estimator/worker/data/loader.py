@@ -226,6 +226,11 @@ def open_loader(
     )
 
 
+def empty_batch(spec: TrainSpec, split: str) -> Tensors:
+    """A batch of zero rows of ``split``, its columns in their dtypes and row shapes."""
+    return _template(spec, spec.data.files.get(split, []), needs_shapes=True)
+
+
 def _template(spec: TrainSpec, files, needs_shapes: bool) -> Tensors:
     """Zero rows of every column in its dtype; with the real row shapes (one row read) for
     a rank without rows, whose empty batches still go through forward()."""

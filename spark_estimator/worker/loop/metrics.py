@@ -102,6 +102,20 @@ class EpochSums:
             self.copied = (host, event)
         return value
 
+    def partial(self) -> tuple[list[float], int | None]:
+        """This rank's sums so far (not the times) and its first bad step, for a commit."""
+        for split in SPLITS:
+            self._fold(split)
+        first = int(self.first_bad.item())
+        return self.sums[: self.times_at].tolist(), None if first == _NONE else first
+
+    def resume(self, sums: list[float], first_bad: int | None) -> None:
+        """Start from a commit's ``partial()`` values."""
+        values = torch.tensor(sums, dtype=torch.float64)
+        self.sums[: self.times_at] += host_to_device(values, self.device)
+        if first_bad is not None:
+            self.first_bad.fill_(min(first_bad, int(self.first_bad.item())))
+
     def reduce(self, rank: int, times: dict[str, float]) -> None:
         """Sum across ranks, with this rank's ``times`` in its slot: the epoch's one
         collective for metrics."""

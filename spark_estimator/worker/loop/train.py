@@ -33,10 +33,14 @@ from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
 from ..data.device_shard import DeviceShard
+from ..data.loader import empty_batch, open_loader
 from ..data.prefetch import Prefetched
 from ..data.rank_data import RankData, rank_summary
+from ..data.remainder import own_runs, remainder_batches
+from ..data.shards import StepPlan
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
+from . import commits
 from .checkpoints import Checkpoints
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums, non_finite_loss_error
@@ -109,15 +113,37 @@ class _TrainingLoop:
         self.paused = False  # stopped at an epoch's end for the driver to grow the job
         resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
         if resume_epoch:
-            self._restore(resume_epoch)
+            self._restore(load_checkpoint(self.checkpoints, resume_epoch))
+        # commits inside an epoch (commits.py): the one to resume from, the interval
+        self.commit_path = spec.store.run(spec.run_id).step_commit
+        self.every = commits.interval(spec.loop.commit_every_steps, self.steps_per_epoch)
+        self.commit = None
+        if spec.loop.commit_every_steps:
+            self.commit = commits.agree(
+                spec.store, self.commit_path, rank, self.start_epoch, self.device
+            )
+        if self.commit is not None and not self._can_reshard(self.commit):
+            self.commit = None  # the epoch's checkpoint is where this size can go on from
+        self.resumed_commit = None  # {"epoch", "step"} of the commit this launch went on from
+        if self.commit is not None:
+            self._restore(self.commit)
+            self.resumed_commit = {"epoch": self.commit["epoch"], "step": self.commit["step"]}
         # the rates training starts with: scaled and scheduled, or restored on resume
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         group = spec.loop.backward_passes_per_step
         self.steps = self.data.training_steps(group, self.batches_drawn)
+        self.epoch_runs, self.epoch_rows, self.resharded, self.sources = [], 0, False, None
 
-    def _restore(self, epoch: int) -> None:
-        """Continue from the checkpoint of ``epoch`` (see resume.py)."""
-        saved = load_checkpoint(self.checkpoints, epoch)
+    def _can_reshard(self, commit: dict) -> bool:
+        """Whether this launch can go on from ``commit``: with its number of processes, or
+        with another when an epoch is one pass (its rows can be re-sharded)."""
+        same = commit["world_size"] == self.info.world_size and not commit["resharded"]
+        return same or self.spec.loader.train_steps_per_epoch is None
+
+    def _restore(self, saved: dict) -> None:
+        """Continue from an epoch's checkpoint (see resume.py) or from a commit inside the
+        next epoch (commits.py), which holds the same keys and the epoch's position."""
+        epoch = saved["epoch"]
         objects = self.objects
         objects.model.load_state_dict(saved["model"])
         objects.optimizer.load_state_dict(saved["optimizer"])
@@ -129,13 +155,16 @@ class _TrainingLoop:
             self.best.best_state = source["model"]
         self.state.history = list(saved["history"])
         self.output_shapes = saved["output_shapes"]
-        self.start_epoch, self.batches_drawn = epoch, saved["batches_drawn"]
+        self.batches_drawn = saved["batches_drawn"]
         self.stopped = saved["stop_training"]
+        # a commit is inside its epoch: the loop starts that epoch again from its position
+        self.start_epoch = epoch - 1 if "step" in saved else epoch
         saved_world = saved.get("world_size", self.info.world_size)
         if saved_world != self.info.world_size:  # an elastic fit started again resized
             if self.spec.loop.lr_scaling == "linear":
                 rescale_restored(objects, self.info.world_size / saved_world)
-            # the stream of passes goes on as if this size had trained from the start
+            # the stream of passes goes on as if this size had trained from the start (a
+            # commit's epoch ends on its re-sharded rows: the stream starts after it)
             self.batches_drawn = epoch * self.steps_per_epoch
 
     # -- the epochs -----------------------------------------------------------------------
@@ -151,7 +180,8 @@ class _TrainingLoop:
                 cb.on_epoch_begin(epoch, state)
             lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
             sums = EpochSums(self.metric_names, self.device, self.info.world_size)
-            times = self._train_epoch(epoch, sums)
+            source, first, count = self._epoch_batches(epoch, sums)
+            times = self._train_epoch(epoch, sums, source, first, count)
             if self.has_validation:
                 self._validate(epoch, sums)
             sums.reduce(self.info.rank, times)  # the epoch's one collective for metrics
@@ -198,22 +228,66 @@ class _TrainingLoop:
             last=last,
         )
 
-    def _train_epoch(self, epoch: int, sums: EpochSums) -> dict[str, float]:
-        """Train on the epoch's ``steps_per_epoch`` batches; its last one ends a group, so
-        the epoch ends with an optimizer step. Returns the seconds of the epoch's training
-        pass (``metrics.TIMES``): waiting for batches, computing (on a GPU, until the device
-        has done the epoch's work) and averaging gradients where the step waits for it."""
+    def _epoch_batches(self, epoch: int, sums: EpochSums) -> tuple:
+        """Where the epoch's batches come from: (stream, steps already done, steps to do).
+        Normally the stream of passes, all ``steps_per_epoch``; in the epoch of a commit
+        the rest of it (commits.py): the same stream after the commit's step, or the rows
+        not yet trained on, re-sharded over this launch's ranks."""
+        rank, world = self.info.rank, self.info.world_size
+        commit, self.commit = self.commit, None
+        self.epoch_rows = 0
+        if commit is None:
+            self.epoch_runs = own_runs(self.spec.data.rows("train"), world)[rank]
+            self.resharded, self.sources = False, None
+            return self.steps, 0, self.steps_per_epoch
+        sums.resume(*commits.resumed_sums(commit, rank, world))
+        saved = commit["ranks"]
+        self.sources = commit["sources"] or {
+            (len(saved), r): s["held"] for r, s in enumerate(saved)
+        }
+        if commit["world_size"] == world and not commit["resharded"]:
+            commits.set_rng_state(saved[rank]["rng"])
+            self.epoch_runs = [tuple(r) for r in saved[rank]["runs"]]
+            self.epoch_rows = saved[rank]["consumed"]
+            self.resharded = False
+            return self.steps, commit["step"], self.steps_per_epoch - commit["step"]
+        parts = commits.remaining_runs(commit, world)
+        plan = StepPlan.over([sum(r.rows for r in p) for p in parts], rank, self.spec.batch_size)
+        self.epoch_runs, self.resharded = parts[rank], True
+        opened: dict = {}
+
+        def source(w: int, r: int):
+            if (w, r) not in opened:
+                hold = self.device if self.sources[(w, r)] else None
+                opened[w, r] = open_loader(self.spec, "train", w, r, False, hold)
+            return opened[w, r]
+
+        empty = empty_batch(self.spec, "train")
+        batches = remainder_batches(parts[rank], plan.batch_sizes, epoch, source, empty)
+        group = self.spec.loop.backward_passes_per_step
+        weights = plan.schedule(group, plan.steps)
+        stream = ((b, w, last) for b, (w, last) in zip(batches, weights))
+        return stream, 0, plan.steps
+
+    def _train_epoch(
+        self, epoch: int, sums: EpochSums, source, first: int, count: int
+    ) -> dict[str, float]:
+        """Train on the epoch's ``count`` batches of ``source`` after ``first`` already
+        done (``_epoch_batches``); its last one ends a group, so the epoch ends with an
+        optimizer step. Returns the seconds of the epoch's training pass
+        (``metrics.TIMES``): waiting for batches, computing (on a GPU, until the device has
+        done the epoch's work) and averaging gradients where the step waits for it."""
         self.ddp.train()
         shared = self.hook if isinstance(self.hook, SharedMemoryAllreduce) else None
         averaged = shared.seconds if shared else 0.0
         started = time.perf_counter()
-        drawn = itertools.islice(self.steps, self.steps_per_epoch)
+        drawn = itertools.islice(source, count)
         if self.streaming:  # the next batches are made in a thread while this one trains
             steps = Prefetched(drawn, self._assemble, self.device, lambda made: made[0].tensors())
         else:
             steps = map(self._assemble, drawn)
         try:
-            data, compute = self._run_steps(epoch, sums, steps)
+            data, compute = self._run_steps(epoch, sums, steps, first, first + count)
         finally:
             if isinstance(steps, Prefetched):
                 steps.close()
@@ -239,9 +313,12 @@ class _TrainingLoop:
             return drawn
         return Batch(chunk, self.spec, self.device), weight, last
 
-    def _run_steps(self, epoch: int, sums: EpochSums, steps) -> tuple[float, float]:
-        """Train on every (batch, weight, last) of ``steps`` (``_assemble``'s); the seconds
-        spent waiting for them and the seconds spent on the rest."""
+    def _run_steps(
+        self, epoch: int, sums: EpochSums, steps, first: int, total: int
+    ) -> tuple[float, float]:
+        """Train on every (batch, weight, last) of ``steps`` (``_assemble``'s), steps
+        ``first`` to ``total`` of the epoch, committing every ``self.every`` steps; the
+        seconds spent waiting for them and the seconds spent on the rest."""
         objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
         clock = time.perf_counter
         batches = optimizer_steps = 0
@@ -262,11 +339,15 @@ class _TrainingLoop:
             optimizer_steps += last
             if self.output_shapes is None:
                 self.output_shapes = [list(o.shape[1:]) for o in outputs]
+            self.epoch_rows += batch.size
+            step = first + batches
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
-                sums.add("train", loss, batch.size, metrics, batches if check_nan else None)
-            if batches < self.steps_per_epoch:  # the epoch's end is reported by run()
-                self._progress(epoch, batches, sums)
+                sums.add("train", loss, batch.size, metrics, step if check_nan else None)
+            if step < total:  # the epoch's end is reported (and checkpointed) by run()
+                self._progress(epoch, step, sums)
+                if last and self.every and step % self.every == 0:
+                    self._commit(epoch, step, sums)
             compute += clock() - ready
         self.batches_run.append(batches)
         self.optimizer_steps_run.append(optimizer_steps)
@@ -306,8 +387,31 @@ class _TrainingLoop:
         dist.broadcast(flag, src=0)
         return flag.item() == 1.0, flag.item() == 2.0
 
-    def _write_checkpoint(self, epoch: int, stop: bool) -> None:
-        state = {
+    def _commit(self, epoch: int, step: int, sums: EpochSums) -> None:
+        """Commit the training state after ``step`` of ``epoch`` (commits.py)."""
+        values, first_bad = sums.partial()
+        mine = {
+            "rng": commits.rng_state(),
+            "sums": values,
+            "first_bad": first_bad,
+            "runs": [tuple(run) for run in self.epoch_runs],
+            "consumed": self.epoch_rows,
+            "held": isinstance(self.data.train, DeviceShard),
+        }
+        shared = {}
+        if self.info.rank == 0:
+            shared = {
+                **self._state(False),
+                "epoch": epoch,
+                "step": step,
+                "resharded": self.resharded,
+                "sources": self.sources,
+            }
+        commits.write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
+
+    def _state(self, stop: bool) -> dict:
+        """What an epoch's checkpoint and a commit both hold."""
+        return {
             "model": self.objects.model.state_dict(),
             "optimizer": self.objects.optimizer.state_dict(),
             "history": self.state.history,
@@ -318,8 +422,10 @@ class _TrainingLoop:
             "stop_training": stop,
             **self.stepper.state_dict(),
         }
+
+    def _write_checkpoint(self, epoch: int, stop: bool) -> None:
         best_epoch = self.best.best_epoch if self.best else None
-        self.checkpoints.write(epoch, state, {best_epoch} if best_epoch else set())
+        self.checkpoints.write(epoch, self._state(stop), {best_epoch} if best_epoch else set())
 
     def _nan_error(self, sums: EpochSums, epoch: int) -> Exception:
         """The error every rank raises when a training loss was not finite this epoch."""
@@ -378,6 +484,7 @@ class _TrainingLoop:
                 selection,
                 self.checkpoints.epochs(),
             ),
+            "resumed_from_commit": self.resumed_commit,
             "lr_scaling": loop.lr_scaling,
             "base_learning_rates": self.objects.base_lrs,
             "learning_rates": self.start_lrs,

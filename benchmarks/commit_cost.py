@@ -1,0 +1,94 @@
+"""What commits inside an epoch (``commit_every_steps``) cost the training loop.
+
+A hand-run benchmark, not a test. The job of bench_common.py (rows x 32 float32 features,
+MLP 32-256-256-1, SGD, global batch 512) on ``local[2]`` with 2 processes, 2 epochs, fitted
+with ``commit_every_steps`` = 0 (only the epochs' checkpoints), the elastic default (4
+commits an epoch) and every 25 steps, ``--repeats`` times each, alternating. Reported:
+the longest rank's training seconds (``ranks.json``: the loop, checkpoints included), the
+commits made, and per commit and per step what the commits added against 0.
+
+Usage: python benchmarks/commit_cost.py [--rows N] [--repeats N]
+Writes ``benchmarks/results/commit_cost.md`` with the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_common as bc  # noqa: E402
+
+from spark_estimator.shared.spec import COMMIT_AUTO  # noqa: E402
+
+SETTINGS = [("0 (epoch checkpoints only)", 0), ("default (4 an epoch)", COMMIT_AUTO), ("25", 25)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from spark_estimator import Store
+
+    spark = bc.spark_session("local[2]")
+    df = bc.frame(spark, bc.dataset(args.rows))
+    batch, steps = bc.GLOBAL_BATCH // 2, -(-args.rows // bc.GLOBAL_BATCH)
+    seconds: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.create(tmp)
+        bc.estimator(store, num_proc=2, batch_size=batch, epochs=1).fit(df)  # warm-up
+        for r in range(args.repeats):
+            for name, every in SETTINGS:
+                bc.wait_quiet(30)
+                est = bc.estimator(
+                    store,
+                    num_proc=2,
+                    batch_size=batch,
+                    epochs=args.epochs,
+                    commit_every_steps=every,
+                    run_id=f"commits-{r}-{every}",
+                )
+                model = est.fit(df)
+                train = max(
+                    s["seconds"] for s in store.read_json(store.run(model.getRunId()).ranks)
+                )
+                seconds[name].append(train)
+                print(f"[{r + 1}] {name}: {train:.2f} s", flush=True)
+    spark.stop()
+
+    base = min(seconds[SETTINGS[0][0]])
+    env = bc.machine()
+    lines = [
+        "# Commits inside an epoch",
+        "",
+        f"`python benchmarks/commit_cost.py --rows {args.rows} --repeats {args.repeats}` on "
+        f"{time.strftime('%Y-%m-%d')}: {env['cpu']}, {env['cores']} cores. {args.rows:,} rows, "
+        f"{args.epochs} epochs, {steps} steps an epoch, 2 processes on local[2]; the longest "
+        "rank's training seconds (best of the runs; all runs in brackets).",
+        "",
+        "| commit_every_steps | commits | training s | per commit | of the step time |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, every in SETTINGS:
+        interval = steps // 4 if every == COMMIT_AUTO else every
+        commits = args.epochs * ((steps - 1) // interval if interval else 0)
+        best = min(seconds[name])
+        added = best - base
+        per_commit = f"{added / commits * 1000:.1f} ms" if commits else "-"
+        per_step = f"{added / (steps * args.epochs) / (base / (steps * args.epochs)):.1%}"
+        runs = ", ".join(f"{s:.2f}" for s in seconds[name])
+        lines.append(f"| {name} | {commits} | {best:.2f} ({runs}) | {per_commit} | {per_step} |")
+    out = bc.RESULTS / "commit_cost.md"
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Executor: commits inside an epoch, so a job started again goes on from the last one.
+
+Every ``commit_every_steps`` optimizer steps of an epoch (``interval``; by default, for an
+elastic fit, ``COMMITS_PER_EPOCH`` times an epoch) the ranks gather what only each of
+them knows, and rank 0 writes ``runs/<run_id>/commit.pt`` (atomically) with the rest:
+
+- the model, optimizer, LR scheduler and gradient scaler, the callbacks, the history;
+- the epoch and the step within it, and the position in the stream of passes;
+- per rank: its random state (torch, CUDA, NumPy, Python), its part of the epoch's sums
+  (loss, metrics, rows, non-finite steps), and its rows of the epoch: the runs it reads
+  (``data/remainder.py``) and how many of their rows it has trained on;
+- whether each shard of the epoch's first sharding was held on the device or streamed
+  (their orders differ; a reader of a run must use the same kind).
+
+A launch whose newest epoch checkpoint is epoch ``e - 1`` and which finds a commit of epoch
+``e`` resumes there. With the same number of processes it continues exactly: every rank
+takes its random state and its sums back and skips the batches already trained on. With
+another number, the rows of the epoch not yet trained on are re-sharded over the new
+ranks (``remainder.reshard``), rank 0 takes the sums of all old ranks, and the epoch ends
+on those rows; later epochs shard the data over the new ranks as usual.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...shared.serialization import state_from_bytes, state_to_bytes
+from ...shared.spec import COMMIT_AUTO
+from ..data.remainder import Run, after, reshard
+
+COMMITS_PER_EPOCH = 4  # commit_every_steps=COMMIT_AUTO (elastic fits' default)
+
+
+def interval(setting: int, steps_per_epoch: int) -> int:
+    """Steps between commits within an epoch (0: none)."""
+    if setting == COMMIT_AUTO:
+        return steps_per_epoch // COMMITS_PER_EPOCH if steps_per_epoch > 1 else 0
+    return setting
+
+
+def rng_state() -> dict:
+    """The global generators' states as tensors and plain values (what a state file may
+    hold, see ``shared/serialization.py``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def write(store, path: str, rank: int, shared: dict, mine: dict) -> None:
+    """Gather every rank's ``mine`` (a collective); rank 0 writes them with ``shared``."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    if rank == 0:
+        store.write_bytes(path, state_to_bytes({**shared, "ranks": ranks}))
+
+
+def agree(store, path: str, rank: int, after_epoch: int, device: torch.device) -> dict | None:
+    """The commit of epoch ``after_epoch + 1`` when rank 0 finds one, on every rank."""
+    found = 0
+    if rank == 0 and store.exists(path):
+        found = int(state_from_bytes(store.read_bytes(path))["epoch"] == after_epoch + 1)
+    flag = torch.tensor([found], dtype=torch.int64, device=device)
+    dist.broadcast(flag, src=0)
+    return state_from_bytes(store.read_bytes(path)) if flag.item() else None
+
+
+def remaining_runs(commit: dict, world: int) -> list[list[Run]]:
+    """The rows of the commit's epoch not trained on, cut over ``world`` ranks."""
+    left = [after([Run(*r) for r in s["runs"]], s["consumed"]) for s in commit["ranks"]]
+    return reshard(left, world)
+
+
+def resumed_sums(commit: dict, rank: int, world: int) -> tuple[list[float], int | None]:
+    """The part of the epoch's sums this rank resumes with: its own with the same number of
+    ranks; else rank 0 all of them (first bad step: the smallest), the others none."""
+    saved = commit["ranks"]
+    if len(saved) == world:
+        return saved[rank]["sums"], saved[rank]["first_bad"]
+    if rank != 0:
+        return [0.0] * len(saved[0]["sums"]), None
+    total = [sum(values) for values in zip(*(s["sums"] for s in saved))]
+    bad = [s["first_bad"] for s in saved if s["first_bad"] is not None]
+    return total, min(bad) if bad else None
