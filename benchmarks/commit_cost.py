@@ -2,8 +2,8 @@
 
 A hand-run benchmark, not a test. The job of bench_common.py (rows x 32 float32 features,
 MLP 32-256-256-1, SGD, global batch 512) on ``local[2]`` with 2 processes, 2 epochs, fitted
-with ``commit_every_steps`` = 0 (only the epochs' checkpoints), the elastic default (4
-commits an epoch) and every 25 steps, ``--repeats`` times each, alternating. Reported:
+with ``commit_every_steps`` = 0 (only the epochs' checkpoints), an elastic fit's default
+(4 commits an epoch) and every 25 steps, ``--repeats`` times each, alternating. Reported:
 the longest rank's training seconds (``ranks.json``: the loop, checkpoints included), the
 commits made, and per commit and per step what the commits added against 0.
 
@@ -23,9 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
 
-from spark_estimator.shared.spec import COMMIT_AUTO  # noqa: E402
-
-SETTINGS = [("0 (epoch checkpoints only)", 0), ("default (4 an epoch)", COMMIT_AUTO), ("25", 25)]
+from spark_estimator.worker.loop.commits import COMMITS_PER_EPOCH  # noqa: E402
 
 
 def main() -> None:
@@ -39,12 +37,15 @@ def main() -> None:
     spark = bc.spark_session("local[2]")
     df = bc.frame(spark, bc.dataset(args.rows))
     batch, steps = bc.GLOBAL_BATCH // 2, -(-args.rows // bc.GLOBAL_BATCH)
-    seconds: dict[str, list[float]] = {name: [] for name, _ in SETTINGS}
+    elastic = steps // COMMITS_PER_EPOCH  # the default of an elastic fit
+    settings = [("0 (epoch checkpoints only)", 0), (f"{elastic} (elastic default)", elastic)]
+    settings.append(("25", 25))
+    seconds: dict[str, list[float]] = {name: [] for name, _ in settings}
     with tempfile.TemporaryDirectory() as tmp:
         store = Store.create(tmp)
         bc.estimator(store, num_proc=2, batch_size=batch, epochs=1).fit(df)  # warm-up
         for r in range(args.repeats):
-            for name, every in SETTINGS:
+            for name, every in settings:
                 bc.wait_quiet(30)
                 est = bc.estimator(
                     store,
@@ -62,7 +63,7 @@ def main() -> None:
                 print(f"[{r + 1}] {name}: {train:.2f} s", flush=True)
     spark.stop()
 
-    base = min(seconds[SETTINGS[0][0]])
+    base = min(seconds[settings[0][0]])
     env = bc.machine()
     lines = [
         "# Commits inside an epoch",
@@ -75,9 +76,8 @@ def main() -> None:
         "| commit_every_steps | commits | training s | per commit | of the step time |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name, every in SETTINGS:
-        interval = steps // 4 if every == COMMIT_AUTO else every
-        commits = args.epochs * ((steps - 1) // interval if interval else 0)
+    for name, every in settings:
+        commits = args.epochs * ((steps - 1) // every if every else 0)
         best = min(seconds[name])
         added = best - base
         per_commit = f"{added / commits * 1000:.1f} ms" if commits else "-"

@@ -476,6 +476,11 @@ def _bad_inputs():
         ),
         "min_num_proc < 1": (dict(min_num_proc=0), ValueError, "min_num_proc: must be >= 1"),
         "max_restarts < 0": (dict(max_restarts=-1), ValueError, "max_restarts: must be >= 0"),
+        "commit_every_steps < 0": (
+            dict(commit_every_steps=-2),
+            ValueError,
+            "commit_every_steps: must be >= 0",
+        ),
         "elastic_timeout <= 0": (
             dict(elastic_timeout=0.0),
             ValueError,

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from spark_estimator import Store, TorchEstimator
+from spark_estimator import Store, TorchEstimator, TrainingError
 from spark_estimator.callbacks import Callback
 from spark_estimator.driver.elastic import ElasticSize
+from spark_estimator.shared.spec import COMMIT_AUTO
+from spark_estimator.worker.loop import commits
 from tests.clusters import NetnsCluster, StandaloneCluster
 from tests.conftest import regression_rows
 from tests.driver.test_launch import FakeConnectSession
@@ -51,6 +53,17 @@ def test_too_few_slots_fail_after_the_timeout_with_what_was_seen():
     fixed = ElasticSize(spark, 2, None, 2, max_restarts=3, timeout_s=0.2)
     with pytest.raises(RuntimeError, match="num_proc: the cluster offered fewer than 2"):
         fixed.after_loss(LOST)
+
+
+def test_the_default_commits_cost_at_most_their_budget_of_the_training_time():
+    assert commits.interval(COMMIT_AUTO, 10) == 5  # the first epoch: one, timed
+    # 100 steps in 10 s with commits of 0.01 s: 4 an epoch (every 25 steps)
+    assert commits.adapted(100, 10.0, [0.01], 50) == 25
+    # commits of 0.2 s against steps of ~0.1 s: every 40 steps keeps them at 5%
+    assert commits.adapted(100, 10.2, [0.2], 50) == 40
+    assert commits.adapted(100, 10.2, [0.2] * 3, 50) == 42  # 3 of them: 0.096 s a step
+    assert commits.adapted(100, 1.5, [0.5], 50) == 0  # one commit costs over 5% of an epoch
+    assert commits.adapted(100, 10.0, [], 50) == 50  # nothing timed: as it was
 
 
 def test_slots_that_cannot_be_counted_keep_the_size():
@@ -185,6 +198,7 @@ def test_a_fit_across_hosts_loses_a_host_shrinks_and_grows_back_on_a_new_one(tmp
             "across-hosts",
             callbacks=[fault, WaitForGrowth(store.run("across-hosts").grow, epoch=3, procs=3)],
             min_num_proc=2,
+            commit_every_steps=2,
         )
         at: dict[str, float] = {}
 
@@ -228,8 +242,8 @@ def test_a_fit_across_hosts_loses_a_host_shrinks_and_grows_back_on_a_new_one(tmp
         assert [(r["from_procs"], r["to_procs"]) for r in resizes] == [(3, 2), (2, 3)]
         assert resizes[0]["why"].startswith("lost processes") and resizes[0]["resumed_epoch"] == 1
         assert resizes[1]["why"] == "slots returned" and resizes[1]["resumed_epoch"] == 3
-        # 10 batches an epoch on 3 processes, a commit every 2 (commit_every_steps' default
-        # for an elastic fit): the fault came in batch 3, after the commit of step 2
+        # 10 batches an epoch on 3 processes, a commit every 2: the fault came in batch 3,
+        # after the commit of step 2
         for epoch, ids in rows_per_epoch(seen, history, {2: (3, 2)}).items():
             assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
         # no clean run to compare with (to save its time): the standalone test below has one
@@ -260,6 +274,7 @@ def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers
         "elastic",
         callbacks=[fault, WaitForGrowth(grow_file, epoch=3, procs=3)],
         min_num_proc=2,
+        commit_every_steps=2,
     )
     started = time.monotonic()
     killed = []
@@ -293,9 +308,8 @@ def test_a_fit_that_loses_a_worker_for_good_shrinks_and_grows_back(three_workers
     assert resizes[1]["why"] == "slots returned" and resizes[1]["resumed_epoch"] == 3
     print("resizes:", resizes)
     # each finished epoch saw every row exactly once, whatever its number of processes
-    # 10 batches an epoch on 3 processes, a commit every 2 (commit_every_steps' default for
-    # an elastic fit): the kill came in batch 3, after the commit of step 2, whose rows the
-    # 2 processes did not train on again
+    # 10 batches an epoch on 3 processes, a commit every 2: the kill came in batch 3, after
+    # the commit of step 2, whose rows the 2 processes did not train on again
     for epoch, ids in rows_per_epoch(seen, history, {2: (3, 2)}).items():
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
     # as good as the run that lost nothing (same data; its own sizes, so not bitwise)
@@ -323,3 +337,71 @@ def test_too_few_slots_after_a_loss_fail_the_fit_within_elastic_timeout(three_wo
     assert "slots seen since then: 2 at 0 s" in str(e.value)
     assert time.monotonic() - started < 120
     assert store.checkpoint_epochs("too-few") == [1]  # kept for a later fit to resume
+
+
+@pytest.mark.cluster
+def test_a_lightning_fit_that_loses_a_worker_for_good_goes_on_with_fewer(three_workers, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from spark_estimator import LightningEstimator
+
+    marker = str(tmp_path / "killed")
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.mse_loss(self(batch["x"]).squeeze(1), batch["y"])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    class KillWorkerAt(pl.Callback):  # rank 1's Worker, after batch 3 of epoch 2, once
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            at = (trainer.global_rank, trainer.current_epoch + 1, batch_idx + 1)
+            if at == (1, 2, 3) and not os.path.exists(marker):
+                Fault("kill-worker", 1, 2, marker).fire(2)
+
+    _, spark = three_workers
+    store = Store.create(str(tmp_path / "store"))
+    df = spark.createDataFrame(regression_rows(ROWS), "x array<double>, y double, id long")
+    model = LightningEstimator(
+        model=Linear(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=10,
+        epochs=4,
+        num_proc=3,
+        min_num_proc=2,
+        store=store,
+        use_gpu=False,
+        verbose=False,
+        callbacks=[KillWorkerAt()],
+    ).fit(df)
+    assert os.path.exists(marker)
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert [h["num_proc"] for h in history] == [3, 2, 2, 2]  # Lightning fits only shrink
+    [resize] = model.getTrainingSummary()["resizes"]
+    assert (resize["from_procs"], resize["to_procs"], resize["resumed_epoch"]) == (3, 2, 1)
+    assert history[-1]["train"]["loss"] < history[0]["train"]["loss"]
+
+
+@pytest.mark.cluster
+def test_an_error_of_the_training_code_still_fails_an_elastic_fit_at_once(three_workers, tmp_path):
+    _, spark = three_workers
+    store = Store.create(str(tmp_path / "store"))
+    df = spark.createDataFrame(regression_rows(ROWS), "x array<double>, y double, id long")
+    fault = Fault("raise", rank=1, epoch=2, marker=tmp_path / "m", once=False)
+    est = estimator(
+        store, EpochRecordingNet(str(tmp_path)), "bug", callbacks=[fault], min_num_proc=2
+    )
+    started = time.monotonic()
+    with pytest.raises(TrainingError, match="injected fault on rank 1 at epoch 2"):
+        est.fit(df)
+    assert time.monotonic() - started < 60  # not started again

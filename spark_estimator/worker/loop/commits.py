@@ -1,8 +1,11 @@
 """Executor: commits inside an epoch, so a job started again goes on from the last one.
 
-Every ``commit_every_steps`` optimizer steps of an epoch (``interval``; by default, for an
-elastic fit, ``COMMITS_PER_EPOCH`` times an epoch) the ranks gather what only each of
-them knows, and rank 0 writes ``runs/<run_id>/commit.pt`` (atomically) with the rest:
+Every ``commit_every_steps`` optimizer steps of an epoch the ranks gather what only each of
+them knows, and rank 0 writes ``runs/<run_id>/commit.pt`` (atomically) with the rest. An
+elastic fit's default (``COMMIT_AUTO``) commits once in the middle of the first epoch, then
+``COMMITS_PER_EPOCH`` times an epoch, or less often, so that commits cost at most
+``BUDGET`` of the training time (``adapted``: rank 0 times them, and after each epoch tells
+every rank the next epoch's interval). A commit holds:
 
 - the model, optimizer, LR scheduler and gradient scaler, the callbacks, the history;
 - the epoch and the step within it, and the position in the stream of passes;
@@ -22,24 +25,44 @@ on those rows; later epochs shard the data over the new ranks as usual.
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ...shared.serialization import state_from_bytes, state_to_bytes
-from ...shared.spec import COMMIT_AUTO
-from ..data.remainder import Run, after, reshard
+from ...shared.spec import COMMIT_AUTO, TrainSpec
+from ..data.loader import empty_batch, open_loader
+from ..data.remainder import Run, after, remainder_batches, reshard
+from ..data.shards import StepPlan
 
-COMMITS_PER_EPOCH = 4  # commit_every_steps=COMMIT_AUTO (elastic fits' default)
+COMMITS_PER_EPOCH = 4  # commit_every_steps=COMMIT_AUTO (elastic fits' default): at most
+BUDGET = 0.05  # ... and commits cost at most this share of the training time
 
 
 def interval(setting: int, steps_per_epoch: int) -> int:
-    """Steps between commits within an epoch (0: none)."""
+    """Steps between commits in the first epoch (0: none): with ``COMMIT_AUTO`` one in its
+    middle, which is timed."""
     if setting == COMMIT_AUTO:
-        return steps_per_epoch // COMMITS_PER_EPOCH if steps_per_epoch > 1 else 0
+        return steps_per_epoch // 2
     return setting
+
+
+def adapted(steps: int, train_s: float, commit_s: list[float], current: int) -> int:
+    """``COMMIT_AUTO``'s interval for the next epoch from this one's: ``steps`` trained in
+    ``train_s`` seconds, commits that took ``commit_s`` (none timed: ``current`` stays).
+    ``COMMITS_PER_EPOCH`` an epoch at most, and none when one costs over ``BUDGET`` of it."""
+    if not commit_s or not steps or train_s <= 0:
+        return current
+    commit = sum(commit_s) / len(commit_s)
+    step = max(train_s - sum(commit_s), 1e-9) / steps
+    least = math.ceil(commit / (BUDGET * step))
+    if least >= steps:
+        return 0
+    return max(steps // COMMITS_PER_EPOCH, least)
 
 
 def rng_state() -> dict:
@@ -88,6 +111,36 @@ def remaining_runs(commit: dict, world: int) -> list[list[Run]]:
     """The rows of the commit's epoch not trained on, cut over ``world`` ranks."""
     left = [after([Run(*r) for r in s["runs"]], s["consumed"]) for s in commit["ranks"]]
     return reshard(left, world)
+
+
+def resharded_epoch(
+    commit: dict,
+    spec: TrainSpec,
+    rank: int,
+    world: int,
+    device: torch.device,
+    epoch: int,
+    sources: dict,
+) -> tuple[Iterator, int, list[Run]]:
+    """The rest of the commit's epoch on this rank of ``world``: (batch, loss weight, last
+    of its group) for each of its steps, their count, and this rank's runs. ``sources``
+    says which shards of the epoch's first sharding were held on the device."""
+    parts = remaining_runs(commit, world)
+    plan = StepPlan.over([sum(r.rows for r in p) for p in parts], rank, spec.batch_size)
+    opened: dict = {}
+
+    def source(w: int, r: int):
+        if (w, r) not in opened:
+            opened[w, r] = open_loader(
+                spec, "train", w, r, False, device if sources[w, r] else None
+            )
+        return opened[w, r]
+
+    empty = empty_batch(spec, "train")
+    batches = remainder_batches(parts[rank], plan.batch_sizes, epoch, source, empty)
+    weights = plan.schedule(spec.loop.backward_passes_per_step, plan.steps)
+    stream = ((b, w, last) for b, (w, last) in zip(batches, weights))
+    return stream, plan.steps, parts[rank]
 
 
 def resumed_sums(commit: dict, rank: int, world: int) -> tuple[list[float], int | None]:

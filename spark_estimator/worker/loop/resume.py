@@ -8,6 +8,11 @@ epoch reseeds the global generators from (seed, epoch, rank) (``seed_epoch``), a
 loader seeds each pass's permutations from (seed, pass, rank). A resumed epoch therefore
 draws the same dropout masks and the same batches as it would have without the failure.
 
+A checkpoint written with another number of processes (an elastic fit started again
+resized) goes on with this one's: ``lr_scaling="linear"`` rates rescaled, the stream of
+passes as if this size had trained from the start. A commit inside the next epoch, when
+there is one, is newer still (``commits.py``).
+
 All ranks load the same checkpoint: rank 0 picks the newest epoch and broadcasts it, so a
 checkpoint that appears while the ranks start (a straggler of the failed attempt) cannot
 split them.

@@ -9,10 +9,12 @@ endless sequence of passes (a batch is one forward and backward pass). With
 each, across pass boundaries; the epoch's last group may be short, so an epoch always ends
 with an optimizer step (``shards.py``). ``step.py`` does the work of one batch. Per epoch
 the ranks run exactly two collectives besides DDP's: one allreduce of the epoch's loss and
-metric sums (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks).
-Rank 0 then writes the epoch's checkpoint (``checkpoints.py``); at the end it writes the
-result, and every rank returns its ``RankSummary``. A run that finds checkpoints of its
-``run_id`` continues after the newest (``resume.py``).
+metric sums (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks)
+or to pause so the driver can grow the job (elastic fits). Rank 0 then writes the epoch's
+checkpoint (``checkpoints.py``); with ``commit_every_steps`` the ranks also commit inside
+the epoch (one gather each time, ``commits.py``). At the end rank 0 writes the result, and
+every rank returns its ``RankSummary``. A run that finds checkpoints of its ``run_id``
+continues after the newest, or from a newer commit (``resume.py``).
 """
 
 from __future__ import annotations
@@ -26,18 +28,16 @@ import torch.distributed as dist
 
 from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
 from ...shared.serialization import loads, state_to_bytes
-from ...shared.spec import TrainSpec, compile_backend, metric_keys
+from ...shared.spec import COMMIT_AUTO, TrainSpec, compile_backend, metric_keys
 from ...shared.summary import RankSummary, seconds_per_rank, training_summary
 from ..comm.ddp import wrap_model
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
 from ..data.device_shard import DeviceShard
-from ..data.loader import empty_batch, open_loader
 from ..data.prefetch import Prefetched
 from ..data.rank_data import RankData, rank_summary
-from ..data.remainder import own_runs, remainder_batches
-from ..data.shards import StepPlan
+from ..data.remainder import own_runs
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
 from . import commits
@@ -117,6 +117,7 @@ class _TrainingLoop:
         # commits inside an epoch (commits.py): the one to resume from, the interval
         self.commit_path = spec.store.run(spec.run_id).step_commit
         self.every = commits.interval(spec.loop.commit_every_steps, self.steps_per_epoch)
+        self.commit_s: list[float] = []  # this epoch's commits' seconds (rank 0's)
         self.commit = None
         if spec.loop.commit_every_steps:
             self.commit = commits.agree(
@@ -201,7 +202,9 @@ class _TrainingLoop:
             self._step_scheduler(record)
             for cb in callbacks:
                 cb.on_epoch_end(epoch, record, state)
-            stop, self.paused = self._agree_to_stop(state.stop_training, epoch < last)
+            stop, self.paused, self.every = self._agree_after_epoch(
+                state.stop_training, epoch < last, count, times["train"]
+            )
             if self.info.rank == 0:
                 self._write_checkpoint(epoch, stop)
                 self.tensorboard.write(state.history)
@@ -251,23 +254,11 @@ class _TrainingLoop:
             self.epoch_rows = saved[rank]["consumed"]
             self.resharded = False
             return self.steps, commit["step"], self.steps_per_epoch - commit["step"]
-        parts = commits.remaining_runs(commit, world)
-        plan = StepPlan.over([sum(r.rows for r in p) for p in parts], rank, self.spec.batch_size)
-        self.epoch_runs, self.resharded = parts[rank], True
-        opened: dict = {}
-
-        def source(w: int, r: int):
-            if (w, r) not in opened:
-                hold = self.device if self.sources[(w, r)] else None
-                opened[w, r] = open_loader(self.spec, "train", w, r, False, hold)
-            return opened[w, r]
-
-        empty = empty_batch(self.spec, "train")
-        batches = remainder_batches(parts[rank], plan.batch_sizes, epoch, source, empty)
-        group = self.spec.loop.backward_passes_per_step
-        weights = plan.schedule(group, plan.steps)
-        stream = ((b, w, last) for b, (w, last) in zip(batches, weights))
-        return stream, 0, plan.steps
+        self.resharded = True
+        stream, steps, self.epoch_runs = commits.resharded_epoch(
+            commit, self.spec, rank, world, self.device, epoch, self.sources
+        )
+        return stream, 0, steps
 
     def _train_epoch(
         self, epoch: int, sums: EpochSums, source, first: int, count: int
@@ -376,19 +367,29 @@ class _TrainingLoop:
         else:
             scheduler.step()
 
-    def _agree_to_stop(self, requested: bool, epochs_left: bool) -> tuple[bool, bool]:
-        """Rank 0's stop request, and whether to pause so the driver can start the job again
-        with more processes (elastic growth, ``driver/elastic.py``), the same on every rank."""
-        pause = False
-        if self.info.rank == 0 and epochs_left and not requested:
-            store, grow = self.spec.store, self.spec.store.run(self.spec.run_id).grow
-            pause = store.exists(grow) and store.read_json(grow)["from"] == self.info.world_size
-        flag = torch.tensor([2.0 if pause else 1.0 if requested else 0.0], device=self.device)
+    def _agree_after_epoch(
+        self, requested: bool, epochs_left: bool, steps: int, train_s: float
+    ) -> tuple[bool, bool, int]:
+        """Rank 0's stop request, whether to pause so the driver can start the job again
+        with more processes (elastic growth, ``driver/elastic.py``), and the next epoch's
+        commit interval (``commits.adapted``), the same on every rank."""
+        pause, every = False, self.every
+        if self.info.rank == 0:
+            if epochs_left and not requested:
+                store, grow = self.spec.store, self.spec.store.run(self.spec.run_id).grow
+                pause = store.exists(grow) and store.read_json(grow)["from"] == self.info.world_size
+            if self.spec.loop.commit_every_steps == COMMIT_AUTO:
+                every = commits.adapted(steps, train_s, self.commit_s, self.every)
+        self.commit_s = []
+        decision = 2.0 if pause else 1.0 if requested else 0.0
+        flag = torch.tensor([decision, float(every)], device=self.device)
         dist.broadcast(flag, src=0)
-        return flag.item() == 1.0, flag.item() == 2.0
+        decision, every = flag.tolist()
+        return decision == 1.0, decision == 2.0, int(every)
 
     def _commit(self, epoch: int, step: int, sums: EpochSums) -> None:
         """Commit the training state after ``step`` of ``epoch`` (commits.py)."""
+        began = time.perf_counter()
         values, first_bad = sums.partial()
         mine = {
             "rng": commits.rng_state(),
@@ -408,6 +409,7 @@ class _TrainingLoop:
                 "sources": self.sources,
             }
         commits.write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
+        self.commit_s.append(time.perf_counter() - began)
 
     def _state(self, stop: bool) -> dict:
         """What an epoch's checkpoint and a commit both hold."""
