@@ -118,6 +118,7 @@ class _TrainingLoop:
         self.commit_path = spec.store.run(spec.run_id).step_commit
         self.every = commits.interval(spec.loop.commit_every_steps, self.steps_per_epoch)
         self.commit_s: list[float] = []  # this epoch's commits' seconds (rank 0's)
+        self.commits_made, self.commit_seconds = 0, 0.0
         self.commit = None
         if spec.loop.commit_every_steps:
             self.commit = commits.agree(
@@ -410,6 +411,8 @@ class _TrainingLoop:
             }
         commits.write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
         self.commit_s.append(time.perf_counter() - began)
+        self.commits_made += 1
+        self.commit_seconds += self.commit_s[-1]
 
     def _state(self, stop: bool) -> dict:
         """What an epoch's checkpoint and a commit both hold."""
@@ -487,6 +490,8 @@ class _TrainingLoop:
                 self.checkpoints.epochs(),
             ),
             "resumed_from_commit": self.resumed_commit,
+            "commits": self.commits_made,
+            "commit_seconds": round(self.commit_seconds, 4),
             "lr_scaling": loop.lr_scaling,
             "base_learning_rates": self.objects.base_lrs,
             "learning_rates": self.start_lrs,
