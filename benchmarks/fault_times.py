@@ -96,13 +96,17 @@ def timed_fit(spark, tmp: Path, action: str | None, epoch: int, params: dict) ->
         outcome = f"TrainingError from rank {e.rank}"
     if action and again.exists():
         procs = [h["num_proc"] for h in model.getHistory()]
-        resumed = model.getTrainingSummary()["resizes"][0]["resumed_epoch"]
+        summary = model.getTrainingSummary()
+        commit = summary["resumed_from_commit"]
         again_s = float(again.read_text().split()[0]) - marker.stat().st_mtime
         steps = math.ceil(math.ceil(ROWS / params["num_proc"]) / BATCH)
+        # the kill comes in the forward pass of the epoch's 2nd batch: 1 batch was trained
+        redone = 1 - (commit["step"] if commit else 0)
+        where = f"commit at step {commit['step']}" if commit else "the epoch's start"
         outcome = (
-            f"processes per epoch {procs}, resumed from epoch {resumed}; training again "
-            f"{again_s:.1f} s after the kill; work repeated: the 2 batches (of {steps}) "
-            f"epoch {epoch} had run"
+            f"processes per epoch {procs}; went on from epoch {epoch}'s {where}, training "
+            f"again {again_s:.1f} s after the kill; work repeated: {redone} batch(es) of "
+            f"{steps} on 3 processes"
         )
     return time.monotonic() - started, outcome
 
