@@ -61,7 +61,9 @@ def test_history_has_one_record_per_epoch_with_train_and_validation_loss(digits_
     _, model, _, _, _ = digits_fit
     history = model.getHistory()
     assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
-    assert all(set(h) == {"epoch", "lr", "train", "validation", "seconds"} for h in history)
+    keys = {"epoch", "num_proc", "lr", "train", "validation", "seconds"}
+    assert all(set(h) == keys for h in history)
+    assert all(h["num_proc"] == 2 for h in history)
     assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2
     assert history[-1]["validation"]["loss"] < history[0]["validation"]["loss"] / 2
 

@@ -136,6 +136,7 @@ def test_history_holds_the_loss_and_what_the_module_logged_per_epoch(lightning_f
     _, model = lightning_fit
     history = model.getHistory()
     assert [h["epoch"] for h in history] == [1, 2, 3, 4, 5, 6]
+    assert [h["num_proc"] for h in history] == [2] * 6
     assert set(history[0]["train"]) == {"loss", "train_acc"}
     assert set(history[0]["validation"]) == {"val_loss", "val_acc"}
     assert history[-1]["validation"]["val_loss"] < history[0]["validation"]["val_loss"] / 2
