@@ -102,11 +102,11 @@ def timed_fit(spark, tmp: Path, action: str | None, epoch: int, params: dict) ->
         steps = math.ceil(math.ceil(ROWS / params["num_proc"]) / BATCH)
         # the kill comes in the forward pass of the epoch's 2nd batch: 1 batch was trained
         redone = 1 - (commit["step"] if commit else 0)
-        where = f"commit at step {commit['step']}" if commit else "the epoch's start"
+        where = f"its commit at step {commit['step']}" if commit else "its start"
         outcome = (
-            f"processes per epoch {procs}; went on from epoch {epoch}'s {where}, training "
-            f"again {again_s:.1f} s after the kill; work repeated: {redone} batch(es) of "
-            f"{steps} on 3 processes"
+            f"processes per epoch {procs}; epoch {epoch} went on from {where}, training "
+            f"again {again_s:.1f} s after the kill; work repeated: {redone} of its {steps} "
+            "batches on 3 processes"
         )
     return time.monotonic() - started, outcome
 
