@@ -9,6 +9,7 @@ import torch
 from spark_estimator import TrainingError
 from spark_estimator.callbacks import Callback
 from tests.conftest import linear_net, make_estimator
+from tests.faults import Fault
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 mlflow = pytest.importorskip("mlflow")
@@ -89,3 +90,14 @@ def test_mlflow_logging_without_mlflow_is_refused_before_any_job(regression_df, 
     with pytest.raises(ValueError, match="mlflow_logging: MLflow is not installed"):
         est.fit(regression_df)
     assert not (store.root and __import__("os").listdir(store.root))
+
+
+def test_a_job_started_again_shows_each_line_once(regression_df, store, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="spark_estimator.worker")
+    fault = Fault("kill", rank=1, epoch=2, marker=tmp_path / "m")
+    make_estimator(store=store, epochs=3, callbacks=[Talk(), fault]).fit(regression_df)
+    assert (tmp_path / "m").exists()
+    lines = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.worker"]
+    # epoch 1's line was printed by the first launch only; the second resumed after it
+    assert lines.count("[rank 0] printed by rank 0 after epoch 1") == 1
+    assert lines.count("[rank 0] printed by rank 0 after epoch 3") == 1

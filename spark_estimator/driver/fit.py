@@ -317,11 +317,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             self.getElasticTimeout(),
         )
         store, run = spec.store, spec.store.run(spec.run_id)
+        monitor = FitMonitor(store, spec.run_id, spec.launch_id, self.getVerbose())
         while True:
             if store.exists(run.grow):
                 store.remove(run.grow)
             try:
-                summaries = self._launch_once(spark, spec, size)
+                summaries = self._launch_once(spark, spec, size, monitor)
             except _LostProcesses as lost:
                 resumed = (store.checkpoint_epochs(spec.run_id) or [0])[-1]
                 size.after_loss(lost.__cause__, resumed)
@@ -347,20 +348,20 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 resumed,
             )
 
-    def _launch_once(self, spark: SparkSession, spec: TrainSpec, size: ElasticSize) -> list[dict]:
-        """One launch of the training job, followed from the driver (driver/monitor.py).
-        Raises a TrainingError for an error of the training code, ``_LostProcesses`` for
-        any other failure; asks the ranks to grow when slots return (``ElasticSize``)."""
+    def _launch_once(
+        self, spark: SparkSession, spec: TrainSpec, size: ElasticSize, monitor: FitMonitor
+    ) -> list[dict]:
+        """One launch of the training job, followed from the driver by ``monitor``
+        (driver/monitor.py). Raises a TrainingError for an error of the training code,
+        ``_LostProcesses`` for any other failure; asks the ranks to grow when slots return
+        (``ElasticSize``)."""
         store, run_id = spec.store, spec.run_id
         failure = store.run(run_id).failure(spec.launch_id)
         tag = f"spark-estimator-{spec.launch_id}"
-        cancel = functools.partial(cancel_jobs, spark, tag)
+        monitor.cancel = functools.partial(cancel_jobs, spark, tag)
         # Lightning's trainer has no way to stop for the driver: its fits only shrink
         grow = functools.partial(_ask_to_grow, store.run(run_id), size, store)
-        watch = grow if spec.trainer == "torch" else None
-        monitor = FitMonitor(
-            store, run_id, spec.launch_id, self.getVerbose(), cancel=cancel, watch=watch
-        )
+        monitor.watch = grow if spec.trainer == "torch" else None
         try:
             with monitor:
                 return run_barrier_job(

@@ -171,6 +171,9 @@ class FitMonitor:
 
     # -- context --------------------------------------------------------------------------
     def __enter__(self) -> FitMonitor:
+        """Follow one launch; a fit started again re-enters the same monitor, so lines
+        already shown are not shown again (``cancel`` and ``watch`` may change between)."""
+        self.stop, self.failure_seen = threading.Event(), None
         self.thread = threading.Thread(target=self._poll_loop, name="fit-monitor", daemon=True)
         self.thread.start()
         return self
@@ -184,6 +187,7 @@ class FitMonitor:
             logger.debug("could not read the run's progress: %s", e)
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
     def tail(self, rank: int | None = None) -> str:
         """The last lines of ``rank`` (of every rank when None), for error messages."""
