@@ -203,7 +203,7 @@ def test_a_fit_across_hosts_loses_a_host_shrinks_and_grows_back_on_a_new_one(tmp
         at: dict[str, float] = {}
 
         def operator():  # stops the hung rank's host, then adds a host once 2 train
-            while not hung.exists():
+            while not (hung.exists() and hung.read_text().endswith("\n")):  # written whole
                 time.sleep(0.05)
             pid = int(hung.read_text().split()[-1])
             ns = namespace_of(pid)
