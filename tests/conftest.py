@@ -9,6 +9,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from pyspark import SparkContext
 from pyspark import cloudpickle as pyspark_cloudpickle
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import SparkSession
@@ -25,6 +26,7 @@ os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSeri
 LOCAL = "local[4]"
 CLUSTER = "local-cluster[2,1,1024]"
 _current: dict[str, SparkSession] = {}
+_conf_keys: dict[str, list[str]] = {}  # the conf each master's session was given
 
 
 def spark_session(master: str, **conf: str) -> SparkSession:
@@ -37,7 +39,7 @@ def spark_session(master: str, **conf: str) -> SparkSession:
     if master in _current:
         return _current[master]
     for other in list(_current):
-        _current.pop(other).stop()
+        stop_session(other)
     builder = (
         SparkSession.builder.master(master)
         .appName("spark-estimator tests")
@@ -53,13 +55,19 @@ def spark_session(master: str, **conf: str) -> SparkSession:
     assert session.sparkContext.master == master, session.sparkContext.master
     session.sparkContext.setLogLevel("ERROR")
     _current[master] = session
+    _conf_keys[master] = list(conf)
     return session
 
 
 def stop_session(master: str) -> None:
-    """Stop the session of ``master``, if one runs."""
+    """Stop the session of ``master``, if one runs, and forget its ``conf``: Spark keeps a
+    session's settings as the JVM's system properties, which the next session would
+    inherit (a driver address on a bridge a cluster took down with it)."""
     if master in _current:
         _current.pop(master).stop()
+        system = SparkContext._jvm.java.lang.System
+        for key in _conf_keys.pop(master, []):
+            system.clearProperty(key)
 
 
 def pytest_collection_modifyitems(items):
