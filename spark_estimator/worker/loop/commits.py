@@ -99,12 +99,15 @@ def write(store, path: str, rank: int, shared: dict, mine: dict) -> None:
 
 def agree(store, path: str, rank: int, after_epoch: int, device: torch.device) -> dict | None:
     """The commit of epoch ``after_epoch + 1`` when rank 0 finds one, on every rank."""
-    found = 0
+    commit = None
     if rank == 0 and store.exists(path):
-        found = int(state_from_bytes(store.read_bytes(path))["epoch"] == after_epoch + 1)
-    flag = torch.tensor([found], dtype=torch.int64, device=device)
+        commit = state_from_bytes(store.read_bytes(path))
+        commit = commit if commit["epoch"] == after_epoch + 1 else None
+    flag = torch.tensor([int(commit is not None)], dtype=torch.int64, device=device)
     dist.broadcast(flag, src=0)
-    return state_from_bytes(store.read_bytes(path)) if flag.item() else None
+    if not flag.item():
+        return None
+    return commit if rank == 0 else state_from_bytes(store.read_bytes(path))
 
 
 def remaining_runs(commit: dict, world: int) -> list[list[Run]]:
