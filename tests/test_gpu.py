@@ -193,3 +193,45 @@ def test_adasum_over_nccl_matches_the_reference(tmp_path):
             np.testing.assert_allclose(got.numpy().astype(np.float64), want, rtol=tol, atol=tol)
             for other in ranks[1:]:
                 assert torch.equal(other[name][i], got)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_no_step_after_an_epochs_first_synchronises_with_the_gpu(
+    tmp_path, store, monkeypatch, fraction
+):
+    """On the GPU, with ``torch.cuda.set_sync_debug_mode("error")`` from the end of an
+    epoch's first step to its one reduction: any call that makes the host wait for the
+    device raises, on the held and the streamed path (the CPU twin in test_train.py counts
+    the calls that would)."""
+    import torch.distributed as dist
+
+    from spark_estimator.worker.comm.rendezvous import RankInfo
+    from spark_estimator.worker.loop import train as train_module
+    from spark_estimator.worker.loop.metrics import EpochSums
+    from spark_estimator.worker.loop.step import Stepper
+    from tests.worker.loop.test_train import regression_spec
+
+    step, reduce = Stepper.__call__, EpochSums.reduce
+
+    def stepped(self, *args):
+        result = step(self, *args)
+        torch.cuda.set_sync_debug_mode("error")
+        return result
+
+    def reduced(self, *args):
+        torch.cuda.set_sync_debug_mode("default")
+        return reduce(self, *args)
+
+    monkeypatch.setattr(Stepper, "__call__", stepped)
+    monkeypatch.setattr(EpochSums, "reduce", reduced)
+    torch.cuda.set_device(0)
+    group_store = dist.FileStore(str(tmp_path / "pg-store"), 1)
+    dist.init_process_group("nccl", store=group_store, rank=0, world_size=1)
+    try:
+        spec = regression_spec(tmp_path, store, device_cache_fraction=fraction)
+        summary = train_module.train(spec, RankInfo(0, 1, 0, 1, torch.device("cuda:0")))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        dist.destroy_process_group()
+    assert summary.batches_per_epoch == [12, 12]
+    assert summary.data_placement.startswith("held" if fraction else "streaming")
