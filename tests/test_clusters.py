@@ -107,10 +107,11 @@ class PortThief:
     def _watch(self) -> None:
         while not self.stop.is_set():
             if self.cluster._procs:  # the Master is the first process a cluster starts
-                pid = self.cluster._procs[0].pid
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    self.master_args = f.read().decode().split("\0")
-                break
+                with open(f"/proc/{self.cluster._procs[0].pid}/cmdline", "rb") as f:
+                    args = f.read().decode().split("\0")
+                if "--webui-port" in args:  # not this process's, forked and not yet exec'd
+                    self.master_args = args
+                    break
             time.sleep(0.001)
         if self.master_args is None:
             return
