@@ -17,7 +17,11 @@ installed pyspark (``SPARK_HOME`` = the pyspark package) instead:
   ``ip``; where that fails the test is skipped, saying why.
 
 Both are context managers: entering starts the daemons and waits until the Master lists
-every Worker ALIVE; leaving stops the session, kills every process of the cluster (Master,
+every Worker ALIVE. Every daemon binds ports of its own choosing (port 0) and the Master's
+are read from its log, so no port is picked here and bound later by another process, when
+a process of someone else's (another xdist worker's cluster, a Spark application's UI that
+walks up from 4040) could take it first; ``master_status()`` also checks that the server it
+asks names this cluster's Master URL. Leaving stops the session, kills every process of the cluster (Master,
 Workers, executors, their Python workers: each carries the environment variable
 ``MARKER``, so none escapes by being re-parented) and removes its folders, namespaces,
 veths and bridge, also after a failure. Names and the subnet carry this test process's pid
@@ -71,12 +75,6 @@ MARKER = "SPARK_ESTIMATOR_TEST_CLUSTER"  # environment variable of every cluster
 START_S = 120.0  # the most a Master, a Worker or the executors may take to come up
 # short-lived JVMs: C1 only and the serial collector spend less CPU starting
 JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _proc_state(pid: int) -> str:
@@ -145,19 +143,7 @@ class StandaloneCluster:
         (self.dir / "logs").mkdir()
         try:
             self._setup_network()
-            self.port, self.ui_port = free_port(self.host), free_port(self.host)
-            self.url = f"spark://{self.host}:{self.port}"
-            self._spawn(
-                "master",
-                "org.apache.spark.deploy.master.Master",
-                ["--host", self.host, "--port", str(self.port), "--webui-port", str(self.ui_port)],
-                env={
-                    "SPARK_LOCAL_IP": self.host,
-                    "SPARK_MASTER_OPTS": " ".join(
-                        f"-D{k}={v}" for k, v in self.master_conf.items()
-                    ),
-                },
-            )
+            self._start_master()
             for _ in range(self.workers_at_start):
                 self._add_worker()
             self.wait_workers(self.workers_at_start)
@@ -194,12 +180,25 @@ class StandaloneCluster:
         marker = self._workers[i]["marker"]
         _kill_until_gone(lambda: marked_processes(marker))
 
-    def alive_workers(self) -> list[dict]:
-        """The Master's ALIVE workers (its JSON status: id, host, port, cores, ...)."""
+    def master_status(self) -> dict:
+        """The Master's JSON status (``/json/`` of its web UI), checked to be this
+        cluster's: a server that does not name this cluster's Master URL is an error."""
         url = f"http://{self.host}:{self.ui_port}/json/"
         with urllib.request.urlopen(url, timeout=10) as response:
-            status = json.load(response)
-        return [w for w in status["workers"] if w["state"] == "ALIVE"]
+            body = response.read()
+        try:
+            status = json.loads(body)
+        except ValueError:
+            status = None
+        if not isinstance(status, dict) or status.get("url") != self.url:
+            raise RuntimeError(
+                f"{url} is not the Master of this cluster ({self.url}); it answers {body[:200]!r}"
+            )
+        return status
+
+    def alive_workers(self) -> list[dict]:
+        """The Master's ALIVE workers (its JSON status: id, host, port, cores, ...)."""
+        return [w for w in self.master_status()["workers"] if w["state"] == "ALIVE"]
 
     def wait_workers(self, n: int, timeout_s: float = START_S) -> float:
         """Wait until the Master lists exactly ``n`` ALIVE workers; return the seconds."""
@@ -248,6 +247,47 @@ class StandaloneCluster:
         return spark
 
     # ----- internals (NetnsCluster overrides the network ones)
+    def _start_master(self) -> None:
+        """Start the Master on ports it picks itself when it binds them (port 0) and read
+        them from its log: ports picked here and bound later by the Master's JVM could be
+        taken meanwhile by another process (another test's cluster, a Spark application's
+        UI that walks up from 4040), and this cluster would then talk to that server. Its
+        REST submission server (a fixed port, 6066, that every Master walks up from) is
+        off unless ``master_conf`` turns it on: the tests submit through the driver."""
+        conf = {"spark.master.rest.enabled": "false", **self.master_conf}
+        proc = self._spawn(
+            "master",
+            "org.apache.spark.deploy.master.Master",
+            ["--host", self.host, "--port", "0", "--webui-port", "0"],
+            env={
+                "SPARK_LOCAL_IP": self.host,
+                "SPARK_MASTER_OPTS": " ".join(f"-D{k}={v}" for k, v in conf.items()),
+            },
+        )
+        self.port, self.ui_port = self._await_ports("master", proc, "sparkMaster", "MasterUI")
+        self.url = f"spark://{self.host}:{self.port}"
+
+    def _await_ports(self, name: str, proc: subprocess.Popen, *services: str) -> list[int]:
+        """The ports process ``name`` bound for its ``services``, as its log says ("Successfully
+        started service 'X' on port N."), once it says so for all (within ``START_S``)."""
+        log = self.dir / "logs" / f"{name}.log"
+        deadline = time.monotonic() + START_S
+        while True:
+            text = log.read_text()
+            found = [
+                re.search(rf"Successfully started service '{s}' on port (\d+)\.", text)
+                for s in services
+            ]
+            if all(found):
+                return [int(m.group(1)) for m in found]
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{name} (exit status {proc.poll()}) did not log the ports of all of "
+                    f"{services} within {START_S:g} s; logs in {self.dir / 'logs'}:\n"
+                    + self.log_tails()
+                )
+            time.sleep(0.05)
+
     def _setup_network(self) -> None:
         pass
 
@@ -264,7 +304,7 @@ class StandaloneCluster:
         work_dir = self.dir / f"worker-{index}"
         work_dir.mkdir()
         marker = f"{self.id}/worker-{index}/"
-        pid = self._spawn(
+        proc = self._spawn(
             f"worker-{index}",
             "org.apache.spark.deploy.worker.Worker",
             ["--host", host, "--cores", "1", "--memory", "1g"]
@@ -273,10 +313,10 @@ class StandaloneCluster:
             prefix=prefix,
             marker=marker,
         )
-        self._workers.append({"marker": marker, "pid": pid, "host": host})
+        self._workers.append({"marker": marker, "pid": proc.pid, "host": host})
         return index
 
-    def _spawn(self, name, main_class, args, env, prefix=(), marker=None) -> int:
+    def _spawn(self, name, main_class, args, env, prefix=(), marker=None) -> subprocess.Popen:
         environ = dict(
             os.environ,
             SPARK_HOME=str(SPARK_HOME),
@@ -294,7 +334,7 @@ class StandaloneCluster:
                 stdin=subprocess.DEVNULL,
             )
         self._procs.append(proc)
-        return proc.pid
+        return proc
 
 
 class NetnsCluster(StandaloneCluster):

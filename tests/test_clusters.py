@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import re
 import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -74,6 +76,86 @@ def leaked_shm(before: set[str]) -> set[str]:
         return bool(m) and os.path.exists(f"/proc/{m.group(1)}")
 
     return {f for f in shm_files() - before if not owner_alive(f)}
+
+
+class HtmlPage(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b"<html><body>not a Spark Master</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class PortThief:
+    """Someone else's server that takes the ports a cluster's Master is told to bind
+    (``--port``, ``--webui-port`` on its command line) before the Master's JVM binds them,
+    as another test's cluster or a Spark application's UI could: it answers every request
+    with an HTML page."""
+
+    def __init__(self, cluster: StandaloneCluster):
+        self.cluster = cluster
+        self.servers: list[ThreadingHTTPServer] = []
+        self.master_args: list[str] | None = None  # the Master's command line, once seen
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while not self.stop.is_set():
+            if self.cluster._procs:  # the Master is the first process a cluster starts
+                with open(f"/proc/{self.cluster._procs[0].pid}/cmdline", "rb") as f:
+                    args = f.read().decode().split("\0")
+                if "--webui-port" in args:  # not this process's, forked and not yet exec'd
+                    self.master_args = args
+                    break
+            time.sleep(0.001)
+        if self.master_args is None:
+            return
+        for flag in ("--port", "--webui-port"):
+            port = int(self.master_args[self.master_args.index(flag) + 1])
+            if port:
+                server = ThreadingHTTPServer((self.cluster.host, port), HtmlPage)
+                threading.Thread(target=server.serve_forever, daemon=True).start()
+                self.servers.append(server)
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.server_address[1] for s in self.servers]
+
+    def __enter__(self) -> PortThief:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_cluster_talks_to_its_own_master_when_another_server_takes_ports_first():
+    cluster = StandaloneCluster(workers=1)
+    with PortThief(cluster) as thief, cluster:
+        assert thief.master_args is not None  # it saw the Master start
+        assert cluster.port not in thief.ports and cluster.ui_port not in thief.ports
+        assert cluster.master_status()["url"] == cluster.url
+        assert [w["state"] for w in cluster.alive_workers()] == ["ALIVE"]
+        # a server that is not this cluster's Master is a clear error, not its answer
+        decoy = ThreadingHTTPServer((cluster.host, 0), HtmlPage)
+        threading.Thread(target=decoy.serve_forever, daemon=True).start()
+        try:
+            cluster.ui_port = decoy.server_address[1]
+            with pytest.raises(RuntimeError, match="not the Master of this cluster"):
+                cluster.master_status()
+        finally:
+            decoy.shutdown()
+            decoy.server_close()
+    assert cluster.processes() == []
 
 
 def test_standalone_cluster_loses_a_worker_for_good_and_gains_a_new_one():

@@ -8,7 +8,6 @@ import io
 import json
 import logging
 import posixpath
-import socket
 import uuid
 import zipfile
 
@@ -30,14 +29,14 @@ ThreadedMotoServer = pytest.importorskip("moto.server").ThreadedMotoServer
 
 @pytest.fixture(scope="module")
 def s3_endpoint():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the server binds a port of its own choosing (one picked here and bound later
+    # could be taken by another process meanwhile)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        host, port = server.get_host_and_port()
+        yield f"http://{host}:{port}"
     finally:
         server.stop()
 

@@ -121,25 +121,27 @@ def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards():
 
 
 def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout():
-    with socket.socket() as s:  # a port nobody listens on
+    # a port nobody listens on: bound, not listening, for the whole test, so that no other
+    # process can listen on it meanwhile (a connection to it is refused)
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    master = json.dumps({"host": "127.0.0.1", "port": port, "secret": "0" * 32})
-    failures = []
-    started = time.monotonic()
-    with pytest.raises(RendezvousError, match="rendezvous: rank 1 of 2 could not form") as e:
-        with process_group(
-            FakeBarrierContext(1, 2, master),
-            use_gpu=False,
-            timeout_s=2,
-            on_failure=lambda rank, e: failures.append((rank, type(e).__name__)),
-        ):
-            pass
-    assert time.monotonic() - started < 20
-    # says how long it took, not that it took the whole timeout
-    assert re.search(r"failed after \d+ s \(collective_timeout=2 s\)", str(e.value))
-    assert failures == [(1, "RendezvousError")]
-    assert not dist.is_initialized()
+        master = json.dumps({"host": "127.0.0.1", "port": port, "secret": "0" * 32})
+        failures = []
+        started = time.monotonic()
+        with pytest.raises(RendezvousError, match="rendezvous: rank 1 of 2 could not form") as e:
+            with process_group(
+                FakeBarrierContext(1, 2, master),
+                use_gpu=False,
+                timeout_s=2,
+                on_failure=lambda rank, e: failures.append((rank, type(e).__name__)),
+            ):
+                pass
+        assert time.monotonic() - started < 20
+        # says how long it took, not that it took the whole timeout
+        assert re.search(r"failed after \d+ s \(collective_timeout=2 s\)", str(e.value))
+        assert failures == [(1, "RendezvousError")]
+        assert not dist.is_initialized()
 
 
 def ipv4_interfaces() -> list[tuple[str, str]]:
