@@ -22,6 +22,8 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     runs/<run_id>/elastic/commit.pt                          run(): the last hvd.elastic commit
     runs/<run_id>/elastic/grow.json                          a fit: ranks stop at the epoch's end
                                                              so the job can grow
+    runs/<run_id>/rendezvous/<launch>/<stage>.json           rank 0's TCPStore host and port
+                                                             while the job's group forms
 
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
 Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
@@ -129,6 +131,11 @@ class RunFolder:
     elastic = _child("elastic", "run(): hvd.elastic's launches and last commit")
     commit = _child("elastic/commit.pt", "run(): the last hvd.elastic commit (rank 0's)")
     grow = _child("elastic/grow.json", "an elastic fit: stop at the epoch's end to grow")
+    rendezvous = _child("rendezvous", "rank 0's TCPStore address while a job's group forms")
+
+    def meeting(self, launch_id: str) -> str:
+        """The folder of a launch's address files (``rendezvous.Meeting``)."""
+        return posixpath.join(self.rendezvous, launch_id)
 
     def process(self, rank: int | str) -> str:
         """Rank ``rank``'s record: host, pid, launch and task attempt of its process."""
@@ -182,6 +189,7 @@ def layout() -> list[str]:
         run.elastic_launch("<launch>"),
         run.commit,
         run.grow,
+        posixpath.join(run.meeting("<launch>"), "<stage>.json"),
     ]
     return [p.removeprefix("/") for p in paths]
 

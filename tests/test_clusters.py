@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -27,16 +28,20 @@ def where_am_i() -> dict:
     return {"rank": rank, "pid": os.getpid(), "address": address}
 
 
-def all_reduce_ranks() -> dict:
-    """Join the job's gloo group as a training task does and sum rank + 1 over it."""
+def all_reduce_ranks(folder: str) -> dict:
+    """Join the job's gloo group as a training task does (meeting in a store at ``folder``,
+    which every host of these clusters shares) and sum rank + 1 over it."""
     import torch
     import torch.distributed as dist
     from pyspark import BarrierTaskContext
 
-    from spark_estimator.worker.comm.rendezvous import process_group
+    from spark_estimator.store import Store
+    from spark_estimator.worker.comm.rendezvous import Meeting, process_group
 
     ctx = BarrierTaskContext.get()
-    with process_group(ctx, use_gpu=False, timeout_s=60) as info:
+    store = Store(folder)
+    meeting = Meeting(store, store.run("clusters").meeting("launch"), "c1" * 16)
+    with process_group(ctx, meeting, use_gpu=False, timeout_s=60) as info:
         total = torch.tensor([float(info.rank + 1)])
         dist.all_reduce(total)
         return {
@@ -201,7 +206,8 @@ def test_standalone_cluster_loses_a_worker_for_good_and_gains_a_new_one():
     assert leaked_shm(shm_before) == set()
 
 
-def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host():
+def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host(tmp_path):
+    all_reduce = functools.partial(all_reduce_ranks, str(tmp_path))
     shm_before = shm_files()
     with NetnsCluster(workers=3) as cluster:
         print(f"\nnetns: 3 worker hosts ALIVE {cluster.startup_s:.1f} s after start")
@@ -209,7 +215,7 @@ def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host():
         assert sorted(w["host"] for w in cluster.alive_workers()) == hosts
         spark = cluster.session()
 
-        ranks = run_barrier_job(spark, 3, all_reduce_ranks, "gloo across hosts")
+        ranks = run_barrier_job(spark, 3, all_reduce, "gloo across hosts")
         assert sorted(r["address"] for r in ranks) == hosts
         assert [r["sum"] for r in ranks] == [6.0, 6.0, 6.0]
         assert [r["local_size"] for r in ranks] == [1, 1, 1]  # one rank per host
@@ -227,7 +233,7 @@ def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host():
         new = cluster.start_worker()
         wait_slots(spark, 3)
         print(f"netns: start_worker -> 3 slots in {time.monotonic() - began:.1f} s")
-        ranks = run_barrier_job(spark, 3, all_reduce_ranks, "gloo on the new host")
+        ranks = run_barrier_job(spark, 3, all_reduce, "gloo on the new host")
         assert sorted(r["address"] for r in ranks) == sorted(
             [hosts[0], hosts[2], f"{cluster.subnet}.{10 + new}"]
         )
@@ -238,13 +244,15 @@ def test_netns_cluster_runs_gloo_across_hosts_and_loses_and_gains_a_host():
     assert leaked_shm(shm_before) == set()
 
 
-def test_gloo_crosses_hosts_whose_own_name_resolves_elsewhere():
+def test_gloo_crosses_hosts_whose_own_name_resolves_elsewhere(tmp_path):
     """Hosts whose name does not resolve to their own address (here /etc/hosts maps it to
     127.0.0.1): gloo must still use the interface that carries the task's address."""
     with NetnsCluster(workers=2, resolve_own_name=False) as cluster:
         assert not list(cluster.etc_folders())
         spark = cluster.session()
-        ranks = run_barrier_job(spark, 2, all_reduce_ranks, "gloo, name not resolving")
+        ranks = run_barrier_job(
+            spark, 2, functools.partial(all_reduce_ranks, str(tmp_path)), "gloo, name not resolving"
+        )
         hosts = [f"{cluster.subnet}.{10 + i}" for i in range(2)]
         assert sorted(r["address"] for r in ranks) == hosts
         assert all(r["resolves_to"] != r["address"] for r in ranks)

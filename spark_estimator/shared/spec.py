@@ -5,6 +5,7 @@ No Spark imports here: the executor side reads these, the driver side builds the
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import asdict, dataclass, field
 
 from ..store import Store
@@ -164,6 +165,12 @@ def metric_keys(metric_names: list[str], label_cols: list[str]) -> list[str]:
     return [f"{name}_{label}" for name in metric_names for label in label_cols]
 
 
+def launch_secret() -> str:
+    """A fresh random secret for a launch's process group (``rendezvous.Meeting``), made on
+    the driver with the launch's spec; it reaches the tasks only inside their closure."""
+    return secrets.token_hex(16)
+
+
 @dataclass
 class TrainSpec:
     """Everything a training task needs besides its BarrierTaskContext."""
@@ -185,3 +192,4 @@ class TrainSpec:
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds any rank waits for the others
     launch_id: str = ""  # this fit call's id: names its failure record (shared/failures.py)
     trainer: str = "torch"  # the loop: "torch" (worker/loop/train.py) or "lightning"
+    secret: str = field(default_factory=launch_secret, repr=False)  # the process group's keys

@@ -25,15 +25,16 @@ import runpy
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cloudpickle
 import torch
 
 from ..shared.failures import carry_failure, is_peer_failure, record_failure
 from ..shared.serialization import loads
+from ..shared.spec import launch_secret
 from ..store import Store
-from .comm.rendezvous import process_group
+from .comm.rendezvous import Meeting, process_group
 from .environ import environ
 from .observe.run_log import RankLog
 
@@ -57,6 +58,7 @@ class RunSpec:
     # the ranks' lines also go to the tasks' own stdout and stderr; not where those are
     # the driver's terminal (local masters), which shows them from the store already
     echo: bool
+    secret: str = field(default_factory=launch_secret, repr=False)  # the process group's keys
 
 
 _current: RunSpec | None = None
@@ -125,6 +127,7 @@ def run_task(spec: RunSpec) -> dict:
             with (
                 process_group(
                     ctx,
+                    Meeting(store, run.meeting(spec.launch_id), spec.secret),
                     spec.use_gpu,
                     spec.collective_timeout,
                     on_failure,

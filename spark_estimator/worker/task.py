@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 from ..shared.failures import record_failure
 from ..shared.spec import TrainSpec
-from .comm.rendezvous import process_group
+from .comm.rendezvous import Meeting, process_group
 from .loop.train import train
 from .observe.run_log import RankLog
 
@@ -25,9 +25,10 @@ def training_task(spec: TrainSpec) -> dict:
         record_failure(path, store, rank, error)
 
     rank, attempt = ctx.partitionId(), ctx.taskAttemptId()  # unique, rising over retries
+    meeting = Meeting(store, store.run(spec.run_id).meeting(spec.launch_id), spec.secret)
     with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
         with process_group(
-            ctx, spec.use_gpu, spec.collective_timeout, on_failure, on_error=log.write_now
+            ctx, meeting, spec.use_gpu, spec.collective_timeout, on_failure, on_error=log.write_now
         ) as info:
             if spec.trainer == "lightning":  # imported here: lightning is an optional extra
                 from .lightning.train import train_lightning

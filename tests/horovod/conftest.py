@@ -4,12 +4,13 @@ import pytest
 
 import spark_estimator.horovod as hvd
 from spark_estimator.worker.comm.rendezvous import process_group
-from tests.worker.comm.test_rendezvous import FakeBarrierContext
+from tests.worker.comm.test_rendezvous import FakeBarrierContext, meeting_in
 
 
 @pytest.fixture
-def one_rank():
+def one_rank(tmp_path):
     """Inside a one-rank task's process group; hvd not initialised yet."""
-    with process_group(FakeBarrierContext(0, 1), use_gpu=False, timeout_s=10) as info:
+    meeting = meeting_in(tmp_path / "store")
+    with process_group(FakeBarrierContext(0, 1), meeting, use_gpu=False, timeout_s=10) as info:
         yield info
         hvd.shutdown()

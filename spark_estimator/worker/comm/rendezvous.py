@@ -1,12 +1,18 @@
 """Executor: pin the device Spark assigned, join the job's torch.distributed process group.
 
 Rank 0 starts a TCPStore on an OS-chosen port (bound before anyone is told of it, so no
-other process can take the port in between) and shares the address and a random secret
-through the barrier context's ``allGather``; every rank then joins one process group (gloo
-on CPU, NCCL on GPU). Every wait for other ranks is bounded by ``timeout_s``. When the block
-ends normally every rank waits for the others before leaving; when it raises, the first
-failing rank's error is the one Spark reports (see ``_first_failure``). The group and rank
-0's server are closed when the task ends, failed or not, because PySpark reuses workers.
+other process can take the port in between) and writes its host and port to the job's
+``Meeting`` file in the store, which the other ranks poll; every rank then joins one process
+group (gloo on CPU, NCCL on GPU) under the launch's secret, which the driver made and which
+reaches the tasks only inside their closure (Spark's channel), never through the store.
+Spark's barrier ``allGather`` is not used: it checks for the others' messages once a
+second, which kept every rank but the last waiting up to a second.
+
+Every wait for other ranks is bounded by ``timeout_s``. When the block ends normally every
+rank waits for the others before leaving; when it raises, the first failing rank's error is
+the one Spark reports (see ``_first_failure``). The group and rank 0's server are closed
+(and its address file removed) when the task ends, failed or not, because PySpark reuses
+workers.
 
 A script run by ``run("train.py")`` forms the default group itself: the task exports
 torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -27,18 +33,17 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
-import json
 import logging
 import os
-import secrets
+import posixpath
 import socket
 import struct
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -46,12 +51,33 @@ import torch.distributed as dist
 
 from ...shared.failures import is_retried
 from ...shared.spec import COLLECTIVE_TIMEOUT_S
+from ...store import Store
 from ..environ import environ
 
 log = logging.getLogger(__name__)
 
 LATER_FAILURE_DELAY_S = 3.0
 _FAILURES_KEY = "failures"
+POLL_S = (0.005, 0.25)  # the first and the longest wait between reads of the meeting file
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """Where the ranks of a launch learn rank 0's TCPStore address, and the secret under
+    which the job's keys live. Rank 0 writes ``{"host", "port"}`` to ``folder`` (in
+    ``store``), in a file named after the Spark stage, so each barrier job of a launch (an
+    elastic fit starts several) has its own (the job is one result stage, which Spark never
+    attempts twice), and removes it when the group ends. ``secret`` travels only inside the
+    task (with the job's spec), never in the store: a process that can read the store can
+    find the port, not join the group."""
+
+    store: Store
+    folder: str  # one launch's folder of address files
+    secret: str = field(repr=False)  # made on the driver (``shared.spec.launch_secret``)
+
+    def address_file(self, ctx) -> str:
+        """This barrier job's address file (``ctx``: its BarrierTaskContext)."""
+        return posixpath.join(self.folder, f"{ctx.stageId()}.json")
 
 
 @dataclass(frozen=True)
@@ -171,13 +197,15 @@ class RendezvousError(RuntimeError):
 @contextmanager
 def process_group(
     ctx,
+    meeting: Meeting,
     use_gpu: bool,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     on_failure: Callable[[int, BaseException], None] | None = None,
     init_group: bool = True,
     on_error: Callable[[], None] | None = None,
 ) -> Iterator[RankInfo]:
-    """Join the barrier job's process group for the duration of the ``with`` block.
+    """Join the barrier job's process group for the duration of the ``with`` block; the
+    ranks meet at ``meeting`` (see ``Meeting``).
 
     ``timeout_s`` bounds every wait for the other ranks: forming the group, and each
     collective (a rank that died or hangs makes the others raise after that long).
@@ -201,7 +229,7 @@ def process_group(
     network = gloo_interface(hosts, rank)
     began = time.monotonic()
     try:
-        store, server, port = _rendezvous(ctx, rank, world_size, hosts[0], timeout)
+        store, server, port = _rendezvous(ctx, meeting, rank, world_size, hosts[0], timeout)
         if init_group:
             with environ(network):
                 dist.init_process_group(
@@ -211,9 +239,10 @@ def process_group(
         error = RendezvousError(
             f"rendezvous: rank {rank} of {world_size} could not form the process group: it "
             f"failed after {time.monotonic() - began:.0f} s (collective_timeout="
-            f"{timeout_s:g} s) with {type(e).__name__}: {e}. Every task must reach the TCP "
-            f"port rank 0 opened on {hosts[0]}, and every other rank's host; check firewalls, "
-            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, and that all executors can run at once."
+            f"{timeout_s:g} s) with {type(e).__name__}: {e}. Every task must reach the store, "
+            f"the TCP port rank 0 opened on {hosts[0]}, and every other rank's host; check "
+            "firewalls, GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, and that all executors can "
+            "run at once."
         )
         if on_failure is not None:
             on_failure(rank, error)
@@ -261,6 +290,9 @@ def process_group(
             _leaving.pop()()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if server is not None:  # its address is of no use to anyone any more
+            with suppress(OSError):
+                meeting.store.remove(meeting.address_file(ctx))
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -362,31 +394,49 @@ def init_default_group() -> None:
         )
 
 
-def _rendezvous(ctx, rank: int, world_size: int, host: str, timeout: timedelta):
+def _rendezvous(ctx, meeting: Meeting, rank: int, world_size: int, host: str, timeout: timedelta):
     """The job's key-value store: (a store private to this job, rank 0's server or None,
     the server's port).
 
-    Rank 0 starts a TCPStore server on an OS-chosen port and shares host, port and a random
-    secret through the barrier context's ``allGather`` (Spark's own channel). Every rank
-    then uses only keys under that secret, so a stranger who connects to the port cannot
-    join or disturb the group without it. The server lives as long as the group. (A
-    script's own ``env://`` group knows no secret: its keys are torch's, under
-    ``default_pg``.)
+    Rank 0 starts a TCPStore server on an OS-chosen port and writes host and port to the
+    job's address file (``Meeting``); the other ranks read it as soon as it is there and
+    connect. Every rank then uses only keys under the launch's secret, so a stranger who
+    connects to the port cannot join or disturb the group without it. The server lives as
+    long as the group. (A script's own ``env://`` group knows no secret: its keys are
+    torch's, under ``default_pg``.)
     """
+    path = meeting.address_file(ctx)
     server = None
     if rank == 0:
         server = dist.TCPStore(
             host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )
-        address = json.dumps({"host": host, "port": server.port, "secret": secrets.token_hex(16)})
+        master = {"host": host, "port": server.port}
+        meeting.store.write_json(path, master)
     else:
-        address = ""
-    master = json.loads(ctx.allGather(address)[0])
+        master = _read_address(meeting.store, path, timeout)
     client = server or dist.TCPStore(
         master["host"], master["port"], world_size, is_master=False, timeout=timeout
     )
-    store = dist.PrefixStore(f"spark-estimator/{master['secret']}/", client)
+    store = dist.PrefixStore(f"spark-estimator/{meeting.secret}/", client)
     return store, server, master["port"]
+
+
+def _read_address(store: Store, path: str, timeout: timedelta) -> dict:
+    """Rank 0's address from ``path``, read as soon as it is written (rank 0 writes it
+    atomically); TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    wait, longest = POLL_S
+    while True:
+        store.fs.invalidate_cache(posixpath.dirname(path))  # a listing cached without it
+        try:
+            return store.read_json(path)
+        except FileNotFoundError:
+            pass
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"rank 0 wrote no address to {path}")
+        time.sleep(wait)
+        wait = min(2 * wait, longest)
 
 
 def _first_failure(store) -> bool:

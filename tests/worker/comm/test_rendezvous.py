@@ -1,4 +1,5 @@
 import json
+import multiprocessing
 import re
 import shutil
 import socket
@@ -10,7 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spark_estimator.store import Store
 from spark_estimator.worker.comm.rendezvous import (
+    Meeting,
     RendezvousError,
     cross_ranks,
     cuda_ordinal,
@@ -84,8 +87,8 @@ class FakeTaskInfo:
 class FakeBarrierContext:
     """The parts of BarrierTaskContext that process_group uses, for one process."""
 
-    def __init__(self, rank, world_size, master=None):
-        self.rank, self.world_size, self.master, self.sent = rank, world_size, master, []
+    def __init__(self, rank, world_size):
+        self.rank, self.world_size = rank, world_size
 
     def getTaskInfos(self):
         return [FakeTaskInfo("127.0.0.1:7077")] * self.world_size
@@ -93,45 +96,79 @@ class FakeBarrierContext:
     def partitionId(self):
         return self.rank
 
+    def stageId(self):
+        return 3
+
     def resources(self):
         return {}
 
     def cpus(self):
         return 1
 
-    def allGather(self, message):
-        self.sent.append(message)
-        return [message if self.master is None else self.master] + [""] * (self.world_size - 1)
+    def allGather(self, message):  # Spark's: answers once a second; the ranks must not use it
+        raise AssertionError("process_group used the barrier's allGather")
 
 
-def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards():
-    ctx = FakeBarrierContext(0, 1)
-    with process_group(ctx, use_gpu=False, timeout_s=5) as info:
+def meeting_in(folder) -> Meeting:
+    """A launch's meeting place in a local store at ``folder``."""
+    store = Store(str(folder))
+    return Meeting(store, store.run("run-1").meeting("launch-1"), "5e" * 16)
+
+
+def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards(tmp_path):
+    ctx, meeting = FakeBarrierContext(0, 1), meeting_in(tmp_path)
+    with process_group(ctx, meeting, use_gpu=False, timeout_s=5) as info:
         assert info.rank == 0 and dist.is_initialized()
-        address = json.loads(ctx.sent[0])
-        assert len(address["secret"]) == 32  # random per job, shared only via Spark
+        written = meeting.store.read_bytes(meeting.address_file(ctx)).decode()
+        assert meeting.secret not in written  # the store only tells where, not the secret
+        address = json.loads(written)
+        assert address["host"] == "127.0.0.1"
         stranger = dist.TCPStore(
             "127.0.0.1", address["port"], is_master=False, timeout=timedelta(seconds=5)
         )
         # the job's keys live under the secret: a client without it sees none of them
-        assert stranger.check([f"spark-estimator/{address['secret']}/failures"]) is False
+        assert stranger.check([f"spark-estimator/{meeting.secret}/failures"]) is False
     assert not dist.is_initialized()
+    assert not meeting.store.exists(meeting.address_file(ctx))  # removed with the group
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", address["port"]), timeout=2).close()
 
 
-def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout():
+def _join_and_sum(rank: int, world: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    with process_group(FakeBarrierContext(rank, world), meeting_in(folder), False, 60) as info:
+        total = torch.tensor([float(info.rank + 1)])
+        dist.all_reduce(total)
+    torch.save({"rank": info.rank, "sum": total.item()}, f"{folder}/rank-{rank}.pt")
+
+
+def test_the_ranks_meet_through_the_store_without_the_barriers_all_gather(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_join_and_sum, args=(r, 3, str(tmp_path))) for r in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    results = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(3)]
+    assert results == [{"rank": r, "sum": 6.0} for r in range(3)]
+    assert not meeting_in(tmp_path).store.fs.ls(meeting_in(tmp_path).folder)  # none left
+
+
+def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout(tmp_path):
     # a port nobody listens on: bound, not listening, for the whole test, so that no other
     # process can listen on it meanwhile (a connection to it is refused)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-        master = json.dumps({"host": "127.0.0.1", "port": port, "secret": "0" * 32})
+        ctx, meeting = FakeBarrierContext(1, 2), meeting_in(tmp_path)
+        meeting.store.write_json(meeting.address_file(ctx), {"host": "127.0.0.1", "port": port})
         failures = []
         started = time.monotonic()
         with pytest.raises(RendezvousError, match="rendezvous: rank 1 of 2 could not form") as e:
             with process_group(
-                FakeBarrierContext(1, 2, master),
+                ctx,
+                meeting,
                 use_gpu=False,
                 timeout_s=2,
                 on_failure=lambda rank, e: failures.append((rank, type(e).__name__)),
@@ -142,6 +179,16 @@ def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout():
         assert re.search(r"failed after \d+ s \(collective_timeout=2 s\)", str(e.value))
         assert failures == [(1, "RendezvousError")]
         assert not dist.is_initialized()
+
+
+def test_a_rank_whose_rank_0_never_wrote_its_address_fails_within_the_timeout(tmp_path):
+    ctx, meeting = FakeBarrierContext(1, 2), meeting_in(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(RendezvousError, match="rank 0 wrote no address to .*/3.json"):
+        with process_group(ctx, meeting, use_gpu=False, timeout_s=1):
+            pass
+    assert time.monotonic() - started < 10
+    assert not dist.is_initialized()
 
 
 def ipv4_interfaces() -> list[tuple[str, str]]:
