@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from spark_estimator.shared.spec import LoaderSpec, TrainSpec
+from spark_estimator.shared.spec import ColumnSpec, LoaderSpec, TrainSpec
+from spark_estimator.worker.data.columns import Layout
 from spark_estimator.worker.data.loader import buffered_batches, open_loader
 from spark_estimator.worker.data.shards import StepPlan
 from tests.conftest import write_id_dataset
@@ -75,11 +76,11 @@ def test_validation_is_read_in_order_even_with_shuffle(tmp_path, store):
 
 
 def test_the_shuffle_buffer_is_bounded():
-    chunks = [{"y": np.arange(i, i + 4)} for i in range(0, 40, 4)]
+    layout = Layout({"y": torch.empty(0, dtype=torch.int64)}, [ColumnSpec("y", "scalar", "int64")])
+    chunks = [layout.assemble({"y": np.arange(i, i + 4)}) for i in range(0, 40, 4)]
     gen = torch.Generator().manual_seed(0)
-    template = {"y": torch.empty(0, dtype=torch.int64)}
     batches = list(
-        buffered_batches(iter(chunks), [2] * 20, template, buffer_rows=10, generator=gen)
+        buffered_batches(iter(chunks), [2] * 20, layout, [4] * 10, buffer_rows=10, generator=gen)
     )
     # the buffer fills to >= 10 rows (three chunks) before the first batch is drawn
     assert set(batches[0]["y"].tolist()) <= set(range(12))
@@ -101,7 +102,8 @@ def test_in_memory_cache_reads_once_and_yields_the_same_batches(tmp_path, store)
     assert reads == [4, 0, 0]
     # a transformation changing a batch in place must not corrupt the cache
     for batch in cached.batches(sizes, 4):
-        batch["y"] += 1000
+        edited = dict(batch)  # what a transformation_fn gets: views of the batch's rows
+        edited["y"] += 1000
     assert sorted(i for b in cached.batches(sizes, 5) for i in b["y"].tolist()) == list(range(20))
 
 
