@@ -28,7 +28,7 @@ import torch
 
 from ...shared.spec import TrainSpec
 from .arrow_reader import ArrowReader
-from .columns import Columns, Layout
+from .columns import Columns, Layout, place
 from .convert import Tensors, as_tensor, read_only_arrays
 from .device_shard import DeviceShard
 from .petastorm_reader import PetastormReader
@@ -43,8 +43,8 @@ def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin:
     (``pool[i] = rows[perm[i]]``; None: as they come).
 
     Each part is copied into place as it arrives (the reader threads meanwhile read and lay
-    out the next ones): one ``index_copy_`` of whole rows per block, with the inverse
-    permutation. The result never shares memory with the parts, so a batch edited in place
+    out the next ones): one indexed copy of whole rows per block (``place``), with the
+    inverse permutation. The result never shares memory with the parts, so a batch edited in place
     cannot change cached chunks.
     """
     inverse = None
@@ -58,9 +58,9 @@ def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin:
         n = part.rows
         for target, source in zip(pool.tensors(), part.tensors()):
             if inverse is None:
-                target[at : at + n].copy_(source)
+                place(target[at : at + n], source)
             else:
-                target.index_copy_(0, inverse[at : at + n], source)
+                place(target, source, inverse[at : at + n])
         at += n
     return pool
 
