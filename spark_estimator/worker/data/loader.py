@@ -44,8 +44,8 @@ def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin:
 
     Each part is copied into place as it arrives (the reader threads meanwhile read and lay
     out the next ones): one indexed copy of whole rows per block (``place``), with the
-    inverse permutation. The result never shares memory with the parts, so a batch edited in place
-    cannot change cached chunks.
+    inverse permutation. The result never shares memory with the parts, so a batch edited
+    in place cannot change cached chunks.
     """
     inverse = None
     if perm is not None:
@@ -96,14 +96,7 @@ def buffered_batches(
     def arriving(count: int, first: Columns | None) -> Iterator[Columns]:
         for k in range(count):
             chunk = first if k == 0 and first is not None else next(chunks, None)
-            expected = rows_of_chunks[queued - count + k]
-            got = None if chunk is None else chunk.rows
-            if got != expected:
-                raise RuntimeError(
-                    f"loader: a piece of the shard had {got} rows, {expected} expected; "
-                    "did the dataset change while training?"
-                )
-            yield chunk
+            yield _as_planned(chunk, rows_of_chunks[queued - count + k])
 
     i = 0
     while i < len(sizes):
@@ -115,7 +108,7 @@ def buffered_batches(
                     exhausted = True
                     break
                 if generator is not None and buffer_rows is None:  # sized by the first chunk
-                    first = next(chunks)
+                    first = _as_planned(next(chunks, None), rows_of_chunks[queued])
                     buffer_rows = default_buffer_rows(first)
                 rows += rows_of_chunks[queued + count]
                 count += 1
@@ -140,11 +133,20 @@ def buffered_batches(
         cursor, i = cursor + take, j
 
 
+def _as_planned(chunk: Columns | None, expected: int) -> Columns:
+    got = "no" if chunk is None else chunk.rows
+    if got != expected:
+        raise RuntimeError(
+            f"loader: the reader gave {got} rows for a piece of {expected}; "
+            "did the dataset change while training?"
+        )
+    return chunk
+
+
 def default_buffer_rows(chunk: Columns) -> int:
     """As many rows as fit in DEFAULT_BUFFER_BYTES, judged by the rows of ``chunk``."""
     rows = chunk.rows
     row_bytes = sum(t.nbytes for t in chunk.tensors()) // rows if rows else 1
-    return max(1, DEFAULT_BUFFER_BYTES // max(1, row_bytes))
     return max(1, DEFAULT_BUFFER_BYTES // max(1, row_bytes))
 
 

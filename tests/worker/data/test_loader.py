@@ -174,5 +174,5 @@ def test_a_piece_with_other_rows_than_planned_is_an_error():
     layout = Layout({"y": torch.empty(0, dtype=torch.int64)}, [ColumnSpec("y", "scalar", "int64")])
     chunks = [layout.assemble({"y": np.arange(4)}), layout.assemble({"y": np.arange(3)})]
     batches = buffered_batches(iter(chunks), [4, 4], layout, [4, 4], buffer_rows=8, generator=None)
-    with pytest.raises(RuntimeError, match="a piece of the shard had 3 rows, 4 expected"):
+    with pytest.raises(RuntimeError, match="the reader gave 3 rows for a piece of 4"):
         list(batches)
