@@ -88,7 +88,7 @@ def place(target: torch.Tensor, source: torch.Tensor, index: torch.Tensor | None
     with 2 threads on 2 loaded cores), as on an executor running several tasks."""
     try:
         target_np, source_np = target.numpy(), source.numpy()
-    except TypeError:  # bfloat16 and other dtypes NumPy lacks
+    except (TypeError, RuntimeError):  # dtypes NumPy lacks (bfloat16), autograd tensors
         if index is None:
             target.copy_(source)
         else:
