@@ -2,8 +2,9 @@
 
 ``ArrowReader.chunks(pieces)`` yields one dict of NumPy arrays per piece, in the order given,
 while up to ``num_workers`` further pieces are read and converted in a thread pool, so
-reading overlaps the training step (pyarrow releases the GIL while it decodes). Footers
-are parsed once per file and shared by the threads.
+reading overlaps the training step (pyarrow releases the GIL while it decodes); a
+``prepare`` function given to ``chunks`` (the loader's layout) runs on each chunk in those
+threads too. Footers are parsed once per file and shared by the threads.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import posixpath
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -67,21 +69,27 @@ class ArrowReader:
             table = table.slice(piece.start, piece.rows)
         return table_to_chunk(table, self.columns)
 
-    def chunks(self, pieces: Iterable[Piece]) -> Iterator[Chunk]:
-        """``read`` of every piece, in order, prefetching ``num_workers`` pieces ahead."""
+    def chunks(
+        self, pieces: Iterable[Piece], prepare: Callable[[Chunk], Any] | None = None
+    ) -> Iterator:
+        """``read`` of every piece, in order, prefetching ``num_workers`` pieces ahead;
+        with ``prepare``, ``prepare(read(piece))`` (in the same threads)."""
         pieces = iter(pieces)
+
+        def work(piece: Piece):
+            chunk = self.read(piece)
+            return chunk if prepare is None else prepare(chunk)
+
         with ThreadPoolExecutor(
             self.num_workers, thread_name_prefix="spark-estimator-read"
         ) as pool:
-            pending = deque(
-                pool.submit(self.read, p) for _, p in zip(range(self.num_workers), pieces)
-            )
+            pending = deque(pool.submit(work, p) for _, p in zip(range(self.num_workers), pieces))
             try:
                 while pending:
                     chunk = pending.popleft().result()
                     piece = next(pieces, None)
                     if piece is not None:
-                        pending.append(pool.submit(self.read, piece))
+                        pending.append(pool.submit(work, piece))
                     yield chunk
             finally:  # the consumer stopped early or failed: drop what is queued
                 for future in pending:

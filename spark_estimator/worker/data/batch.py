@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ...shared.spec import ColumnSpec, TrainSpec
-from .convert import Tensors, chunk_rows, reshape_input, scalar_groups
+from .columns import Columns, Layout
+from .convert import chunk_rows, reshape_input
 
 
 class Batch:
     """The tensors of one batch, transformed, moved to the device and shaped for forward()."""
 
-    def __init__(self, chunk: Tensors, spec: TrainSpec, device: torch.device, transform=None):
-        self.size = chunk_rows(chunk)
-        if transform is not None:
-            chunk = apply_transformation(transform, chunk, spec.data.columns, self.size)
+    def __init__(self, chunk: Mapping, spec: TrainSpec, device: torch.device, transform=None):
+        self.size = chunk.rows if isinstance(chunk, Columns) else chunk_rows(chunk)
+        if transform is not None:  # it gets (and returns) a plain dict of tensors
+            chunk = apply_transformation(transform, dict(chunk), spec.data.columns, self.size)
         shapes = spec.input_shapes or [None] * len(spec.data.features)
         if chunk and next(iter(chunk.values())).device != device:
             chunk = to_device(chunk, spec.data.columns, device)
@@ -32,21 +35,17 @@ class Batch:
         )
 
 
-def to_device(chunk: Tensors, columns: list[ColumnSpec], device: torch.device) -> Tensors:
-    """A host batch's columns on ``device``: the scalar columns of one dtype stacked into
-    one ``[columns, rows]`` block, one copy (from pinned memory, not blocking the host, on
-    a GPU), each column a contiguous row of it; every other column copied by itself."""
-    cuda = device.type == "cuda"  # the loader's buffer is pinned on GPUs
-    out = {}
-    for dtype, names in scalar_groups(chunk, columns).items():
-        rows = len(chunk[names[0]])
-        block = torch.empty((len(names), rows), dtype=dtype, pin_memory=cuda)
-        torch.stack([chunk[n] for n in names], out=block)
-        out.update(zip(names, block.to(device, non_blocking=cuda).unbind(0)))
-    for name, tensor in chunk.items():
-        if name not in out:
-            out[name] = tensor.to(device, non_blocking=cuda)
-    return out
+def to_device(chunk: Mapping, columns: list[ColumnSpec], device: torch.device) -> Columns:
+    """A host batch's columns on ``device``: the scalar columns of one dtype as one
+    ``[columns, rows]`` block, one copy (from pinned memory, not blocking the host, on a
+    GPU), each column a contiguous row of it; every other column copied by itself
+    (``Columns.to``). The loader's batches come laid out so (``Columns``, in its pinned
+    buffer); a plain dict (a ``transformation_fn``'s) is laid out first, into pinned memory
+    on a GPU. Marking a column's tensor for a stream (``record_stream``) marks its whole
+    block: it acts on the tensor's storage."""
+    if not isinstance(chunk, Columns):
+        chunk = Layout(chunk, columns).assemble(chunk, pin=device.type == "cuda")
+    return chunk.to(device)
 
 
 def apply_transformation(fn, chunk: dict, columns: list[ColumnSpec], rows: int) -> dict:

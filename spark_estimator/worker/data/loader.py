@@ -9,18 +9,27 @@ permuted, so every row is copied about twice, never once per batch. The permutat
 from a generator seeded by (seed, pass, rank): the same seed gives the same batches, and
 each pass a different order. With ``cache`` the shard's pieces stay in memory after the
 first pass. On a GPU the buffer lives in pinned memory so batches copy without blocking.
-Readers hand over NumPy arrays (often Arrow's own memory); the buffer is the only copy.
+Chunks, the buffer and batches are ``Columns`` (``columns.py``): the scalar columns of one
+dtype as one row-major ``[rows, columns]`` block, laid out in the reader threads as each
+piece is read (their one copy; other columns stay in the reader's memory), so the shuffle
+moves whole rows and a batch is one view per block. Each refill is planned from the pieces'
+row counts, so its permutation is drawn first and every chunk is copied into place as it
+arrives while the reader threads read the next. A batch reads as a Mapping of column name
+to tensor.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 
 import torch
 
 from ...shared.spec import TrainSpec
-from .arrow_reader import ArrowReader, Chunk
-from .convert import Tensors, as_tensor, chunk_rows, read_only_arrays
+from .arrow_reader import ArrowReader
+from .columns import Columns, Layout, place
+from .convert import Tensors, as_tensor, read_only_arrays
 from .device_shard import DeviceShard
 from .petastorm_reader import PetastormReader
 from .shards import Piece, pass_generator, shard_pieces
@@ -28,76 +37,87 @@ from .shards import Piece, pass_generator, shard_pieces
 DEFAULT_BUFFER_BYTES = 256 * 2**20
 
 
-def _gather(parts: list, perm: torch.Tensor | None, template: Tensors, pin: bool) -> Tensors:
-    """The rows of ``parts`` in one new tensor per column (``pool[i] = rows[perm[i]]``).
+def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin: bool) -> Columns:
+    """The ``rows`` rows of ``parts`` (chunks, or what is left of the buffer) in new
+    tensors, one per block and other column, in the order ``perm``
+    (``pool[i] = rows[perm[i]]``; None: as they come).
 
-    One copy per row: straight into place (``index_copy_`` with the inverse permutation),
-    without concatenating first. The result never shares memory with the parts, so a batch
-    edited in place cannot change cached chunks.
+    Each part is copied into place as it arrives (the reader threads meanwhile read and lay
+    out the next ones): one indexed copy of whole rows per block (``place``), with the
+    inverse permutation. The result never shares memory with the parts, so a batch edited
+    in place cannot change cached chunks.
     """
-    sizes = [chunk_rows(p) for p in parts]
-    destinations = None
+    inverse = None
     if perm is not None:
         inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(len(perm))
-        destinations = inverse.split(sizes)
-    out = {}
-    for name, like in template.items():
-        with read_only_arrays():
-            tensors = [as_tensor(p[name], like.dtype) for p in parts]
-        shape = (sum(sizes), *tensors[0].shape[1:])
-        target = torch.empty(shape, dtype=like.dtype, pin_memory=pin)
-        if destinations is None:
-            torch.cat(tensors, out=target)
-        else:
-            for tensor, where in zip(tensors, destinations):
-                target.index_copy_(0, where, tensor)
-        out[name] = target
-    return out
+        inverse[perm] = torch.arange(rows)
+    pool, at = None, 0
+    for part in parts:
+        if pool is None:
+            pool = part.layout.allocate(rows, part, pin)
+        n = part.rows
+        for target, source in zip(pool.tensors(), part.tensors()):
+            if inverse is None:
+                place(target[at : at + n], source)
+            else:
+                place(target, source, inverse[at : at + n])
+        at += n
+    return pool
 
 
 def buffered_batches(
-    chunks: Iterable[Chunk],
+    chunks: Iterable[Columns],
     sizes: list[int],
-    template: Tensors,
+    layout: Layout,
+    rows_of_chunks: list[int],
     *,
     buffer_rows: int | None,
     generator: torch.Generator | None,
     pin_memory: bool = False,
-) -> Iterator[Tensors]:
-    """Cut a stream of chunks into batches of ``sizes`` rows.
+) -> Iterator[Columns]:
+    """Cut a stream of chunks (``layout.assemble``'s, of ``rows_of_chunks`` rows each) into
+    batches of ``sizes`` rows.
 
     Without a generator rows keep their order. With one, rows pass through a shuffle buffer
     of ``buffer_rows`` rows (``None``: about 256 MiB worth, sized from the first chunk).
-    ``template`` gives each column's dtype (and, for empty shards, its row shape). After a
-    refill, every batch that the buffer serves before the next refill is cut in one
-    ``split`` per column.
+    Each refill is planned from ``rows_of_chunks`` (so its permutation is drawn before its
+    chunks arrive, and each is copied into place as it comes); ``layout.empty`` stands for
+    an empty shard's batches. After a refill, every batch that the buffer serves before the
+    next refill is cut in one ``split`` per block and other column.
     """
     chunks = iter(chunks)
-    pool, cursor, exhausted = template, 0, False
+    pool, cursor, exhausted, queued = layout.empty, 0, False, 0  # chunks taken so far
 
     def wanted(size: int, divisor: int) -> int:
         if generator is None or buffer_rows is None:
             return size
         return max(size, buffer_rows // divisor)
 
+    def arriving(count: int, first: Columns | None) -> Iterator[Columns]:
+        for k in range(count):
+            chunk = first if k == 0 and first is not None else next(chunks, None)
+            yield _as_planned(chunk, rows_of_chunks[queued - count + k])
+
     i = 0
     while i < len(sizes):
-        left = chunk_rows(pool) - cursor
+        left = pool.rows - cursor
         if left < wanted(sizes[i], 2) and not exhausted:
-            parts = [{k: v[cursor:] for k, v in pool.items()}] if left else []
-            while left < wanted(sizes[i], 1):
-                chunk = next(chunks, None)
-                if chunk is None:
+            count, first, rows = 0, None, left
+            while rows < wanted(sizes[i], 1):
+                if queued + count == len(rows_of_chunks):
                     exhausted = True
                     break
-                if generator is not None and buffer_rows is None:
-                    buffer_rows = default_buffer_rows(chunk)
-                parts.append(chunk)
-                left += chunk_rows(chunk)
-            if parts:
-                perm = None if generator is None else torch.randperm(left, generator=generator)
-                pool, cursor = _gather(parts, perm, template, pin_memory), 0
+                if generator is not None and buffer_rows is None:  # sized by the first chunk
+                    first = _as_planned(next(chunks, None), rows_of_chunks[queued])
+                    buffer_rows = default_buffer_rows(first)
+                rows += rows_of_chunks[queued + count]
+                count += 1
+            queued += count
+            if left or count:
+                perm = None if generator is None else torch.randperm(rows, generator=generator)
+                leftover = [pool.narrow(cursor, left)] if left else []
+                parts = itertools.chain(leftover, arriving(count, first))
+                pool, cursor, left = _refill(parts, rows, perm, pin_memory), 0, rows
         j, take = i, 0  # batches i..j-1 come from this pool before a refill is due
         while j < len(sizes) and sizes[j] <= left - take:
             if j > i and not exhausted and left - take < wanted(sizes[j], 2):
@@ -109,31 +129,40 @@ def buffered_batches(
                 f"loader: the shard ran out of rows ({left} left for a batch of {sizes[i]}); "
                 "did the dataset change while training?"
             )
-        cut = {k: v[cursor : cursor + take].split(sizes[i:j]) for k, v in pool.items()}
-        for n in range(j - i):
-            yield {k: pieces[n] for k, pieces in cut.items()}
+        yield from pool.narrow(cursor, take).split(sizes[i:j])
         cursor, i = cursor + take, j
 
 
-def default_buffer_rows(chunk: Chunk) -> int:
+def _as_planned(chunk: Columns | None, expected: int) -> Columns:
+    got = "no" if chunk is None else chunk.rows
+    if got != expected:
+        raise RuntimeError(
+            f"loader: the reader gave {got} rows for a piece of {expected}; "
+            "did the dataset change while training?"
+        )
+    return chunk
+
+
+def default_buffer_rows(chunk: Columns) -> int:
     """As many rows as fit in DEFAULT_BUFFER_BYTES, judged by the rows of ``chunk``."""
-    rows = chunk_rows(chunk)
-    row_bytes = sum(a.nbytes for a in chunk.values()) // rows if rows else 1
+    rows = chunk.rows
+    row_bytes = sum(t.nbytes for t in chunk.tensors()) // rows if rows else 1
     return max(1, DEFAULT_BUFFER_BYTES // max(1, row_bytes))
 
 
 class ShardLoader:
     """Batches of one rank's pieces of one split, pass after pass.
 
-    ``read_chunks(pieces)`` yields one chunk per piece in the order given (a reader's
-    ``chunks``); ``shuffle_pieces`` is False for readers that can only go in file order.
+    ``read_chunks(pieces)`` yields one chunk per piece in the order given, laid out by
+    ``layout.assemble`` (a reader's ``chunks``, assembling in its threads);
+    ``shuffle_pieces`` is False for readers that can only go in file order.
     """
 
     def __init__(
         self,
-        read_chunks: Callable[[list[Piece]], Iterator[Chunk]],
+        read_chunks: Callable[[list[Piece]], Iterator[Columns]],
         pieces: list[Piece],
-        template: Tensors,
+        layout: Layout,
         *,
         shuffle: bool,
         shuffle_pieces: bool,
@@ -143,13 +172,13 @@ class ShardLoader:
         cache: bool,
         pin_memory: bool,
     ):
-        self.read_chunks, self.pieces, self.template = read_chunks, pieces, template
+        self.read_chunks, self.pieces, self.layout = read_chunks, pieces, layout
         self.shuffle, self.shuffle_pieces, self.buffer_rows = shuffle, shuffle_pieces, buffer_rows
         self.seed, self.rank, self.pin_memory = seed, rank, pin_memory
-        self.cache: dict[Piece, Chunk] | None = {} if cache else None
+        self.cache: dict[Piece, Columns] | None = {} if cache else None
         self.rows = sum(p.rows for p in pieces)
 
-    def batches(self, sizes: list[int], pass_index: int) -> Iterator[Tensors]:
+    def batches(self, sizes: list[int], pass_index: int) -> Iterator[Columns]:
         """One pass: batches of ``sizes`` rows (summing to the shard's rows)."""
         if sum(sizes) > self.rows:
             raise ValueError(f"loader: {sum(sizes)} rows asked of a shard of {self.rows}")
@@ -160,13 +189,14 @@ class ShardLoader:
         yield from buffered_batches(
             self._chunks(order),
             sizes,
-            self.template,
+            self.layout,
+            [p.rows for p in order],
             buffer_rows=self.buffer_rows,
             generator=generator,
             pin_memory=self.pin_memory,
         )
 
-    def _chunks(self, order: list[Piece]) -> Iterator[Chunk]:
+    def _chunks(self, order: list[Piece]) -> Iterator[Columns]:
         cache = self.cache
         if cache is None:
             yield from self.read_chunks(order)
@@ -212,10 +242,11 @@ def open_loader(
             rank=rank,
             device=hold_on,
         )
+    layout = Layout(template, data.columns)
     return ShardLoader(
-        reader.chunks,
+        partial(reader.chunks, prepare=layout.assemble),
         pieces,
-        template,
+        layout,
         shuffle=shuffle,
         shuffle_pieces=reader.keeps_order,
         buffer_rows=options.shuffle_buffer_size,

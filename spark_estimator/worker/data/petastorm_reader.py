@@ -21,7 +21,8 @@ from __future__ import annotations
 import posixpath
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,11 @@ class PetastormReader:
             f"file://{full}" if self.store.protocol == "file" else f"{self.store.protocol}://{full}"
         )
 
-    def chunks(self, pieces: list[Piece]) -> Iterator[Chunk]:
+    def chunks(
+        self, pieces: list[Piece], prepare: Callable[[Chunk], Any] | None = None
+    ) -> Iterator:
+        """One chunk per piece (in file order); with ``prepare``, ``prepare(chunk)``, made
+        in the reading thread."""
         if not pieces:
             return
         order = [(p.path, p.row_group) for p in pieces]
@@ -89,7 +94,8 @@ class PetastormReader:
                         )
                     piece = wanted.get((path, index))
                     if piece is not None:
-                        yield self._to_chunk(batch._asdict(), piece)
+                        chunk = self._to_chunk(batch._asdict(), piece)
+                        yield chunk if prepare is None else prepare(chunk)
 
         yield from in_background(read_all(), self.num_workers)
 

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from spark_estimator.shared.spec import LoaderSpec, TrainSpec
+from spark_estimator.shared.spec import ColumnSpec, LoaderSpec, TrainSpec
+from spark_estimator.worker.data.columns import Layout
 from spark_estimator.worker.data.loader import buffered_batches, open_loader
 from spark_estimator.worker.data.shards import StepPlan
 from tests.conftest import write_id_dataset
@@ -75,11 +76,11 @@ def test_validation_is_read_in_order_even_with_shuffle(tmp_path, store):
 
 
 def test_the_shuffle_buffer_is_bounded():
-    chunks = [{"y": np.arange(i, i + 4)} for i in range(0, 40, 4)]
+    layout = Layout({"y": torch.empty(0, dtype=torch.int64)}, [ColumnSpec("y", "scalar", "int64")])
+    chunks = [layout.assemble({"y": np.arange(i, i + 4)}) for i in range(0, 40, 4)]
     gen = torch.Generator().manual_seed(0)
-    template = {"y": torch.empty(0, dtype=torch.int64)}
     batches = list(
-        buffered_batches(iter(chunks), [2] * 20, template, buffer_rows=10, generator=gen)
+        buffered_batches(iter(chunks), [2] * 20, layout, [4] * 10, buffer_rows=10, generator=gen)
     )
     # the buffer fills to >= 10 rows (three chunks) before the first batch is drawn
     assert set(batches[0]["y"].tolist()) <= set(range(12))
@@ -101,7 +102,8 @@ def test_in_memory_cache_reads_once_and_yields_the_same_batches(tmp_path, store)
     assert reads == [4, 0, 0]
     # a transformation changing a batch in place must not corrupt the cache
     for batch in cached.batches(sizes, 4):
-        batch["y"] += 1000
+        edited = dict(batch)  # what a transformation_fn gets: views of the batch's rows
+        edited["y"] += 1000
     assert sorted(i for b in cached.batches(sizes, 5) for i in b["y"].tolist()) == list(range(20))
 
 
@@ -133,3 +135,44 @@ def test_on_a_gpu_the_buffer_is_pinned_and_batches_copy_without_blocking(tmp_pat
     on_gpu = Batch(batches[0], spec, torch.device("cuda:0"))
     torch.cuda.synchronize()
     assert on_gpu.inputs[0].is_cuda and torch.equal(on_gpu.labels[0].cpu(), batches[0]["y"])
+
+
+def test_shuffled_batches_keep_the_order_earlier_versions_gave_for_a_seed(tmp_path, store):
+    # recorded from the loader before batches were laid out in blocks (commit 24adb23):
+    # the same seed must keep giving the same batches (runs resume and compare across it)
+    data = write_id_dataset(tmp_path, [10, 1, 12], row_group_size=4)
+    spec = train_spec(data, store, seed=3, shuffle_buffer_size=5)
+    assert epoch_ids(spec, 2, 3, 1) == [
+        [[0, 2, 4], [3, 5, 6], [10, 7, 9], [11, 8, 1]],
+        [[14, 18, 16], [17, 12, 15], [21, 22, 20], [13, 19]],
+    ]
+
+
+def test_scalar_columns_of_one_dtype_are_one_row_major_block_cut_once(tmp_path, store):
+    from tests.worker.data.test_device_shard import mixed_dataset
+
+    spec = train_spec(mixed_dataset(tmp_path), store, seed=5, shuffle_buffer_size=8)
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    batches = list(loader.batches(StepPlan(23, 1, 0, 3).batch_sizes, 1))
+    first = batches[0]
+    assert [names for _, names in first.layout.groups] == [["a", "b"], ["y"]]
+    (floats, ids), (x,) = first.blocks, first.others
+    assert floats.shape == (3, 2) and ids.shape == (3, 1) and x.shape == (3, 3)
+    # each scalar column is a view of its block's rows: a, b side by side in one row
+    assert (
+        torch.equal(first["a"], floats[:, 0]) and first["b"].data_ptr() == floats[0, 1].data_ptr()
+    )
+    assert (
+        torch.allclose(first["b"], -first["a"]) and first["x"][:, 0].tolist() == first["y"].tolist()
+    )
+    # the batches of one refill are views of one buffer: cutting them made no copies
+    storages = {b.blocks[0].untyped_storage().data_ptr() for b in batches[:2]}
+    assert len(storages) == 1 and list(first) == ["a", "b", "x", "y"]
+
+
+def test_a_piece_with_other_rows_than_planned_is_an_error():
+    layout = Layout({"y": torch.empty(0, dtype=torch.int64)}, [ColumnSpec("y", "scalar", "int64")])
+    chunks = [layout.assemble({"y": np.arange(4)}), layout.assemble({"y": np.arange(3)})]
+    batches = buffered_batches(iter(chunks), [4, 4], layout, [4, 4], buffer_rows=8, generator=None)
+    with pytest.raises(RuntimeError, match="the reader gave 3 rows for a piece of 4"):
+        list(batches)
