@@ -37,8 +37,8 @@ class Batch:
 
 def to_device(chunk: Mapping, columns: list[ColumnSpec], device: torch.device) -> Columns:
     """A host batch's columns on ``device``: the scalar columns of one dtype as one
-    ``[columns, rows]`` block, one copy (from pinned memory, not blocking the host, on a
-    GPU), each column a contiguous row of it; every other column copied by itself
+    ``[rows, columns]`` block, one copy (from pinned memory, not blocking the host, on a
+    GPU), each column a strided view of it; every other column copied by itself
     (``Columns.to``). The loader's batches come laid out so (``Columns``, in its pinned
     buffer); a plain dict (a ``transformation_fn``'s) is laid out first, into pinned memory
     on a GPU. Marking a column's tensor for a stream (``record_stream``) marks its whole
