@@ -18,15 +18,15 @@ installed pyspark (``SPARK_HOME`` = the pyspark package) instead:
 
 Both are context managers: entering starts the daemons and waits until the Master lists
 every Worker ALIVE. Every daemon binds ports of its own choosing (port 0) and the Master's
-are read from its log, so no port is picked here and bound later by another process, when
-a process of someone else's (another xdist worker's cluster, a Spark application's UI that
+are read from its log, so no port is picked here and bound later by another process, when a
+process of someone else's (another xdist worker's cluster, a Spark application's UI that
 walks up from 4040) could take it first; ``master_status()`` also checks that the server it
-asks names this cluster's Master URL. Leaving stops the session, kills every process of
-the cluster (Master, Workers, executors, their Python workers: each carries the environment
+asks names this cluster's Master URL. Leaving stops the session, kills every process of the
+cluster (Master, Workers, executors, their Python workers: each carries the environment
 variable ``MARKER``, so none escapes by being re-parented) and removes its folders,
-namespaces, veths and bridge, also after a failure. Names and the subnet carry this test process's pid
-so that parallel pytest workers (xdist) do not collide; leftovers of a killed test process
-are removed by the next cluster.
+namespaces, veths and bridge, also after a failure. Names and the subnet carry this test
+process's pid so that parallel pytest workers (xdist) do not collide; leftovers of a killed
+test process are removed by the next cluster.
 
 ``kill_worker(i)`` / ``stop_worker(i)`` lose Worker ``i`` for good (SIGKILL to the Worker
 JVM, its executor JVM and their Python workers; a namespace host loses all of its
