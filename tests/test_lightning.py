@@ -262,8 +262,19 @@ def test_a_fit_runs_each_driver_check_once(digits, spy):
     assert {name: len(c) for name, c in calls.items()} == dict.fromkeys(calls, 1)
 
 
-def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, monkeypatch):
-    store, train, _ = digits
+def own_store(tmp_path) -> Store:
+    """A store of the test's own, holding an earlier run's result and a dataset, which a
+    refused fit must leave as they are. (The module's shared store may still get the last
+    lines of an earlier test's failed job, from a task Spark kills after the job ended.)"""
+    store = Store.create(str(tmp_path / "store"))
+    store.write_bytes(store.run("done").result, b"an earlier run")
+    store.write_bytes(store.dataset("earlier").meta, b"{}")
+    return store
+
+
+def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, monkeypatch, tmp_path):
+    _, train, _ = digits
+    store = own_store(tmp_path)
     before = sorted(p for p in store.fs.find(store.root))
     cases = [
         (dict(model=cnn()), TypeError, "model: expected a LightningModule"),
@@ -282,8 +293,9 @@ def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, mon
     assert sorted(p for p in store.fs.find(store.root)) == before
 
 
-def test_a_monitor_of_a_validation_value_without_validation_fails_on_the_driver(digits):
-    store, train, _ = digits
+def test_a_monitor_of_a_validation_value_without_validation_fails_on_the_driver(digits, tmp_path):
+    _, train, _ = digits
+    store = own_store(tmp_path)
     est = lightning_estimator(
         store, validation=None, run_id="unvalidated", callbacks=[EarlyStopping(monitor="val_loss")]
     )
