@@ -133,9 +133,10 @@ class RunFolder:
     grow = _child("elastic/grow.json", "an elastic fit: stop at the epoch's end to grow")
     rendezvous = _child("rendezvous", "rank 0's TCPStore address while a job's group forms")
 
-    def meeting(self, launch_id: str) -> str:
-        """The folder of a launch's address files (``rendezvous.Meeting``)."""
-        return posixpath.join(self.rendezvous, launch_id)
+    def meeting(self, launch_id: str, stage: int | str) -> str:
+        """Rank 0's TCPStore address for barrier job (Spark stage) ``stage`` of a launch
+        (``rendezvous.Meeting``)."""
+        return posixpath.join(self.rendezvous, launch_id, f"{stage}.json")
 
     def process(self, rank: int | str) -> str:
         """Rank ``rank``'s record: host, pid, launch and task attempt of its process."""
@@ -189,7 +190,7 @@ def layout() -> list[str]:
         run.elastic_launch("<launch>"),
         run.commit,
         run.grow,
-        posixpath.join(run.meeting("<launch>"), "<stage>.json"),
+        run.meeting("<launch>", "<stage>"),
     ]
     return [p.removeprefix("/") for p in paths]
 

@@ -40,7 +40,7 @@ def all_reduce_ranks(folder: str) -> dict:
 
     ctx = BarrierTaskContext.get()
     store = Store(folder)
-    meeting = Meeting(store, store.run("clusters").meeting("launch"), "c1" * 16)
+    meeting = Meeting(store, store.run("clusters"), "launch", "c1" * 16)
     with process_group(ctx, meeting, use_gpu=False, timeout_s=60) as info:
         total = torch.tensor([float(info.rank + 1)])
         dist.all_reduce(total)

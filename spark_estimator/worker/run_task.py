@@ -127,7 +127,7 @@ def run_task(spec: RunSpec) -> dict:
             with (
                 process_group(
                     ctx,
-                    Meeting(store, run.meeting(spec.launch_id), spec.secret),
+                    Meeting(store, run, spec.launch_id, spec.secret),
                     spec.use_gpu,
                     spec.collective_timeout,
                     on_failure,

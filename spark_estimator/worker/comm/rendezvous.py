@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ...shared.failures import is_retried
 from ...shared.spec import COLLECTIVE_TIMEOUT_S
-from ...store import Store
+from ...store import RunFolder, Store
 from ..environ import environ
 
 log = logging.getLogger(__name__)
@@ -64,20 +64,21 @@ POLL_S = (0.005, 0.25)  # the first and the longest wait between reads of the me
 @dataclass(frozen=True)
 class Meeting:
     """Where the ranks of a launch learn rank 0's TCPStore address, and the secret under
-    which the job's keys live. Rank 0 writes ``{"host", "port"}`` to ``folder`` (in
-    ``store``), in a file named after the Spark stage, so each barrier job of a launch (an
-    elastic fit starts several) has its own (the job is one result stage, which Spark never
-    attempts twice), and removes it when the group ends. ``secret`` travels only inside the
-    task (with the job's spec), never in the store: a process that can read the store can
-    find the port, not join the group."""
+    which the job's keys live. Rank 0 writes ``{"host", "port"}`` to ``run``'s address file
+    of launch ``launch_id`` (in ``store``), named after the Spark stage, so each barrier
+    job of a launch (an elastic fit starts several) has its own (the job is one result
+    stage, which Spark never attempts twice), and removes it when the group ends.
+    ``secret`` travels only inside the task (with the job's spec), never in the store: a
+    process that can read the store can find the port, not join the group."""
 
     store: Store
-    folder: str  # one launch's folder of address files
+    run: RunFolder
+    launch_id: str
     secret: str = field(repr=False)  # made on the driver (``shared.spec.launch_secret``)
 
     def address_file(self, ctx) -> str:
         """This barrier job's address file (``ctx``: its BarrierTaskContext)."""
-        return posixpath.join(self.folder, f"{ctx.stageId()}.json")
+        return self.run.meeting(self.launch_id, ctx.stageId())
 
 
 @dataclass(frozen=True)

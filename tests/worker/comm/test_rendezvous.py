@@ -112,7 +112,7 @@ class FakeBarrierContext:
 def meeting_in(folder) -> Meeting:
     """A launch's meeting place in a local store at ``folder``."""
     store = Store(str(folder))
-    return Meeting(store, store.run("run-1").meeting("launch-1"), "5e" * 16)
+    return Meeting(store, store.run("run-1"), "launch-1", "5e" * 16)
 
 
 def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards(tmp_path):
@@ -152,7 +152,8 @@ def test_the_ranks_meet_through_the_store_without_the_barriers_all_gather(tmp_pa
         assert p.exitcode == 0
     results = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(3)]
     assert results == [{"rank": r, "sum": 6.0} for r in range(3)]
-    assert not meeting_in(tmp_path).store.fs.ls(meeting_in(tmp_path).folder)  # none left
+    meeting = meeting_in(tmp_path)
+    assert not meeting.store.fs.find(meeting.run.rendezvous)  # none left
 
 
 def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout(tmp_path):
