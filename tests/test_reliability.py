@@ -85,6 +85,34 @@ def test_a_fit_with_the_run_id_of_a_failed_run_resumes_it_exactly(
     assert resumed.getHistory()[2]["lr"] == pytest.approx([0.05 * 0.7**2])
 
 
+def test_a_finished_run_fit_again_with_more_epochs_trains_on_from_its_last_checkpoint(
+    regression_df, store, spark
+):
+    """Horovod's way of training further: the same run_id, more epochs."""
+    clean = momentum_estimator(store, run_id="four").fit(regression_df)
+    momentum_estimator(store, run_id="on", epochs=2).fit(regression_df)
+
+    spark.sparkContext.setJobGroup("refit", "nothing to add")
+    try:
+        with pytest.raises(ValueError, match=r"run_id: run 'on' already finished 2 epochs"):
+            momentum_estimator(store, run_id="on", epochs=2).fit(regression_df)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup("refit")) == []
+
+    further = momentum_estimator(store, run_id="on", epochs=4).fit(regression_df)
+    assert further.getTrainingSummary()["resumed_from_epoch"] == 2
+    assert_same_training(further, clean)
+    assert store.checkpoint_epochs("on") == [1, 2, 3, 4]
+
+
+def test_a_finished_run_without_checkpoints_is_refused_naming_why(regression_df, store):
+    momentum_estimator(store, run_id="emptied", epochs=1).fit(regression_df)
+    store.fs.rm(store.run("emptied").checkpoint(1))
+    with pytest.raises(ValueError, match=r"run 'emptied' already finished .*no epoch checkpoint"):
+        momentum_estimator(store, run_id="emptied", epochs=3).fit(regression_df)
+
+
 def test_a_rank_that_hangs_is_left_after_collective_timeout_and_the_fit_resumes(
     regression_df, store, tmp_path
 ):

@@ -464,19 +464,14 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:
-        """A given ``run_id`` is not finished, and its checkpoints (if any) can be resumed
-        with this fit's training manifest; the data is checked once known (``_train``)."""
+        """A given ``run_id``'s checkpoints (if any) can be resumed with this fit's training
+        manifest; a finished run is trained further (Horovod's way: the same ``run_id``, more
+        ``epochs``) from its last epoch checkpoint. The data is checked once known
+        (``_train``)."""
         if (run_id := self.getRunId()) is None:
             return
         if store.exists(store.run(run_id).result):
-            raise ValueError(
-                f"run_id: run '{run_id}' already finished in {store}; choose a new run_id. "
-                "To warm-start from its weights (Horovod's estimator goes on from a finished "
-                "run's checkpoint), fit with a new run_id and a model that holds them: "
-                "model.load_state_dict(TorchModel.load(path).getModel().state_dict()) with "
-                "the fitted model you saved (or getModel() of the one fit returned), and an "
-                "optimizer built on that model"
-            )
+            run_manifest.check_train_further(store, run_id, self.getEpochs())
         run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
 
     def _sample_weight_col(self) -> str | None:

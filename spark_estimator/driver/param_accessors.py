@@ -257,13 +257,17 @@ class FitParamsAccessors(Params):
 
     def getRunId(self) -> str | None:
         """Gets the value of `run_id`: name of this run's folder in the store; generated when
-        not set. A fit with the run_id of an unfinished run resumes from its last checkpoint
+        not set. A fit with the run_id of an unfinished run resumes from its last checkpoint;
+        of a finished run, with more epochs, trains the missing epochs from its last
+        checkpoint
         """
         return self.getOrDefault(self.run_id)
 
     def setRunId(self: _P, value: str | None) -> _P:
         """Sets the value of `run_id`: name of this run's folder in the store; generated when
-        not set. A fit with the run_id of an unfinished run resumes from its last checkpoint
+        not set. A fit with the run_id of an unfinished run resumes from its last checkpoint;
+        of a finished run, with more epochs, trains the missing epochs from its last
+        checkpoint
         """
         return self._set(run_id=value)
 

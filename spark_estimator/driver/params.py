@@ -279,7 +279,8 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
         ParamSpec(
             "run_id",
             "name of this run's folder in the store; generated when not set. A fit with the "
-            "run_id of an unfinished run resumes from its last checkpoint",
+            "run_id of an unfinished run resumes from its last checkpoint; of a finished run, "
+            "with more epochs, trains the missing epochs from its last checkpoint",
             _to_optional_str,
             default=None,
         ),

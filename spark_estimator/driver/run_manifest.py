@@ -1,5 +1,8 @@
 """Driver: what a run's checkpoints were made with, and whether a new fit may resume them.
 
+A finished run (its ``result.pt`` written) is trained further by a fit with the same
+``run_id`` and more ``epochs``, from its last epoch checkpoint, under the same checks.
+
 Before its training job, a fit writes ``runs/<run_id>/run.json``: the model's state (names,
 shapes and dtypes), the optimizer's class and parameter groups, ``num_proc``,
 ``batch_size``, ``backward_passes_per_step``, ``train_steps_per_epoch``, ``random_seed``
@@ -74,6 +77,24 @@ def check_resume(store: Store, run_id: str, manifest: dict, epochs: int) -> int:
             f"epochs={epochs}; raise epochs to continue it, or choose a new run_id"
         )
     return done[-1]
+
+
+def check_train_further(store: Store, run_id: str, epochs: int) -> None:
+    """A finished run goes on from its last epoch checkpoint when ``epochs`` asks for more;
+    a ValueError naming ``run_id`` and why when it cannot."""
+    done = store.checkpoint_epochs(run_id)
+    if not done:
+        raise ValueError(
+            f"run_id: run '{run_id}' already finished in {store} and kept no epoch checkpoint "
+            "to train further from (they were removed); "
+            "choose a new run_id"
+        )
+    if done[-1] >= epochs:
+        raise ValueError(
+            f"run_id: run '{run_id}' already finished {done[-1]} epochs in {store}; to train "
+            f"it further from its last checkpoint, fit it with epochs > {done[-1]}, or "
+            "choose a new run_id"
+        )
 
 
 def check_resume_data(store: Store, run_id: str, data: DatasetInfo) -> None:
