@@ -37,7 +37,7 @@ def digits_fit(tmp_path_factory):
         loss=torch.nn.CrossEntropyLoss(),
         feature_cols=["features"],
         label_cols=["label"],
-        input_shapes=[[-1, 1, 8, 8]],
+        input_shapes=[[1, 8, 8]],  # one row's shape, as Horovod's users write it
         batch_size=32,
         epochs=6,
         num_proc=2,
@@ -333,7 +333,8 @@ def test_a_transformation_fn_dropping_a_column_is_reported_from_the_first_batch(
         (
             [[1.0, 2.0], [3.0, 4.0]],
             {"input_shapes": [[-1, 3]]},
-            "input_shapes: shape [-1, 3] does not fit column 'x' with 2 values per row",
+            "input_shapes: shape [-1, 3] has 3 elements per row, but column 'x' has rows of "
+            "length 2",
         ),
     ],
 )
@@ -501,10 +502,10 @@ def _bad_inputs():
             ValueError,
             "input_shapes: 2 shapes",
         ),
-        "input_shapes without the batch dimension": (
-            dict(input_shapes=[[3]]),
+        "input_shapes with a size of 0": (
+            dict(input_shapes=[[0, 3]]),
             ValueError,
-            "input_shapes: shape [3] for column 'x' must start with -1",
+            "input_shapes: shape [0, 3] for column 'x' must be one row's shape",
         ),
         "input_shapes of a scalar column": (
             dict(feature_cols=["id"], input_shapes=[[-1, 3]]),

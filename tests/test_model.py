@@ -47,7 +47,8 @@ def test_output_cols_rename_and_scalar_outputs_are_doubles(spark):
     assert [r.score for r in out.collect()] == pytest.approx(expected)
 
 
-def test_input_shapes_apply_in_transform(spark):
+@pytest.mark.parametrize("shape", [[-1, 1, 8, 8], [1, 8, 8]])
+def test_input_shapes_apply_in_transform(spark, shape):
     class Sum2d(torch.nn.Module):
         def forward(self, x):
             assert x.dim() == 4
@@ -55,7 +56,7 @@ def test_input_shapes_apply_in_transform(spark):
 
     df = spark.createDataFrame([([1.0] * 64,)], "img array<float>")
     model = TorchModel(
-        model=Sum2d(), feature_cols=["img"], input_shapes=[[-1, 1, 8, 8]], output_shapes=[[]]
+        model=Sum2d(), feature_cols=["img"], input_shapes=[shape], output_shapes=[[]]
     )
     assert model.transform(df).first().prediction == 64.0
 
@@ -74,11 +75,11 @@ def test_transform_refuses_outputs_without_one_row_per_input_row(spark):
         model.transform(df).collect()
 
 
-def test_transform_refuses_input_shapes_without_the_batch_dimension_before_any_job(spark):
+def test_transform_refuses_input_shapes_that_cannot_hold_a_row_before_any_job(spark):
     df = spark.createDataFrame([(float(i),) for i in range(4)], "x double")
     model = TorchModel(model=PairSums(), feature_cols=["x"], output_shapes=[[]])
     for shape, message in (
-        ([2], r"input_shapes: shape \[2\] for column 'x' must start with -1"),
+        ([2], r"input_shapes: shape \[2\] has 2 elements per row, but column 'x' has"),
         ([-1, 2], r"input_shapes: shape \[-1, 2\] has 2 elements per row, but column 'x' has"),
     ):
         with pytest.raises(ValueError, match=message):

@@ -11,9 +11,8 @@ checked earlier, from the schema, by ``validate.check_input_shapes``).
 
 from __future__ import annotations
 
-import math
-
 from ..shared.column_stats import CheckedColumn
+from ..shared.shapes import batch_shape
 from ..shared.spec import ColumnSpec, DatasetInfo, column_param
 
 
@@ -99,10 +98,5 @@ def check_row_lengths(data: DatasetInfo, input_shapes: list[list[int]] | None) -
 
 
 def check_shape_fits(shape: list[int], column: str, length: int) -> None:
-    """An ``input_shapes`` entry ``[-1, d1, ...]`` must hold ``length`` values per row."""
-    per_row = math.prod(shape[1:])
-    if per_row != length:
-        raise ValueError(
-            f"input_shapes: shape {shape} has {per_row} elements per row, but column "
-            f"'{column}' has rows of length {length}"
-        )
+    """An ``input_shapes`` entry must hold ``length`` values per row."""
+    batch_shape(shape, length, column)

@@ -9,7 +9,7 @@ itself raising (``loss: failed on ...``) is only a warning: a loss may need what
 rank has (its GPU, the process group), so the executors decide on the real rows.
 
 The probe needs every column's values per row: scalars have one; an array or vector
-column's length comes from ``input_shapes`` (``[-1, ...]``) or from the row lengths a
+column's length comes from ``input_shapes`` or from the row lengths a
 dataset records. Before any Spark job only the first are known, so where an array column's
 length is not, the probe runs once the dataset is (materialized or found), before the
 training job. A model or ``transformation_fn`` that fails on zeros is no fault of the
@@ -20,11 +20,11 @@ loss: the probe then stops, and the executors report what fails on the real rows
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
 from ..shared.serialization import loads
+from ..shared.shapes import row_length
 from ..shared.spec import ColumnSpec
 from ..worker.loop.loss import LossFailed
 from ..worker.loop.probe import probe_loss
@@ -40,8 +40,8 @@ def _row_length(
         return 1
     if column.name in row_lengths:
         return row_lengths[column.name]
-    if shape and shape[0] == -1 and -1 not in shape[1:]:
-        return math.prod(shape[1:])
+    if shape:
+        return row_length(shape)
     return None
 
 

@@ -51,14 +51,16 @@ class HasModelIOAccessors(Params):
         return self._set(feature_cols=value)
 
     def getInputShapes(self) -> list[list[int]] | None:
-        """Gets the value of `input_shapes`: optional shape per feature column, e.g. [[-1, 1, 8,
-        8]]: -1 first (the batch dimension, one per row), then the shape of one row
+        """Gets the value of `input_shapes`: optional shape per feature column: one row's shape,
+        e.g. [[1, 8, 8]] for rows of 64 values, or the batch's with -1 first (the rows),
+        [[-1, 1, 8, 8]]
         """
         return self.getOrDefault(self.input_shapes)
 
     def setInputShapes(self: _P, value: list[list[int]] | None) -> _P:
-        """Sets the value of `input_shapes`: optional shape per feature column, e.g. [[-1, 1, 8,
-        8]]: -1 first (the batch dimension, one per row), then the shape of one row
+        """Sets the value of `input_shapes`: optional shape per feature column: one row's shape,
+        e.g. [[1, 8, 8]] for rows of 64 values, or the batch's with -1 first (the rows),
+        [[-1, 1, 8, 8]]
         """
         return self._set(input_shapes=value)
 

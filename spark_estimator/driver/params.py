@@ -187,8 +187,8 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
         ),
         ParamSpec(
             "input_shapes",
-            "optional shape per feature column, e.g. [[-1, 1, 8, 8]]: -1 first (the batch "
-            "dimension, one per row), then the shape of one row",
+            "optional shape per feature column: one row's shape, e.g. [[1, 8, 8]] for rows "
+            "of 64 values, or the batch's with -1 first (the rows), [[-1, 1, 8, 8]]",
             _to_input_shapes,
             default=None,
         ),

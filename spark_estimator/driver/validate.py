@@ -110,10 +110,11 @@ def check_validation(schema: StructType, validation, used_cols: list[str]) -> No
 def check_input_shapes(
     input_shapes, feature_cols: list[str], features: list[ColumnSpec] | None = None
 ) -> None:
-    """One shape per feature column, each ``[-1, d1, ...]``: -1 first, the batch dimension
-    (the rows; any other place would mix rows), then positive sizes. With the columns'
-    specs, a scalar column's shape must hold one value per row (array lengths are known
-    only once the data is read: ``data_checks.check_row_lengths``)."""
+    """One shape per feature column, each ``[-1, d1, ...]`` (-1 first, the batch dimension:
+    any other place would mix rows) or one row's shape ``[d1, ...]``, sizes positive (see
+    ``shared/shapes.py``). With the columns' specs, a scalar column's shape must hold one
+    value per row (array lengths are known only once the data is read:
+    ``data_checks.check_row_lengths``)."""
     if input_shapes is None:
         return
     if len(input_shapes) != len(feature_cols):
@@ -122,11 +123,11 @@ def check_input_shapes(
             f"feature columns {feature_cols}"
         )
     for col, shape in zip(feature_cols, input_shapes):
-        if not shape or shape[0] != -1 or any(d < 1 for d in shape[1:]):
+        if not shape or any(d < 1 for d in shape[1 if shape[0] == -1 else 0 :]):
             raise ValueError(
-                f"input_shapes: shape {shape} for column '{col}' must start with -1, the "
-                "batch dimension (rows), followed by positive sizes of each row, e.g. "
-                "[-1, 1, 8, 8]"
+                f"input_shapes: shape {shape} for column '{col}' must be one row's shape, "
+                "positive sizes (e.g. [1, 8, 8]), or the batch's: -1 first, the rows, then "
+                "the row's sizes ([-1, 1, 8, 8])"
             )
     for spec, shape in zip(features or [], input_shapes):
         if spec.kind == "scalar":

@@ -98,15 +98,19 @@ def test_validation_values():
 def test_input_shapes():
     validate.check_input_shapes(None, ["a"])
     validate.check_input_shapes([[-1, 1, 8, 8]], ["a"])
+    validate.check_input_shapes([[1, 8, 8]], ["a"])  # one row's shape, as Horovod's users write it
     with pytest.raises(ValueError, match="input_shapes: 2 shapes given for 1"):
         validate.check_input_shapes([[-1], [-1]], ["a"])
-    for bad in ([], [-1, -1], [-1, 0], [-2, 4], [2], [3, -1]):
+    for bad in ([], [-1, -1], [-1, 0], [-2, 4], [0], [3, -1]):
         with pytest.raises(ValueError, match="input_shapes: shape"):
             validate.check_input_shapes([bad], ["a"])
     scalar, array = ColumnSpec("a", "scalar", "float32"), ColumnSpec("b", "array", "float32")
     validate.check_input_shapes([[-1, 1], [-1, 3]], ["a", "b"], [scalar, array])
     with pytest.raises(ValueError, match=r"shape \[-1, 2\] has 2 elements per row, but column 'a'"):
         validate.check_input_shapes([[-1, 2], [-1, 3]], ["a", "b"], [scalar, array])
+    validate.check_input_shapes([[1], [3]], ["a", "b"], [scalar, array])
+    with pytest.raises(ValueError, match=r"shape \[2\] has 2 elements per row, but column 'a'"):
+        validate.check_input_shapes([[2], [3]], ["a", "b"], [scalar, array])
 
 
 def test_positive_numbers_and_slots():

@@ -6,6 +6,7 @@ mapInArrow, where ML vectors arrive as their struct encoding).
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from ...shared.shapes import batch_shape
 from ...shared.spec import ColumnSpec
 
 Tensors = dict[str, torch.Tensor]  # a batch's columns as the loaders hand them over
@@ -130,17 +132,10 @@ def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
 
 
 def reshape_input(name: str, tensor: torch.Tensor, shape: list[int] | None) -> torch.Tensor:
-    """Apply a column's ``input_shapes`` entry to a batch."""
+    """Apply a column's ``input_shapes`` entry (either form, ``shared/shapes.py``) to a batch."""
     if shape is None:
         return tensor
-    try:
-        return tensor.reshape(shape)
-    except RuntimeError as e:
-        per_row = tensor[0].numel() if len(tensor) else 0
-        raise ValueError(
-            f"input_shapes: shape {shape} does not fit column '{name}' with {per_row} "
-            f"values per row ({e})"
-        ) from None
+    return tensor.reshape(batch_shape(shape, math.prod(tensor.shape[1:]), name))
 
 
 def tensor_to_arrow(output: torch.Tensor, as_scalar: bool) -> pa.Array:

@@ -77,8 +77,10 @@ def test_vectors_of_different_sizes_are_rejected():
 def test_reshape_input_errors_name_input_shapes_and_column():
     x = torch.zeros(4, 64)
     assert reshape_input("f", x, [-1, 1, 8, 8]).shape == (4, 1, 8, 8)
+    assert reshape_input("f", x, [1, 8, 8]).shape == (4, 1, 8, 8)
+    assert reshape_input("f", x[:0], [1, 8, 8]).shape == (0, 1, 8, 8)
     assert reshape_input("f", x, None) is x
-    with pytest.raises(ValueError, match="input_shapes: .* column 'f' with 64 values per row"):
+    with pytest.raises(ValueError, match="input_shapes: .* column 'f' has rows of length 64"):
         reshape_input("f", x, [-1, 3, 5])
 
 
