@@ -635,8 +635,19 @@ def _bad_inputs():
             ValueError,
             "sample_weight_col: the loss for label column 'y' returned shape ()",
         ),
+        "transformation_fn written for Horovod": (
+            dict(transformation_fn=pandas_transformation, input_shapes=[[3]]),
+            TypeError,
+            "transformation_fn: fails on a batch as it is given here",
+        ),
         **_petastorm_case(),
     }
+
+
+def pandas_transformation(df):
+    """A transformation_fn as Horovod's estimator calls it: on a pandas DataFrame."""
+    df["y"] = df["y"].astype("float32")
+    return df
 
 
 def _petastorm_case() -> dict:

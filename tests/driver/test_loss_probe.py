@@ -96,3 +96,25 @@ def test_a_transformation_fn_is_applied_to_the_probe_batch(caplog):
     assert "loss: failed" not in caplog.text
     probe(scores)
     assert "loss: failed on output" in caplog.text
+
+
+def horovod_style(df):  # Horovod's transformation_fn: a pandas DataFrame of NumPy values
+    df["y"] = df["y"].astype("float32") * 2
+    return df
+
+
+def test_a_transformation_fn_written_for_horovod_is_refused_saying_what_it_receives():
+    transform = dumps(horovod_style, "transformation_fn")
+    with pytest.raises(TypeError) as e:
+        probe(bundle(loss=mean_loss), transformation_fn=transform)
+    message = str(e.value)
+    assert message.startswith("transformation_fn: fails on a batch as it is given here")
+    assert "'Tensor' object has no attribute 'astype'" in message
+    assert "{'x': float32 [2, 3], 'y': float32 [2]}" in message  # what it receives
+    assert "runs on a pandas DataFrame" in message  # what it was written for
+
+
+def test_a_transformation_fn_returning_no_dict_is_refused_on_the_driver():
+    as_list = dumps(lambda batch: list(batch.values()), "transformation_fn")
+    with pytest.raises(TypeError, match="transformation_fn: must return a dict of tensors"):
+        probe(bundle(loss=mean_loss), transformation_fn=as_list)

@@ -50,7 +50,12 @@ def to_device(chunk: Mapping, columns: list[ColumnSpec], device: torch.device) -
 
 def apply_transformation(fn, chunk: dict, columns: list[ColumnSpec], rows: int) -> dict:
     """``transformation_fn`` on one batch, checked: same columns present, same row count."""
-    out = fn(chunk)
+    return check_transformed(fn(chunk), columns, rows)
+
+
+def check_transformed(out, columns: list[ColumnSpec], rows: int) -> dict:
+    """What ``transformation_fn`` returned, if a dict with a tensor of ``rows`` rows for
+    each column; else a TypeError or ValueError naming ``transformation_fn``."""
     if not isinstance(out, dict):
         raise TypeError(
             f"transformation_fn: must return a dict of tensors, got {type(out).__name__}"
