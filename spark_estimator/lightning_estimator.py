@@ -35,7 +35,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
     >>> model = est.fit(df)   # a TorchModel
     """
 
-    _BUNDLED = ("model", "callbacks", "trainer_args")
+    _BUNDLED = ("model", "callbacks", "trainer_args", "profiler")
     _TRAINER = "lightning"
 
     @keyword_only
@@ -65,6 +65,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
         run_id=None,
         callbacks=None,
         trainer_args=None,
+        profiler=None,
         partitions_per_process=4,
         row_group_size_mb=32.0,
         compression="snappy",
@@ -92,6 +93,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
         pl = validate_lightning.check_module(model)
         validate_lightning.check_callbacks(pl, callbacks)
         trainer_args = validate_lightning.check_trainer_args(pl, self.getTrainerArgs())
+        trainer_args = validate_lightning.with_profiler(pl, trainer_args, self.getProfiler())
         bundle = validate_lightning.lightning_bundle(
             model, callbacks, trainer_args, self.getTerminateOnNan()
         )

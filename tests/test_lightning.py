@@ -283,6 +283,12 @@ def test_bad_lightning_input_is_refused_on_the_driver_before_any_job(digits, mon
         (dict(trainer_args={"max_epoch": 3}), ValueError, "'max_epoch' is not an argument"),
         (dict(trainer_args=["precision"]), TypeError, "trainer_args: expected a dict"),
         (dict(keep_checkpoints=0), ValueError, "keep_checkpoints: must be >= 1"),
+        (
+            dict(profiler="simple", trainer_args={"profiler": "simple"}),
+            ValueError,
+            "profiler: set both as the profiler param and in trainer_args",
+        ),
+        (dict(profiler=3), TypeError, "profiler: expected"),
     ]
     for params, error, message in cases:
         with pytest.raises(error, match=message):
@@ -322,6 +328,22 @@ def test_the_estimator_saves_and_loads_with_its_module_callbacks_and_trainer_arg
     assert isinstance(loaded.getCallbacks()[0], EarlyStopping)
     assert loaded.getTrainerArgs() == {"precision": "bf16"}
     assert loaded.getEpochs() == 6 and loaded.getStore().url == store.url
+
+
+def test_a_profiler_reaches_every_ranks_trainer_and_saves_with_the_estimator(digits, tmp_path):
+    """Horovod's LightningEstimator(profiler=...) argument: the Trainer's profiler."""
+    store, train, _ = digits
+    reports = tmp_path / "profiles"
+    profiler = pl.profilers.SimpleProfiler(dirpath=str(reports), filename="perf")
+    est = lightning_estimator(store, epochs=1, profiler=profiler)
+    est.fit(train)
+    # Lightning names the file by local rank, 0 in every task: both ranks append their report
+    written = {p.name: p.read_text().count("FIT Profiler Report") for p in reports.iterdir()}
+    assert written == {"fit-perf-0.txt": 2}
+    est.save(str(tmp_path / "est"))
+    loaded = LightningEstimator.load(str(tmp_path / "est")).getProfiler()
+    assert isinstance(loaded, pl.profilers.SimpleProfiler) and loaded.filename == "perf"
+    assert lightning_estimator(store, profiler="advanced").getProfiler() == "advanced"
 
 
 class CountingModule(DigitsModule):

@@ -810,6 +810,7 @@ class LightningParamsAccessors(Params):
     model: Param[Any]
     callbacks: Param[Any]
     trainer_args: Param[Any]
+    profiler: Param[Any]
 
     def getModel(self) -> Any:
         """Gets the value of `model`: the lightning.pytorch.LightningModule (or
@@ -854,6 +855,24 @@ class LightningParamsAccessors(Params):
         max_epochs, callbacks, plugins, ...) are refused
         """
         return self._set(trainer_args=value)
+
+    def getProfiler(self) -> Any:
+        """Gets the value of `profiler`: the Lightning Trainer's profiler, as Horovod's profiler
+        argument: 'simple', 'advanced', 'pytorch' or a lightning Profiler object. Every rank
+        profiles; Lightning logs rank 0's report, or, with a profiler's dirpath and filename,
+        writes every rank's to <dirpath>/fit-<filename>-0.txt on its host (Lightning numbers
+        it by local rank: 0 in every task). Default: none
+        """
+        return self.getOrDefault(self.profiler)
+
+    def setProfiler(self: _P, value: Any) -> _P:
+        """Sets the value of `profiler`: the Lightning Trainer's profiler, as Horovod's profiler
+        argument: 'simple', 'advanced', 'pytorch' or a lightning Profiler object. Every rank
+        profiles; Lightning logs rank 0's report, or, with a profiler's dirpath and filename,
+        writes every rank's to <dirpath>/fit-<filename>-0.txt on its host (Lightning numbers
+        it by local rank: 0 in every task). Default: none
+        """
+        return self._set(profiler=value)
 
 
 class ModelParamsAccessors(Params):

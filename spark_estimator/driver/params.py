@@ -570,6 +570,15 @@ class LightningParams(accessors.LightningParamsAccessors, FitParams):
             "plugins, ...) are refused",
             default=None,
         ),
+        ParamSpec(
+            "profiler",
+            "the Lightning Trainer's profiler, as Horovod's profiler argument: 'simple', "
+            "'advanced', 'pytorch' or a lightning Profiler object. Every rank profiles; "
+            "Lightning logs rank 0's report, or, with a profiler's dirpath and filename, "
+            "writes every rank's to <dirpath>/fit-<filename>-0.txt on its host (Lightning "
+            "numbers it by local rank: 0 in every task). Default: none",
+            default=None,
+        ),
     )
 
 
@@ -598,6 +607,7 @@ OBJECT_PARAMS = (
     "train_minibatch_fn",
     "loss_constructors",
     "trainer_args",
+    "profiler",
 )
 
 

@@ -126,6 +126,23 @@ def check_trainer_args(pl, trainer_args) -> dict:
     return dict(trainer_args)
 
 
+def with_profiler(pl, trainer_args: dict, profiler) -> dict:
+    """``trainer_args`` with the ``profiler`` param as the Trainer's profiler (Horovod's
+    estimator argument), given once, as a name or a lightning Profiler."""
+    if profiler is None:
+        return trainer_args
+    if "profiler" in trainer_args:
+        raise ValueError(
+            "profiler: set both as the profiler param and in trainer_args; give it once"
+        )
+    if not isinstance(profiler, (str, pl.profilers.Profiler)):
+        raise TypeError(
+            "profiler: expected 'simple', 'advanced', 'pytorch' or a "
+            f"{pl.__name__}.profilers.Profiler, got {type(profiler).__name__}"
+        )
+    return {**trainer_args, "profiler": profiler}
+
+
 def lightning_bundle(model, callbacks, trainer_args: dict, terminate_on_nan: bool) -> bytes:
     """The one cloudpickle of what the executors train with; each part is pickled on its
     own first, so a failure names its parameter."""
