@@ -745,23 +745,27 @@ class EstimatorParamsAccessors(Params):
 
     def getCommitEverySteps(self) -> int | None:
         """Gets the value of `commit_every_steps`: commit the training state every this many
-        optimizer steps inside an epoch (runs/<run_id>/commit.pt: model, optimizer,
+        optimizer steps (each of backward_passes_per_step batches; a commit only after a
+        batch that ends one) inside an epoch to runs/<run_id>/commit.pt (model, optimizer,
         scheduler, scaler, callbacks, random state, the epoch's sums and rows), so that a fit
         started again after lost processes goes on from there, re-sharding the epoch's
         remaining rows when the number of processes changed; 0: only the epochs' checkpoints;
-        default: in an elastic fit (min_num_proc set) up to 4 times an epoch, timed and kept
-        under 5% of the training time, else 0
+        default: in an elastic fit (min_num_proc set) once in the middle of the first epoch,
+        then every epoch as often as keeps the commits under 5% of the training time, timed
+        again each epoch, at most 4 times and at least once an epoch, else 0
         """
         return self.getOrDefault(self.commit_every_steps)
 
     def setCommitEverySteps(self: _P, value: int | None) -> _P:
         """Sets the value of `commit_every_steps`: commit the training state every this many
-        optimizer steps inside an epoch (runs/<run_id>/commit.pt: model, optimizer,
+        optimizer steps (each of backward_passes_per_step batches; a commit only after a
+        batch that ends one) inside an epoch to runs/<run_id>/commit.pt (model, optimizer,
         scheduler, scaler, callbacks, random state, the epoch's sums and rows), so that a fit
         started again after lost processes goes on from there, re-sharding the epoch's
         remaining rows when the number of processes changed; 0: only the epochs' checkpoints;
-        default: in an elastic fit (min_num_proc set) up to 4 times an epoch, timed and kept
-        under 5% of the training time, else 0
+        default: in an elastic fit (min_num_proc set) once in the middle of the first epoch,
+        then every epoch as often as keeps the commits under 5% of the training time, timed
+        again each epoch, at most 4 times and at least once an epoch, else 0
         """
         return self._set(commit_every_steps=value)
 

@@ -3,7 +3,10 @@ across ranks before its step.
 
 The returned object is of a class made on the fly: a subclass of the user's optimizer's
 class, so ``isinstance`` checks, LR schedulers and ``state_dict`` work as before. It shares
-the user's optimizer's parameter groups and state (no constructor is called again).
+the user's optimizer's parameter groups and state (no constructor is called again), so an
+LR scheduler made before the wrap, on the user's optimizer, still sets the rates the
+wrapped one steps with; the step such a scheduler put on the user's optimizer (to watch
+its calls) is not taken over, the reduction would be skipped.
 
 Each parameter's gradient hook (``register_post_accumulate_grad_hook``) counts the
 backward passes; once a parameter's gradient has accumulated ``backward_passes_per_step``
@@ -72,8 +75,15 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     mixin = _AdasumUpdates if op == Adasum else _GradientAllreduce
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     distributed = cls.__new__(cls)
-    distributed.__dict__.update(optimizer.__dict__)
+    state = dict(optimizer.__dict__)
+    # an LR scheduler made before the wrap replaced the optimizer's step on the instance
+    # (torch's patch_track_step_called): a step of the user's optimizer, which would skip
+    # the reduction; the class's step is ours, and it tells that scheduler of each step
+    scheduled = state.pop("step", None)
+    distributed.__dict__.update(state)
     distributed._setup(names, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    if scheduled is not None:
+        distributed._stepped_for = optimizer
     return distributed
 
 
@@ -117,6 +127,7 @@ class _Distributed:
         self.gradient_predivide_factor = predivide
         self._should_synchronize = True
         self._synchronized = False
+        self._stepped_for = None  # the user's optimizer, when a scheduler watches its steps
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._passes = {id(p): 0 for p in self._params}
         self._world = size()
@@ -139,6 +150,13 @@ class _Distributed:
 
     def _ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient has accumulated all its backward passes."""
+
+    def _stepping(self) -> None:
+        """What a scheduler made before the wrap counts on: that the optimizer it holds
+        (the user's) marks its steps (torch warns of ``lr_scheduler.step()`` before
+        ``optimizer.step()`` otherwise, and its schedule would skip a value)."""
+        if self._stepped_for is not None:
+            self._stepped_for._opt_called = True
 
     def _reset_passes(self) -> None:
         self._passes = dict.fromkeys(self._passes, 0)
@@ -223,6 +241,7 @@ class _GradientAllreduce(_Distributed):
         self._synchronized = True
 
     def step(self, closure=None):
+        self._stepping()
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -245,6 +264,7 @@ class _AdasumUpdates(_Distributed):
         self._synchronized = True
 
     def step(self, closure=None):
+        self._stepping()
         if self._world == 1:
             return super().step(closure)
         with torch.no_grad():

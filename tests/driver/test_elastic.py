@@ -17,8 +17,6 @@ import torch
 from spark_estimator import Store, TorchEstimator, TrainingError
 from spark_estimator.callbacks import Callback
 from spark_estimator.driver.elastic import ElasticSize
-from spark_estimator.shared.spec import COMMIT_AUTO
-from spark_estimator.worker.loop import commits
 from tests.clusters import NetnsCluster, StandaloneCluster
 from tests.conftest import regression_rows
 from tests.driver.test_launch import FakeConnectSession
@@ -53,17 +51,6 @@ def test_too_few_slots_fail_after_the_timeout_with_what_was_seen():
     fixed = ElasticSize(spark, 2, None, 2, max_restarts=3, timeout_s=0.2)
     with pytest.raises(RuntimeError, match="num_proc: the cluster offered fewer than 2"):
         fixed.after_loss(LOST)
-
-
-def test_the_default_commits_cost_at_most_their_budget_of_the_training_time():
-    assert commits.interval(COMMIT_AUTO, 10) == 5  # the first epoch: one, timed
-    # 100 steps in 10 s with commits of 0.01 s: 4 an epoch (every 25 steps)
-    assert commits.adapted(100, 10.0, [0.01], 50) == 25
-    # commits of 0.2 s against steps of ~0.1 s: every 40 steps keeps them at 5%
-    assert commits.adapted(100, 10.2, [0.2], 50) == 40
-    assert commits.adapted(100, 10.2, [0.2] * 3, 50) == 42  # 3 of them: 0.096 s a step
-    assert commits.adapted(100, 1.5, [0.5], 50) == 0  # one commit costs over 5% of an epoch
-    assert commits.adapted(100, 10.0, [], 50) == 50  # nothing timed: as it was
 
 
 def test_slots_that_cannot_be_counted_keep_the_size():

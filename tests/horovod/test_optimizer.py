@@ -233,3 +233,54 @@ def test_bad_arguments_are_refused_naming_them(one_rank):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrap(named_parameters=net.named_parameters())  # a generator is fine
+
+
+def scheduled_training():
+    """A scalar weight from 0, SGD at lr 1, gradient rank + 1, a StepLR (halving) made
+    before or after the wrap: (weight after each of 2 steps, the lr each used, warnings)."""
+    import warnings
+
+    import torch
+
+    import spark_estimator.horovod as hvd
+
+    hvd.init()
+    out = {}
+    for order, op in (("before", hvd.Average), ("after", hvd.Average), ("before", hvd.Adasum)):
+        w = torch.nn.Parameter(torch.zeros(()))
+        opt = torch.optim.SGD([w], lr=1.0)
+        if order == "before":
+            steplr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            opt = hvd.DistributedOptimizer(opt, op=op)
+        else:
+            opt = hvd.DistributedOptimizer(opt, op=op)
+            steplr = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        weights, lrs, error = [], [], None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                for _ in range(2):
+                    opt.zero_grad()
+                    (w * (hvd.rank() + 1)).backward()
+                    lrs.append(opt.param_groups[0]["lr"])
+                    opt.step()
+                    steplr.step()
+                    weights.append(w.item())
+            except RuntimeError as e:  # a step that did not reduce leaves its passes counted
+                error = str(e)
+        out[order, op.name] = (weights, lrs, [str(c.message) for c in caught], error)
+    return out
+
+
+def test_an_lr_scheduler_made_before_or_after_the_wrap_leaves_the_gradients_reduced(spark):
+    """Gradients 1 and 2 averaged (or their updates -1 and -2 combined by Adasum: -1.5 too)
+    at lr 1, then 0.5: every rank at -1.5, then -2.25. A scheduler made before the wrap
+    still drives the rate the wrapped optimizer steps with, and sees its steps (torch warns
+    of a scheduler stepped before its optimizer otherwise)."""
+    results = run(scheduled_training, num_proc=2, use_gpu=False, spark=spark)
+    for out in results:
+        for case, (weights, lrs, caught, error) in out.items():
+            assert weights == [-1.5, -2.25], case
+            assert lrs == [1.0, 0.5], case
+            assert caught == [], case
+            assert error is None, case

@@ -1,14 +1,24 @@
 """Executor: commits inside an epoch, so a job started again goes on from the last one.
 
-Every ``commit_every_steps`` optimizer steps of an epoch the ranks gather what only each of
-them knows, and rank 0 writes ``runs/<run_id>/commit.pt`` (atomically) with the rest. An
-elastic fit's default (``COMMIT_AUTO``) commits once in the middle of the first epoch, then
-``COMMITS_PER_EPOCH`` times an epoch, or less often, so that commits cost at most
-``BUDGET`` of the training time (``adapted``: rank 0 times them, and after each epoch tells
-every rank the next epoch's interval). A commit holds:
+Every ``commit_every_steps`` optimizer steps of an epoch (not batches: with
+``backward_passes_per_step = k`` a step is a group of k batches) the ranks gather what only
+each of them knows, and rank 0 writes ``runs/<run_id>/commit.pt`` (atomically) with the
+rest. A commit is made only after a batch that ends an optimizer step, never inside a
+group (its accumulated gradients are in no commit), and never after the epoch's last step
+(the epoch's checkpoint is written then). An elastic fit's default (``COMMIT_AUTO``)
+commits once in the middle of the first epoch, timed, then every epoch at an interval
+``adapted`` to the last epoch's timings (rank 0 times the commits, and after each epoch
+tells every rank the next epoch's interval): as often as keeps commits under ``BUDGET`` of
+the training time, bounded by a floor (``COMMITS_PER_EPOCH`` an epoch at most) and a
+ceiling (once an epoch, in its middle, at least). The ceiling keeps commits coming: a
+commit that cost more than the budget (a model whose state is large against its epoch, or
+a store slow for a moment) is still made once an epoch and timed again, so an elastic fit
+never loses more than about half an epoch, at the cost of at most one write an epoch
+besides the epoch's checkpoint, which holds the same state. A commit holds:
 
 - the model, optimizer, LR scheduler and gradient scaler, the callbacks, the history;
-- the epoch and the step within it, and the position in the stream of passes;
+- the epoch and the batches of it trained (``step``: the end of an optimizer step), and
+  the position in the stream of passes;
 - per rank: its random state (torch, CUDA, NumPy, Python), its part of the epoch's sums
   (loss, metrics, rows, non-finite steps), and its rows of the epoch: the runs it reads
   (``data/remainder.py``) and how many of their rows it has trained on;
@@ -40,29 +50,50 @@ from ..data.remainder import Run, after, remainder_batches, reshard
 from ..data.shards import StepPlan
 
 COMMITS_PER_EPOCH = 4  # commit_every_steps=COMMIT_AUTO (elastic fits' default): at most
-BUDGET = 0.05  # ... and commits cost at most this share of the training time
+BUDGET = 0.05  # ... and as often as keeps commits under this share of the training time
+
+
+def optimizer_steps(batches: int, group: int) -> int:
+    """The optimizer steps of an epoch of ``batches`` in groups of ``group`` (the last one
+    may be short, ``StepPlan.schedule``)."""
+    return -(-batches // group)
+
+
+def middle(steps: int) -> int:
+    """The interval that commits once in an epoch of ``steps`` optimizer steps, after its
+    middle one (none in an epoch of one step: its end is the epoch's checkpoint)."""
+    return max(1, (steps + 1) // 2)
 
 
 def interval(setting: int, steps_per_epoch: int) -> int:
-    """Steps between commits in the first epoch (0: none): with ``COMMIT_AUTO`` one in its
-    middle, which is timed."""
+    """Optimizer steps between commits in the first epoch of ``steps_per_epoch`` optimizer
+    steps (0: none): ``setting``, or with ``COMMIT_AUTO`` one in its ``middle``, timed."""
     if setting == COMMIT_AUTO:
-        return steps_per_epoch // 2
+        return middle(steps_per_epoch)
     return setting
 
 
-def adapted(steps: int, train_s: float, commit_s: list[float], current: int) -> int:
-    """``COMMIT_AUTO``'s interval for the next epoch from this one's: ``steps`` trained in
-    ``train_s`` seconds, commits that took ``commit_s`` (none timed: ``current`` stays).
-    ``COMMITS_PER_EPOCH`` an epoch at most, and none when one costs over ``BUDGET`` of it."""
+def adapted(
+    steps: int,
+    train_s: float,
+    commit_s: list[float],
+    current: int,
+    epoch_steps: int | None = None,
+) -> int:
+    """``COMMIT_AUTO``'s interval for the next epoch from this one's: ``steps`` optimizer
+    steps trained in ``train_s`` seconds, commits that took ``commit_s`` (none timed:
+    ``current`` stays). As often as keeps commits under ``BUDGET``, but at most
+    ``COMMITS_PER_EPOCH`` and at least once an epoch of ``epoch_steps`` optimizer steps
+    (default ``steps``; less were trained in an epoch a launch went on with from a commit):
+    never 0, so a commit that cost too much once is made and timed again."""
     if not commit_s or not steps or train_s <= 0:
         return current
+    epoch_steps = epoch_steps or steps
     commit = sum(commit_s) / len(commit_s)
     step = max(train_s - sum(commit_s), 1e-9) / steps
     least = math.ceil(commit / (BUDGET * step))
-    if least >= steps:
-        return 0
-    return max(steps // COMMITS_PER_EPOCH, least)
+    floor = max(1, epoch_steps // COMMITS_PER_EPOCH)
+    return min(max(floor, least), middle(epoch_steps))
 
 
 def rng_state() -> dict:

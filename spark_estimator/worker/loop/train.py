@@ -114,9 +114,12 @@ class _TrainingLoop:
         resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
         if resume_epoch:
             self._restore(load_checkpoint(self.checkpoints, resume_epoch))
-        # commits inside an epoch (commits.py): the one to resume from, the interval
+        # commits inside an epoch (commits.py): the one to resume from, the interval (in
+        # optimizer steps: an epoch's batches form groups of backward_passes_per_step)
         self.commit_path = spec.store.run(spec.run_id).step_commit
-        self.every = commits.interval(spec.loop.commit_every_steps, self.steps_per_epoch)
+        self.group = spec.loop.backward_passes_per_step
+        self.epoch_optimizer_steps = commits.optimizer_steps(self.steps_per_epoch, self.group)
+        self.every = commits.interval(spec.loop.commit_every_steps, self.epoch_optimizer_steps)
         self.commit_s: list[float] = []  # this epoch's commits' seconds (rank 0's)
         self.commits_made, self.commit_seconds = 0, 0.0
         self.commit = None
@@ -132,8 +135,7 @@ class _TrainingLoop:
             self.resumed_commit = {"epoch": self.commit["epoch"], "step": self.commit["step"]}
         # the rates training starts with: scaled and scheduled, or restored on resume
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
-        group = spec.loop.backward_passes_per_step
-        self.steps = self.data.training_steps(group, self.batches_drawn)
+        self.steps = self.data.training_steps(self.group, self.batches_drawn)
         self.epoch_runs, self.epoch_rows, self.resharded, self.sources = [], 0, False, None
 
     def _can_reshard(self, commit: dict) -> bool:
@@ -204,7 +206,7 @@ class _TrainingLoop:
             for cb in callbacks:
                 cb.on_epoch_end(epoch, record, state)
             stop, self.paused, self.every = self._agree_after_epoch(
-                state.stop_training, epoch < last, count, times["train"]
+                state.stop_training, epoch < last, self.optimizer_steps_run[-1], times["train"]
             )
             if self.info.rank == 0:
                 self._write_checkpoint(epoch, stop)
@@ -308,12 +310,15 @@ class _TrainingLoop:
     def _run_steps(
         self, epoch: int, sums: EpochSums, steps, first: int, total: int
     ) -> tuple[float, float]:
-        """Train on every (batch, weight, last) of ``steps`` (``_assemble``'s), steps
-        ``first`` to ``total`` of the epoch, committing every ``self.every`` steps; the
-        seconds spent waiting for them and the seconds spent on the rest."""
+        """Train on every (batch, weight, last) of ``steps`` (``_assemble``'s), batches
+        ``first`` to ``total`` of the epoch, committing every ``self.every`` optimizer steps
+        (after a batch that ends one, never the epoch's last); the seconds spent waiting for
+        them and the seconds spent on the rest."""
         objects, check_nan = self.objects, self.spec.loop.terminate_on_nan
         clock = time.perf_counter
         batches = optimizer_steps = 0
+        # the optimizer steps before batch ``first`` (a commit's: the end of a group)
+        stepped = commits.optimizer_steps(first, self.group)
         data = compute = 0.0
         while True:
             before = clock()
@@ -338,7 +343,7 @@ class _TrainingLoop:
                 sums.add("train", loss, batch.size, metrics, step if check_nan else None)
             if step < total:  # the epoch's end is reported (and checkpointed) by run()
                 self._progress(epoch, step, sums)
-                if last and self.every and step % self.every == 0:
+                if last and self.every and (stepped + optimizer_steps) % self.every == 0:
                     self._commit(epoch, step, sums)
             compute += clock() - ready
         self.batches_run.append(batches)
@@ -373,14 +378,17 @@ class _TrainingLoop:
     ) -> tuple[bool, bool, int]:
         """Rank 0's stop request, whether to pause so the driver can start the job again
         with more processes (elastic growth, ``driver/elastic.py``), and the next epoch's
-        commit interval (``commits.adapted``), the same on every rank."""
+        commit interval (``commits.adapted`` of the epoch's ``steps`` optimizer steps in
+        ``train_s``), the same on every rank."""
         pause, every = False, self.every
         if self.info.rank == 0:
             if epochs_left and not requested:
                 store, grow = self.spec.store, self.spec.store.run(self.spec.run_id).grow
                 pause = store.exists(grow) and store.read_json(grow)["from"] == self.info.world_size
             if self.spec.loop.commit_every_steps == COMMIT_AUTO:
-                every = commits.adapted(steps, train_s, self.commit_s, self.every)
+                every = commits.adapted(
+                    steps, train_s, self.commit_s, self.every, self.epoch_optimizer_steps
+                )
         self.commit_s = []
         decision = 2.0 if pause else 1.0 if requested else 0.0
         flag = torch.tensor([decision, float(every)], device=self.device)

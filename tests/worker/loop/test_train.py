@@ -16,13 +16,16 @@ from spark_estimator.worker.loop.step import Stepper
 SYNCING = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
 
 
-def regression_spec(root, store, rows=96, batch=8, epochs=2, **loader) -> TrainSpec:
+def regression_spec(
+    root, store, rows=96, batch=8, epochs=2, loop: LoopSpec | None = None, **loader
+) -> TrainSpec:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 4, generator=generator)
     y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1
     (root / "train").mkdir(parents=True)
     table = pa.table({"x": pa.array(x.tolist(), pa.list_(pa.float32())), "y": y.numpy()})
     pq.write_table(table, root / "train" / "part-0.parquet", row_group_size=32)
+    row_groups = [min(32, rows - start) for start in range(0, rows, 32)]
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     bundle = {
@@ -35,7 +38,7 @@ def regression_spec(root, store, rows=96, batch=8, epochs=2, **loader) -> TrainS
         path=str(root),
         features=[ColumnSpec("x", "array", "float32")],
         labels=[ColumnSpec("y", "scalar", "float32")],
-        files={"train": [("train/part-0.parquet", [32] * (rows // 32))]},
+        files={"train": [("train/part-0.parquet", row_groups)]},
         row_lengths={"x": 4},
     )
     return TrainSpec(
@@ -49,7 +52,7 @@ def regression_spec(root, store, rows=96, batch=8, epochs=2, **loader) -> TrainS
         False,
         None,
         loader=LoaderSpec(**loader),
-        loop=LoopSpec(),
+        loop=loop or LoopSpec(),
     )
 
 
