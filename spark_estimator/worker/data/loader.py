@@ -159,7 +159,7 @@ def _plan_refill(
         ready += window.serve
     parts.append(torch.arange(first_held, total) if held is None else held)
     parts = [p for p in parts if len(p)]
-    return count, ready, parts[0] if len(parts) == 1 else torch.cat(parts)
+    return count, ready, parts[0] if len(parts) == 1 else torch.cat([torch.arange(0), *parts])
 
 
 def _as_planned(chunk: Columns | None, expected: int) -> Columns:
