@@ -54,8 +54,9 @@ import bench_common as bc  # noqa: E402
 
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
 from spark_estimator.store import Store
-from spark_estimator.worker.data.loader import DEFAULT_BUFFER_BYTES, open_loader
+from spark_estimator.worker.data.loader import open_loader
 from spark_estimator.worker.data.shards import StepPlan
+from spark_estimator.worker.data.shuffle import DEFAULT_BUFFER_BYTES
 
 SEED = 20240601
 FEATURES = 32

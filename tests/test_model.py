@@ -37,6 +37,27 @@ def test_transform_adds_outputs_keeps_inputs_and_matches_torch(spark):
     assert rows["b"][0] == Vectors.sparse(3, [2], [4.0])
 
 
+class MinusTwoTo24(torch.nn.Module):
+    """x[:, 0] - 2**24 and x[:, 1] - 2**24, as a float64 model computes them."""
+
+    def forward(self, x):
+        assert x.dtype == torch.float64
+        return (x[:, 0] - 2**24) + (x[:, 1] - 2**24) * 10
+
+
+def test_a_float64_model_predicts_on_vector_features_not_rounded_to_float32(spark):
+    big = 2.0**24 + 1  # not a float32: rounded, x - 2**24 would be 0, not 1
+    df = spark.createDataFrame(
+        [(Vectors.dense([big, big + 2]), "dense"), (Vectors.sparse(2, [0], [big]), "sparse")],
+        ["features", "tag"],
+    )
+    model = TorchModel(
+        model=MinusTwoTo24(), feature_cols=["features"], output_shapes=[[]], dtype="float64"
+    )
+    rows = {r.tag: r.prediction for r in model.transform(df).collect()}
+    assert rows == {"dense": 1.0 + 30.0, "sparse": 1.0 - 2**24 * 10}
+
+
 def test_output_cols_rename_and_scalar_outputs_are_doubles(spark):
     df = spark.createDataFrame([([1.0, 1.0, 1.0],), ([0.0, 0.0, 2.0],)], "x array<double>")
     net = linear_net(3, 1)

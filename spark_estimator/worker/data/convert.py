@@ -87,15 +87,18 @@ def _list_to_numpy(name: str, arr: pa.ListArray) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).reshape(len(arr), width)
 
 
-def _vector_to_numpy(name: str, arr: pa.StructArray) -> np.ndarray:
-    """Decode pyspark.ml's vector struct (type 0 sparse, 1 dense) into a dense 2-d array."""
+def _vector_to_numpy(name: str, arr: pa.StructArray, dtype: np.dtype | None) -> np.ndarray:
+    """Decode pyspark.ml's vector struct (type 0 sparse, 1 dense) into a dense 2-d array of
+    ``dtype`` (None: the values' own, float64), each value converted once from its double."""
     n = len(arr)
     kind = arr.field("type").to_numpy(zero_copy_only=False)
     values = arr.field("values")
     value_lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
     sizes = np.where(kind == 1, value_lengths, arr.field("size").fill_null(0).to_numpy())
     width = _fixed_length(name, sizes)
-    out = np.zeros((n, width), dtype=np.float32)
+    if dtype is None:
+        dtype = values.type.value_type.to_pandas_dtype()
+    out = np.zeros((n, width), dtype=dtype)
     dense = np.flatnonzero(kind == 1)
     if len(dense):
         flat = pc.list_flatten(values.take(pa.array(dense))).to_numpy(zero_copy_only=False)
@@ -111,7 +114,19 @@ def _vector_to_numpy(name: str, arr: pa.StructArray) -> np.ndarray:
     return out
 
 
-def column_to_numpy(name: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """NumPy's dtype for ``dtype`` (None where NumPy has none, as for bfloat16)."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+
+
+def column_to_numpy(
+    name: str, column: pa.Array | pa.ChunkedArray, dtype: np.dtype | None = None
+) -> np.ndarray:
+    """A column as one array: scalars and lists in Arrow's dtype (zero-copy where Arrow
+    allows), ML vectors decoded into ``dtype`` (None: float64, their values' dtype)."""
     arr = _combine(column)
     if arr.null_count:
         raise ValueError(
@@ -120,15 +135,16 @@ def column_to_numpy(name: str, column: pa.Array | pa.ChunkedArray) -> np.ndarray
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         return _list_to_numpy(name, arr)
     if pa.types.is_struct(arr.type):
-        return _vector_to_numpy(name, arr)
+        return _vector_to_numpy(name, arr, dtype)
     return arr.to_numpy(zero_copy_only=False)
 
 
 def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
-    array = column_to_numpy(name, column)
-    np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    np_dtype = numpy_dtype(dtype)
+    array = column_to_numpy(name, column, np_dtype)
     # Arrow's buffers are read-only; torch needs writable memory, so copy only if required
-    return torch.from_numpy(np.require(array, dtype=np_dtype, requirements=["C", "W"]))
+    tensor = torch.from_numpy(np.require(array, dtype=np_dtype, requirements=["C", "W"]))
+    return tensor.to(dtype)
 
 
 def reshape_input(name: str, tensor: torch.Tensor, shape: list[int] | None) -> torch.Tensor:

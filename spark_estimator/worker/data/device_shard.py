@@ -5,11 +5,12 @@ once, every piece in file order through the same reader as streaming, into conti
 tensors on the rank's device (GPU memory, or RAM for CPU ranks): the scalar columns of one
 dtype as one ``[columns, rows]`` block, so each column is a contiguous row of it, and every
 other column as one tensor. Each pass draws its order on the host from the streaming
-loader's generator (seeded by seed, pass and rank): the pieces permuted, then the rows.
-That is the order the streaming loader gives when the shard fits its shuffle buffer (256
-MiB by default), so both paths train alike. The order goes to the device once per pass as
-one index tensor, and a batch is one ``index_select`` per block: nothing per step on the
-host but slicing, and no synchronisation with the device.
+loader's generator (seeded by seed, pass and rank): the pieces permuted, then the rows
+through the streaming loader's buffer refills, on indices (``shuffle.pass_order``). That is
+the order the streaming loader gives, whatever the shard's and the buffer's sizes, so both
+paths train alike and a launch may go on from another's commit either way. The order goes
+to the device once per pass as one index tensor, and a batch is one ``index_select`` per
+block: nothing per step on the host but slicing, and no synchronisation with the device.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .convert import (
     scalar_groups,
 )
 from .shards import Piece, pass_generator
+from .shuffle import default_buffer_rows, pass_order
 
 
 class DeviceShard:
@@ -44,11 +46,13 @@ class DeviceShard:
         *,
         shuffle: bool,
         shuffle_pieces: bool,
+        buffer_rows: int | None,
         seed: int,
         rank: int,
         device: torch.device,
     ):
         self.pieces, self.shuffle, self.shuffle_pieces = pieces, shuffle, shuffle_pieces
+        self.buffer_rows = buffer_rows
         self.seed, self.rank, self.device = seed, rank, device
         self.rows = sum(p.rows for p in pieces)
         starts = [0]
@@ -92,16 +96,18 @@ class DeviceShard:
         return sum(t.numel() * t.element_size() for t in held)
 
     def order(self, pass_index: int) -> torch.Tensor | None:
-        """The pass's row order as indices into the held rows (None: file order)."""
-        if not self.shuffle:
+        """The pass's row order as indices into the held rows (None: file order): the
+        streaming loader's (``shuffle.pass_order``), its buffer sized from the same rows."""
+        if not self.shuffle or not self.rows:
             return None
         generator = pass_generator(self.seed, pass_index, self.rank)
         order = range(len(self.pieces))
         if self.shuffle_pieces:
             order = torch.randperm(len(self.pieces), generator=generator).tolist()
-        parts = [torch.arange(self.starts[i], self.starts[i + 1]) for i in order]
-        rows = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return host_to_device(rows[torch.randperm(self.rows, generator=generator)], self.device)
+        rows = torch.cat([torch.arange(self.starts[i], self.starts[i + 1]) for i in order])
+        buffer = self.buffer_rows or default_buffer_rows(self.nbytes // self.rows)
+        served = pass_order([self.pieces[i].rows for i in order], buffer, generator)
+        return host_to_device(rows[served], self.device)
 
     def batches(self, sizes: list[int], pass_index: int) -> Iterator[Tensors]:
         """One pass: batches of ``sizes`` rows, new tensors (never views of the held rows,

@@ -4,18 +4,19 @@ A pass reads the rank's pieces (row-group slices, see ``shards.py``) through a r
 prefetches in the background, and cuts them into batches of the sizes the step plan asks
 for, so every row of the shard is in exactly one batch per pass. With ``shuffle`` the piece
 order is permuted per pass, and rows go through a bounded shuffle buffer: the buffer is
-refilled to ``buffer_rows`` rows whenever half of it has been consumed, and each refill is
-permuted, so every row is copied about twice, never once per batch. The permutations come
-from a generator seeded by (seed, pass, rank): the same seed gives the same batches, and
-each pass a different order. With ``cache`` the shard's pieces stay in memory after the
-first pass. On a GPU the buffer lives in pinned memory so batches copy without blocking.
-Chunks, the buffer and batches are ``Columns`` (``columns.py``): the scalar columns of one
-dtype as one row-major ``[rows, columns]`` block, laid out in the reader threads as each
-piece is read (their one copy; other columns stay in the reader's memory), so the shuffle
-moves whole rows and a batch is one view per block. Each refill is planned from the pieces'
-row counts, so its permutation is drawn first and every chunk is copied into place as it
-arrives while the reader threads read the next. A batch reads as a Mapping of column name
-to tensor.
+refilled to ``buffer_rows`` rows, each refill permuted, and half of it kept for the next
+(``shuffle.py``: the refills follow the buffer's size, not the batch sizes, so the order is
+the same however a pass is cut), so every row is copied about twice, never once per batch.
+The permutations come from a generator seeded by (seed, pass, rank): the same seed gives
+the same batches, and each pass a different order. With ``cache`` the shard's pieces stay
+in memory after the first pass. On a GPU the buffer lives in pinned memory so batches copy
+without blocking. Chunks, the buffer and batches are ``Columns`` (``columns.py``): the
+scalar columns of one dtype as one row-major ``[rows, columns]`` block, laid out in the
+reader threads as each piece is read (their one copy; other columns stay in the reader's
+memory), so the shuffle moves whole rows and a batch is one view per block. Each refill is
+planned from the pieces' row counts, so its permutation is drawn first and every chunk is
+copied into place as it arrives while the reader threads read the next. A batch reads as a
+Mapping of column name to tensor.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ from .convert import Tensors, as_tensor, read_only_arrays
 from .device_shard import DeviceShard
 from .petastorm_reader import PetastormReader
 from .shards import Piece, pass_generator, shard_pieces
-
-DEFAULT_BUFFER_BYTES = 256 * 2**20
+from .shuffle import default_buffer_rows, windows
 
 
 def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin: bool) -> Columns:
@@ -79,58 +79,87 @@ def buffered_batches(
     batches of ``sizes`` rows.
 
     Without a generator rows keep their order. With one, rows pass through a shuffle buffer
-    of ``buffer_rows`` rows (``None``: about 256 MiB worth, sized from the first chunk).
-    Each refill is planned from ``rows_of_chunks`` (so its permutation is drawn before its
+    of ``buffer_rows`` rows (``None``: about 256 MiB worth, sized from the first chunk),
+    refilled as ``shuffle.windows`` says: the order does not depend on ``sizes``. The pool
+    (the buffer in memory) is refilled when the next batch is not yet in it: its first
+    ``ready`` rows are the rows to serve, in order, the rest the buffer's kept rows. Each
+    refill is planned from ``rows_of_chunks`` (so its permutation is drawn before its
     chunks arrive, and each is copied into place as it comes); ``layout.empty`` stands for
-    an empty shard's batches. After a refill, every batch that the buffer serves before the
-    next refill is cut in one ``split`` per block and other column.
+    an empty shard's batches. After a refill, every batch that the pool holds is cut in one
+    ``split`` per block and other column.
     """
     chunks = iter(chunks)
-    pool, cursor, exhausted, queued = layout.empty, 0, False, 0  # chunks taken so far
+    pool, cursor, ready = layout.empty, 0, 0  # rows [cursor, ready) of pool: next served
+    taken, plan = 0, None  # chunks taken so far; the shuffle's windows
 
-    def wanted(size: int, divisor: int) -> int:
-        if generator is None or buffer_rows is None:
-            return size
-        return max(size, buffer_rows // divisor)
-
-    def arriving(count: int, first: Columns | None) -> Iterator[Columns]:
+    def arriving(start: int, count: int, first: Columns | None) -> Iterator[Columns]:
         for k in range(count):
             chunk = first if k == 0 and first is not None else next(chunks, None)
-            yield _as_planned(chunk, rows_of_chunks[queued - count + k])
+            yield _as_planned(chunk, rows_of_chunks[start + k])
 
     i = 0
     while i < len(sizes):
-        left = pool.rows - cursor
-        if left < wanted(sizes[i], 2) and not exhausted:
-            count, first, rows = 0, None, left
-            while rows < wanted(sizes[i], 1):
-                if queued + count == len(rows_of_chunks):
-                    exhausted = True
-                    break
-                if generator is not None and buffer_rows is None:  # sized by the first chunk
-                    first = _as_planned(next(chunks, None), rows_of_chunks[queued])
-                    buffer_rows = default_buffer_rows(first)
-                rows += rows_of_chunks[queued + count]
-                count += 1
-            queued += count
-            if left or count:
-                perm = None if generator is None else torch.randperm(rows, generator=generator)
-                leftover = [pool.narrow(cursor, left)] if left else []
-                parts = itertools.chain(leftover, arriving(count, first))
-                pool, cursor, left = _refill(parts, rows, perm, pin_memory), 0, rows
-        j, take = i, 0  # batches i..j-1 come from this pool before a refill is due
-        while j < len(sizes) and sizes[j] <= left - take:
-            if j > i and not exhausted and left - take < wanted(sizes[j], 2):
-                break
+        if ready - cursor < sizes[i] and taken < len(rows_of_chunks):
+            first = None
+            if generator is not None and plan is None:
+                if buffer_rows is None:  # sized by the first chunk
+                    first = _as_planned(next(chunks, None), rows_of_chunks[0])
+                    buffer_rows = default_buffer_rows(row_bytes(first))
+                plan = windows(rows_of_chunks, buffer_rows, generator)
+            left = pool.rows - cursor
+            count, ready, perm = _plan_refill(
+                rows_of_chunks, taken, sizes[i], left, ready - cursor, plan
+            )
+            leftover = [pool.narrow(cursor, left)] if left else []
+            parts = itertools.chain(leftover, arriving(taken, count, first))
+            rows = left + sum(rows_of_chunks[taken : taken + count])
+            pool, cursor, taken = _refill(parts, rows, perm, pin_memory), 0, taken + count
+        j, take = i, 0  # batches i..j-1 come from this pool
+        while j < len(sizes) and sizes[j] <= ready - cursor - take:
             take += sizes[j]
             j += 1
         if j == i:
             raise RuntimeError(
-                f"loader: the shard ran out of rows ({left} left for a batch of {sizes[i]}); "
-                "did the dataset change while training?"
+                f"loader: the shard ran out of rows ({ready - cursor} left for a batch of "
+                f"{sizes[i]}); did the dataset change while training?"
             )
         yield from pool.narrow(cursor, take).split(sizes[i:j])
         cursor, i = cursor + take, j
+
+
+def _plan_refill(
+    rows_of_chunks: list[int], taken: int, size: int, left: int, ready: int, plan
+) -> tuple[int, int, torch.Tensor | None]:
+    """The next pool: (chunks to add, rows ready to serve, its order as positions in the
+    concatenation of the ``left`` rows of the pool, ``ready`` of them in served order, and
+    the chunks; None: that concatenation as it is). Chunks come until ``size`` rows are
+    ready or none are left: a window of ``plan`` at a time, or (no shuffle) one by one."""
+    count = 0
+    if plan is None:
+        while ready < size and taken + count < len(rows_of_chunks):
+            ready += rows_of_chunks[taken + count]
+            count += 1
+        return count, ready, None
+    # the pool's rows: `ready` in order, then the kept ones, the range [ready, left); the
+    # chunks follow them, so kept and new rows are one range until a window serves some
+    parts, held, first_held, total = [torch.arange(ready)], None, ready, left
+    while ready < size:
+        window = next(plan, None)
+        if window is None:
+            break
+        new = sum(rows_of_chunks[taken + count : taken + count + window.chunks])
+        count += window.chunks
+        if held is None:  # (first_held .. total + new)[perm], without gathering
+            held = window.perm + first_held if first_held else window.perm
+        else:
+            held = torch.cat([held, torch.arange(total, total + new)])[window.perm]
+        total += new
+        parts.append(held[: window.serve])
+        held = held[window.serve :]
+        ready += window.serve
+    parts.append(torch.arange(first_held, total) if held is None else held)
+    parts = [p for p in parts if len(p)]
+    return count, ready, parts[0] if len(parts) == 1 else torch.cat([torch.arange(0), *parts])
 
 
 def _as_planned(chunk: Columns | None, expected: int) -> Columns:
@@ -143,11 +172,10 @@ def _as_planned(chunk: Columns | None, expected: int) -> Columns:
     return chunk
 
 
-def default_buffer_rows(chunk: Columns) -> int:
-    """As many rows as fit in DEFAULT_BUFFER_BYTES, judged by the rows of ``chunk``."""
+def row_bytes(chunk: Columns) -> int:
+    """The bytes of one of ``chunk``'s rows (1 for no rows)."""
     rows = chunk.rows
-    row_bytes = sum(t.nbytes for t in chunk.tensors()) // rows if rows else 1
-    return max(1, DEFAULT_BUFFER_BYTES // max(1, row_bytes))
+    return sum(t.nbytes for t in chunk.tensors()) // rows if rows else 1
 
 
 class ShardLoader:
@@ -238,6 +266,7 @@ def open_loader(
             data.columns,
             shuffle=shuffle,
             shuffle_pieces=reader.keeps_order,
+            buffer_rows=options.shuffle_buffer_size,
             seed=spec.seed,
             rank=rank,
             device=hold_on,

@@ -2,19 +2,21 @@
 
 An epoch's rows reach each rank as a list of *runs*: rows ``[start, stop)`` of the order in
 which rank ``rank`` of a ``world``-process job reads its shard in that epoch's pass (the
-same seeded order on every attempt, see ``loader.py``). Normally a rank has one run, its
+same seeded order on every attempt, held or streamed, whatever the batch sizes it is read
+in: see ``shuffle.py``). Normally a rank has one run, its
 own whole shard (``own_runs``). A commit inside an epoch (``loop/commits.py``) records
 every rank's runs and how many of their rows it had trained on. When the job starts again
 with another number of processes, the rows not yet trained on, rank after rank, are cut
 into ``world`` contiguous parts of near-equal size (``reshard``), so no row of the epoch is
-repeated or skipped; each new rank reads its part's runs again from the loaders that made
-them (``remainder_batches``) and trains on them in batches of a step plan over the parts'
+repeated or skipped; each new rank reads its part's runs again from loaders of the shards
+that made them (``remainder_batches``) and trains on them in batches of a step plan over the parts'
 sizes (``shards.StepPlan.over``). Runs always name the epoch's first sharding, so a second
 resize within the same epoch cuts the runs again.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
@@ -86,7 +88,7 @@ def remainder_batches(
     """Batches of ``sizes`` rows from ``runs``: each run's rows read again, in their order,
     from ``open_source(world, rank)`` (a loader of that shard, as the epoch's first
     sharding read it), then cut to the sizes. A batch of 0 rows is ``template``'s."""
-    pieces = _run_rows(runs, pass_index, open_source)
+    pieces = _run_rows(runs, pass_index, open_source, max(sizes, default=0) or 1)
     pending: list[Tensors] = []
     held = 0
     for size in sizes:
@@ -104,8 +106,18 @@ def remainder_batches(
         pending = [rest] if held else []
 
 
-def _run_rows(runs, pass_index, open_source) -> Iterator[Tensors]:
+def _run_rows(runs, pass_index, open_source, step: int) -> Iterator[Tensors]:
+    """Each run's rows in pieces of at most ``step`` rows: its loader's pass read up to the
+    run's end in such pieces, those before its start dropped. A pass's order does not
+    depend on the sizes it is read in (``shuffle.py``), and no piece is larger than a
+    batch, so the loader's buffer stays its usual size."""
     for run in runs:
         loader = open_source(run.world, run.rank)
-        _, rows = loader.batches([run.start, run.rows], pass_index)
-        yield rows
+        before, rows = _pieces(run.start, step), _pieces(run.rows, step)
+        batches = loader.batches(before + rows, pass_index)
+        yield from itertools.islice(batches, len(before), None)
+
+
+def _pieces(rows: int, step: int) -> list[int]:
+    whole, rest = divmod(rows, step)
+    return [step] * whole + ([rest] if rest else [])

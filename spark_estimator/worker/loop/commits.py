@@ -22,8 +22,8 @@ besides the epoch's checkpoint, which holds the same state. A commit holds:
 - per rank: its random state (torch, CUDA, NumPy, Python), its part of the epoch's sums
   (loss, metrics, rows, non-finite steps), and its rows of the epoch: the runs it reads
   (``data/remainder.py``) and how many of their rows it has trained on;
-- whether each shard of the epoch's first sharding was held on the device or streamed
-  (their orders differ; a reader of a run must use the same kind).
+- whether each shard of the epoch's first sharding was held on the device or streamed (a
+  reader of a run opens it the same way; both give the same order, ``data/shuffle.py``).
 
 A launch whose newest epoch checkpoint is epoch ``e - 1`` and which finds a commit of epoch
 ``e`` resumes there. With the same number of processes it continues exactly: every rank

@@ -24,6 +24,25 @@ def test_chunks_follow_the_piece_order_with_slices(tmp_path, store):
     assert (first["x"][:, 1] == -first["y"]).all()
 
 
+def test_vector_columns_are_read_in_the_dtype_their_column_asks_for(tmp_path, store):
+    # fit_on_parquet on Parquet with ML vector structs (pyspark.ml's encoding)
+    from spark_estimator.shared.spec import ColumnSpec
+    from tests.worker.data.test_convert import VECTOR
+
+    big = 2.0**24 + 1
+    rows = [
+        {"type": 1, "size": None, "indices": None, "values": [big, 1.0]},
+        {"type": 0, "size": 2, "indices": [0], "values": [big + 2]},
+    ]
+    (tmp_path / "train").mkdir()
+    pq.write_table(pa.table({"v": pa.array(rows, type=VECTOR)}), tmp_path / "train" / "p.parquet")
+    for dtype, np_dtype in (("float64", np.float64), ("float32", np.float32)):
+        reader = ArrowReader(store, str(tmp_path), [ColumnSpec("v", "vector", dtype)], 1)
+        (chunk,) = reader.chunks([Piece("train/p.parquet", 0, 0, 2, 2)])
+        expected = np.array([[big, 1.0], [big + 2, 0.0]]).astype(np_dtype)
+        assert chunk["v"].dtype == np_dtype and (chunk["v"] == expected).all()
+
+
 def test_a_failed_read_surfaces_in_the_consumer(tmp_path, store):
     data = write_id_dataset(tmp_path, [8], row_group_size=4)
     reader = ArrowReader(store, data.path, data.columns, num_workers=2)

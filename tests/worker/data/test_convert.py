@@ -62,6 +62,23 @@ def test_dense_and_sparse_vectors_decode_together():
     np.testing.assert_array_equal(t.numpy(), [[1, 2, 3], [4, 0, 5], [0, 0, 0]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_vectors_decode_to_the_requested_dtype_without_rounding_through_float32(dtype):
+    big = 2.0**24 + 1  # not a float32: rounds to 2**24
+    vectors = pa.array(
+        [
+            {"type": 1, "size": None, "indices": None, "values": [big, 0.1]},
+            {"type": 0, "size": 2, "indices": [1], "values": [big]},
+        ],
+        type=VECTOR,
+    )
+    t = column_to_tensor("v", vectors, dtype)
+    expected = torch.tensor([[big, 0.1], [0.0, big]], dtype=torch.float64).to(dtype)
+    assert t.tolist() == expected.tolist() and t.dtype == dtype
+    if dtype == torch.float64:  # what a float64 model computes on it
+        assert (t[0, 0] - 2**24).item() == 1.0 and t[0, 1].item() == 0.1
+
+
 def test_vectors_of_different_sizes_are_rejected():
     vectors = pa.array(
         [

@@ -58,8 +58,10 @@ def passes(spec, world, rank, hold: bool, pass_indexes=(1, 2)):
 
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_held_batches_are_the_streaming_batches(tmp_path, store, world, shuffle):
-    spec = train_spec(mixed_dataset(tmp_path), store, seed=5, shuffle=shuffle)
+@pytest.mark.parametrize("buffer", [None, 5, 1])  # None: the shard fits the buffer
+def test_held_batches_are_the_streaming_batches(tmp_path, store, world, shuffle, buffer):
+    data = mixed_dataset(tmp_path)
+    spec = train_spec(data, store, seed=5, shuffle=shuffle, shuffle_buffer_size=buffer)
     for rank in range(world):
         held = passes(spec, world, rank, hold=True)
         assert held == passes(spec, world, rank, hold=False)

@@ -6,6 +6,7 @@ from spark_estimator.shared.spec import ColumnSpec, LoaderSpec, TrainSpec
 from spark_estimator.worker.data.columns import Layout
 from spark_estimator.worker.data.loader import buffered_batches, open_loader
 from spark_estimator.worker.data.shards import StepPlan
+from spark_estimator.worker.data.shuffle import pass_order
 from tests.conftest import write_id_dataset
 
 
@@ -88,6 +89,29 @@ def test_the_shuffle_buffer_is_bounded():
     assert [b["y"].tolist() for b in batches] != [[i, i + 1] for i in range(0, 40, 2)]
 
 
+@pytest.mark.parametrize("buffer", [1, 6, 10, 64])
+def test_a_shuffled_pass_is_one_order_whatever_batch_sizes_cut_it(buffer):
+    # the rest of a resized epoch reads a pass again in other sizes: same rows, same order
+    layout = Layout({"y": torch.empty(0, dtype=torch.int64)}, [ColumnSpec("y", "scalar", "int64")])
+    rows = [4, 1, 7, 4, 4, 3, 4, 4, 5, 4]  # 40
+
+    def order(sizes):
+        chunks, at = [], 0
+        for n in rows:
+            chunks.append(layout.assemble({"y": np.arange(at, at + n)}))
+            at += n
+        gen = torch.Generator().manual_seed(5)
+        batches = buffered_batches(
+            iter(chunks), sizes, layout, rows, buffer_rows=buffer, generator=gen
+        )
+        return [i for b in batches for i in b["y"].tolist()]
+
+    expected = pass_order(rows, buffer, torch.Generator().manual_seed(5)).tolist()
+    assert sorted(expected) == list(range(40))
+    for sizes in ([1] * 40, [3] * 13 + [1], [40], [0, 17, 2, 0, 21], [9, 31], [25]):
+        assert order(sizes) == expected[: sum(sizes)]
+
+
 def test_in_memory_cache_reads_once_and_yields_the_same_batches(tmp_path, store):
     data = write_id_dataset(tmp_path, [20], row_group_size=5)
     cached = open_loader(train_spec(data, store, inmemory_cache_all=True), "train", 1, 0, False)
@@ -138,13 +162,14 @@ def test_on_a_gpu_the_buffer_is_pinned_and_batches_copy_without_blocking(tmp_pat
 
 
 def test_shuffled_batches_keep_the_order_earlier_versions_gave_for_a_seed(tmp_path, store):
-    # recorded from the loader before batches were laid out in blocks (commit 24adb23):
-    # the same seed must keep giving the same batches (runs resume and compare across it)
+    # the same seed must keep giving the same batches (runs resume and compare across
+    # versions). Recorded when the buffer's refills became fixed by its size (issue 27):
+    # rank 1's order changed then, as its refills had followed the batch sizes asked for
     data = write_id_dataset(tmp_path, [10, 1, 12], row_group_size=4)
     spec = train_spec(data, store, seed=3, shuffle_buffer_size=5)
     assert epoch_ids(spec, 2, 3, 1) == [
         [[0, 2, 4], [3, 5, 6], [10, 7, 9], [11, 8, 1]],
-        [[14, 18, 16], [17, 12, 15], [21, 22, 20], [13, 19]],
+        [[14, 18, 16], [17, 12, 19], [22, 13, 21], [15, 20]],
     ]
 
 
