@@ -25,7 +25,7 @@ setup(
         "s3": ["s3fs>=2024.2"],
         "mlflow": ["mlflow-skinny>=2.10"],
         "lightning": ["lightning>=2.0"],
-        "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn"],
+        "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn", "lightning>=2.0"],
         "examples": ["scikit-learn"],
         "test": [
             "pytest>=8",

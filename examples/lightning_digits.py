@@ -11,7 +11,8 @@ column; LightningEstimator trains the module on --num-proc barrier tasks with DD
 batch a dict {"features": images, "label": classes}. EarlyStopping watches the validation
 loss and ModelCheckpoint keeps the epoch with the best validation accuracy, whose weights
 the fitted model takes. Then accuracy on held-out images, save and load.
-Needs Lightning: pip install 'spark-estimator[lightning]'.
+Needs Lightning, which ./dev.sh demo does not install: from the repository root,
+.venv/bin/pip install -e '.[lightning]' (./dev.sh test installs it too).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ import os
 import sys
 import tempfile
 
-import lightning.pytorch as pl
 import torch
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from sklearn.datasets import load_digits
+
+try:
+    import lightning.pytorch as pl
+except ImportError:
+    sys.exit("lightning_digits.py needs Lightning: .venv/bin/pip install -e '.[lightning]'")
 
 from spark_estimator import LightningEstimator, Store, TorchModel
 

@@ -1,10 +1,13 @@
 """Every example runs as the spark-submit job examples/README.md says, and learns."""
 
+import ast
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -98,3 +101,87 @@ def test_horovod_style_job():
     assert [int(e) for e, _, _ in epochs] == list(range(1, 11))
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", out).group(1))
     assert accuracy == float(epochs[-1][2]) and accuracy > 0.9  # 0.969 when measured
+
+
+def _name(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+def _requirements(distribution: str, extra: str | None = None) -> set[str]:
+    """The distributions ``distribution`` requires (with ``extra``: that extra's only)."""
+    found = set()
+    for line in metadata.requires(distribution) or []:
+        requirement, _, marker = line.partition(";")
+        if ("extra ==" in marker) != (extra is not None):
+            continue
+        if extra is not None and f'extra == "{extra}"' not in marker:
+            continue
+        found.add(_name(re.split(r"[\[<>=!~ ]", requirement.strip(), maxsplit=1)[0]))
+    return found
+
+
+def _closure(names: set[str]) -> set[str]:
+    """``names`` and every distribution they require, as installed here."""
+    seen, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            todo.extend(_requirements(name))
+        except metadata.PackageNotFoundError:
+            pass
+    return seen
+
+
+def _imports_and_note(path: Path) -> tuple[set[str], str]:
+    """The top-level modules ``path`` imports and the text that tells how to run it: a
+    script's docstring, a notebook's first markdown cell."""
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        note = next("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    else:
+        code = path.read_text()
+        note = ast.get_docstring(ast.parse(code)) or ""
+    modules = set()
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            modules.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            modules.add(node.module.split(".")[0])
+    return modules, note
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*sorted(EXAMPLES.rglob("*.py")), *sorted((ROOT / "notebooks").glob("*.ipynb"))],
+    ids=lambda p: p.name,
+)
+def test_what_the_demo_environment_lacks_each_example_and_notebook_says_how_to_install(path):
+    """``./dev.sh demo`` installs the package with its ``examples`` extra; an example or
+    notebook that needs more (Lightning, matplotlib, Jupyter) says its install command."""
+    demo = _closure(_requirements("spark-estimator") | _requirements("spark-estimator", "examples"))
+    providers = metadata.packages_distributions()
+    modules, note = _imports_and_note(path)
+    lacking = {
+        _name(d)
+        for m in modules
+        if m not in sys.stdlib_module_names and m != "spark_estimator"
+        for d in providers.get(m, [m])
+    } - demo
+    if path.suffix == ".ipynb":
+        lacking.add("jupyterlab")  # to open it at all
+    extras = {
+        extra: _requirements("spark-estimator", extra)
+        for extra in metadata.metadata("spark-estimator").get_all("Provides-Extra")
+        if extra != "test"
+    }
+    said = set(re.findall(r"pip install -e '\.\[([a-z]+)\]'", note))
+    covered = set().union(*(extras[e] for e in said if e in extras)) if said else set()
+    assert lacking <= _closure(covered), (
+        f"{path.name} needs {sorted(lacking - _closure(covered))} beyond ./dev.sh demo's "
+        "environment; its docstring (a notebook: its first cell) must say "
+        "\".venv/bin/pip install -e '.[EXTRA]'\" with the extra that installs them"
+    )

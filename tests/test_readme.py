@@ -18,25 +18,42 @@ def example_code() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_example_runs_as_printed(tmp_path):
-    code = example_code()
-    ast.parse(code)  # a syntax error fails here, with its line
-    (tmp_path / "example.py").write_text(code)
+def run_example(folder: Path) -> float:
+    """The example run in ``folder`` (its temporary files under ``folder/tmp``); its accuracy."""
+    (folder / "tmp").mkdir()
     # As with the virtual environment active: its python3 first on PATH (Spark starts the
     # tasks' Python as python3), no PYSPARK_* variables chosen for it.
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = dict(os.environ, PATH=path, TMPDIR=str(folder / "tmp"))
     for name in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_CONF_DIR"):
         env.pop(name, None)
     done = subprocess.run(
-        ["python3", "example.py"],
-        cwd=tmp_path,
+        ["python3", "../example.py"],
+        cwd=folder,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    accuracy = float(re.search(r"^accuracy: ([0-9.]+)$", done.stdout, re.M).group(1))
-    assert accuracy >= 0.9  # iris: a linear model alone gets about 0.97
-    assert (tmp_path / "iris_model" / "weights.pt").is_file()
-    assert list(Path(Store(str(tmp_path / "store")).runs).iterdir())  # the run is in the store
+    return float(re.search(r"^accuracy: ([0-9.]+)$", done.stdout, re.M).group(1))
+
+
+def test_readme_example_runs_as_printed_the_same_each_time_and_writes_only_to_a_temporary_folder(
+    tmp_path,
+):
+    code = example_code()
+    ast.parse(code)  # a syntax error fails here, with its line
+    (tmp_path / "example.py").write_text(code)
+    runs = [tmp_path / "first", tmp_path / "second"]
+    accuracies = []
+    for folder in runs:
+        folder.mkdir()
+        accuracies.append(run_example(folder))
+    assert accuracies[0] >= 0.9  # iris: a linear model alone gets about 0.97
+    assert accuracies[0] == accuracies[1]  # seeded: the same model each run
+    for folder in runs:
+        assert sorted(p.name for p in folder.iterdir()) == ["tmp"]  # nothing in the work folder
+        (work,) = (folder / "tmp").glob("iris-*")
+        assert (work / "iris_model" / "weights.pt").is_file()
+        assert list(Path(Store(str(work / "store")).runs).iterdir())  # the run is in the store
