@@ -82,3 +82,23 @@ def test_relative_links_resolve(page):
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
     missing = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
     assert missing == []
+
+
+def _horovod_row(name: str) -> str:
+    """The row of ``name`` in docs/horovod.md's table of Horovod's estimator arguments."""
+    text = (ROOT / "docs/horovod.md").read_text()
+    return next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
+
+
+def test_horovod_md_names_exactly_the_verbose_values_the_estimators_take():
+    from spark_estimator import LightningEstimator, TorchEstimator
+
+    row = _horovod_row("verbose")
+    for value in (True, False, 0, 1, 2):
+        assert f"`{value}`" in row
+        TorchEstimator(verbose=value)
+        LightningEstimator(verbose=value)
+    for value in (3, -1):
+        assert f"`{value}`" not in row
+        with pytest.raises(ValueError, match="verbose"):
+            TorchEstimator(verbose=value)

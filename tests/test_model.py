@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,6 +257,9 @@ def test_a_model_saved_with_its_weights_inside_the_pickle_still_loads(spark, tmp
 
 
 # -- classification output ------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def class_net():
     net = torch.nn.Linear(2, 3)
     with torch.no_grad():
@@ -278,6 +282,8 @@ def test_classification_adds_spark_classifier_columns(spark):
         "vector",
         "double",
     )
+    migration = (ROOT / "docs/horovod.md").read_text()  # says what a Horovod user gets
+    assert "it adds `rawPrediction` and `probability` (ML `Vector`s)" in migration
     logits = class_net()(torch.tensor(x)).double()
     got = sorted(out.collect(), key=lambda r: r.id)
     assert [r.prediction for r in got] == logits.argmax(1).double().tolist()
