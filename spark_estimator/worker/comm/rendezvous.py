@@ -41,6 +41,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -229,6 +230,7 @@ def process_group(
     timeout = timedelta(seconds=timeout_s)
     network = gloo_interface(hosts, rank)
     began = time.monotonic()
+    store = server = None
     try:
         store, server, port = _rendezvous(ctx, meeting, rank, world_size, hosts[0], timeout)
         if init_group:
@@ -247,6 +249,12 @@ def process_group(
         )
         if on_failure is not None:
             on_failure(rank, error)
+        if server is not None:  # rank 0 formed no group: nobody may still read its address
+            _close_meeting(meeting, ctx)
+        # nor kept listening by the frames of the error's traceback (torch's, which hold the
+        # store, and this one)
+        traceback.clear_frames(e.__traceback__)
+        del store, server
         raise error from e
     _current = RankInfo(
         rank, world_size, *local_ranks(hosts, rank), device, note, *cross_ranks(hosts, rank)
@@ -292,11 +300,16 @@ def process_group(
         if dist.is_initialized():
             dist.destroy_process_group()
         if server is not None:  # its address is of no use to anyone any more
-            with suppress(OSError):
-                meeting.store.remove(meeting.address_file(ctx))
+            _close_meeting(meeting, ctx)
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _close_meeting(meeting: Meeting, ctx) -> None:
+    """Remove rank 0's address file (``Meeting``): the group formed, or never will."""
+    with suppress(OSError):
+        meeting.store.remove(meeting.address_file(ctx))
 
 
 def at_leave(close: Callable[[], None]) -> None:

@@ -1,9 +1,11 @@
+import contextlib
 import json
 import multiprocessing
 import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from datetime import timedelta
 
@@ -132,6 +134,30 @@ def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards(tmp_pat
     assert not meeting.store.exists(meeting.address_file(ctx))  # removed with the group
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", address["port"]), timeout=2).close()
+
+
+def test_a_failed_rendezvous_removes_rank_0s_address_and_closes_its_port(tmp_path):
+    ctx, meeting = FakeBarrierContext(0, 2), meeting_in(tmp_path)  # rank 1 never comes
+    path, seen = meeting.address_file(ctx), []
+
+    def watch():  # the address, read as rank 1 would
+        while not seen:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                seen.append(meeting.store.read_json(path))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with pytest.raises(RendezvousError) as e:
+        with process_group(ctx, meeting, use_gpu=False, timeout_s=1):
+            pass
+    assert not meeting.store.exists(path)
+    assert not meeting.store.fs.find(meeting.run.rendezvous)
+    watcher.join(5)
+    # even while the error is still held (as Spark or a log would), the server has stopped
+    assert e.value is not None and seen
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", seen[0]["port"]), timeout=2).close()
 
 
 def _join_and_sum(rank: int, world: int, folder: str) -> None:
