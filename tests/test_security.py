@@ -4,6 +4,8 @@ weights in a weights-only file. See docs/security.md."""
 
 import base64
 import gzip
+import hashlib
+import inspect
 import logging
 import pickle
 import traceback
@@ -21,6 +23,7 @@ from spark_estimator.callbacks import Callback
 from spark_estimator.driver.persistence import OBJECTS_FILE, WEIGHTS_FILE
 from spark_estimator.shared.serialization import state_from_bytes, state_to_bytes
 from tests.conftest import linear_net, make_estimator
+from tests.faults import Fault
 
 
 # -- the sentinel secrets and where to look for them ------------------------------------------
@@ -236,3 +239,40 @@ def test_source_read_options_stay_out_of_the_store(spark, tmp_path, regression_d
     store = Store.create(str(tmp_path / "store"))
     make_estimator(store=store).materialize(df)
     assert_no_secret_in_files([tmp_path / "store"], secrets)
+
+
+class RecordsTheLaunchSecret(Callback):
+    """Writes, from each rank of each launch, a digest of the rendezvous secret its task got
+    (the ``spec`` of the ``training_task`` that runs it) to a file of its own in ``folder``."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def on_train_begin(self, state):
+        frame = inspect.currentframe()
+        while frame.f_code.co_name != "training_task":
+            frame = frame.f_back
+        secret = frame.f_locals["spec"].secret
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        with open(f"{self.folder}/{uuid.uuid4().hex}", "w") as f:
+            f.write(f"{state.rank} {digest}")
+
+
+def test_each_launch_of_a_fit_has_a_rendezvous_secret_of_its_own(spark, tmp_path, regression_df):
+    """A fit started again after a lost process (here an I/O error, which is retried) gives
+    the new barrier job a fresh secret: nothing sealed in one launch's store passes in the
+    next. The ranks of one launch share theirs."""
+    seen = tmp_path / "secrets"
+    seen.mkdir()
+    fault = Fault("io-error", rank=1, epoch=1, marker=tmp_path / "io", after_batches=1)
+    est = make_estimator(
+        store=Store.create(str(tmp_path / "store")),
+        epochs=1,
+        num_proc=2,
+        callbacks=[RecordsTheLaunchSecret(str(seen)), fault],
+    )
+    model = est.fit(regression_df)
+    assert (tmp_path / "io").exists() and model.getHistory()
+    records = [p.read_text().split() for p in seen.iterdir()]
+    assert sorted(rank for rank, _ in records) == ["0", "0", "1", "1"]  # two launches of 2
+    assert len({digest for _, digest in records}) == 2

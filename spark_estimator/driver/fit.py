@@ -18,7 +18,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import NamedTuple
 
 from pyspark.ml import Estimator
@@ -27,7 +27,15 @@ from pyspark.sql import DataFrame, SparkSession
 from ..model import TorchModel
 from ..shared.failures import TrainingError, read_failure
 from ..shared.serialization import loads, state_from_bytes
-from ..shared.spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
+from ..shared.spec import (
+    FLOAT_DTYPES,
+    ColumnSpec,
+    DatasetInfo,
+    LoaderSpec,
+    LoopSpec,
+    TrainSpec,
+    launch_secret,
+)
 from ..shared.summary import RankSummary
 from ..store import RunFolder, Store
 from ..worker.task import training_task
@@ -367,7 +375,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 return run_barrier_job(
                     spark,
                     size.procs,
-                    functools.partial(training_task, spec),
+                    # a fresh rendezvous secret for each barrier job (worker/comm/sealed_store)
+                    functools.partial(training_task, replace(spec, secret=launch_secret())),
                     f"spark-estimator {run_id}",
                     tag=tag,
                 )

@@ -166,8 +166,10 @@ def metric_keys(metric_names: list[str], label_cols: list[str]) -> list[str]:
 
 
 def launch_secret() -> str:
-    """A fresh random secret for a launch's process group (``rendezvous.Meeting``), made on
-    the driver with the launch's spec; it reaches the tasks only inside their closure."""
+    """A fresh random secret for the process group of one barrier job (a launch, or a
+    restart of it), made on the driver with the job's spec; it reaches the tasks only inside
+    their closure, and seals what they exchange through rank 0's TCPStore
+    (``rendezvous.Meeting``, ``sealed_store``)."""
     return secrets.token_hex(16)
 
 
@@ -192,4 +194,5 @@ class TrainSpec:
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds any rank waits for the others
     launch_id: str = ""  # this fit call's id: names its failure record (shared/failures.py)
     trainer: str = "torch"  # the loop: "torch" (worker/loop/train.py) or "lightning"
-    secret: str = field(default_factory=launch_secret, repr=False)  # the process group's keys
+    # seals the job's TCPStore; the driver makes a fresh one for each barrier job
+    secret: str = field(default_factory=launch_secret, repr=False)

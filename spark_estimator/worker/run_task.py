@@ -58,7 +58,7 @@ class RunSpec:
     # the ranks' lines also go to the tasks' own stdout and stderr; not where those are
     # the driver's terminal (local masters), which shows them from the store already
     echo: bool
-    secret: str = field(default_factory=launch_secret, repr=False)  # the process group's keys
+    secret: str = field(default_factory=launch_secret, repr=False)  # seals the job's TCPStore
 
 
 _current: RunSpec | None = None

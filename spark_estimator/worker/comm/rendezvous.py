@@ -3,8 +3,10 @@
 Rank 0 starts a TCPStore on an OS-chosen port (bound before anyone is told of it, so no
 other process can take the port in between) and writes its host and port to the job's
 ``Meeting`` file in the store, which the other ranks poll; every rank then joins one process
-group (gloo on CPU, NCCL on GPU) under the launch's secret, which the driver made and which
-reaches the tasks only inside their closure (Spark's channel), never through the store.
+group (gloo on CPU, NCCL on GPU) through that TCPStore, whose values are sealed under the
+launch's secret (``sealed_store``): the driver makes the secret for each launch, and it
+reaches the tasks only inside their closure (Spark's channel), never the store nor the
+TCPStore, in a key or a value.
 Spark's barrier ``allGather`` is not used: it checks for the others' messages once a
 second, which kept every rank but the last waiting up to a second.
 
@@ -41,6 +43,7 @@ import struct
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -53,6 +56,7 @@ from ...shared.failures import is_retried
 from ...shared.spec import COLLECTIVE_TIMEOUT_S
 from ...store import RunFolder, Store
 from ..environ import environ
+from .sealed_store import SealedStore
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +67,15 @@ POLL_S = (0.005, 0.25)  # the first and the longest wait between reads of the me
 
 @dataclass(frozen=True)
 class Meeting:
-    """Where the ranks of a launch learn rank 0's TCPStore address, and the secret under
-    which the job's keys live. Rank 0 writes ``{"host", "port"}`` to ``run``'s address file
-    of launch ``launch_id`` (in ``store``), named after the Spark stage, so each barrier
-    job of a launch (an elastic fit starts several) has its own (the job is one result
-    stage, which Spark never attempts twice), and removes it when the group ends.
-    ``secret`` travels only inside the task (with the job's spec), never in the store: a
-    process that can read the store can find the port, not join the group."""
+    """Where the ranks of a launch learn rank 0's TCPStore address, and the secret that
+    seals the values they exchange through it (``sealed_store``). Rank 0 writes
+    ``{"host", "port"}`` to ``run``'s address file of launch ``launch_id`` (in ``store``),
+    named after the Spark stage, so each barrier job of a launch (an elastic fit starts
+    several) has its own (the job is one result stage, which Spark never attempts twice),
+    and removes it when the group ends or fails to form. ``secret`` is made afresh for each
+    barrier job and travels only inside its tasks (with the job's spec), never in the store
+    nor the TCPStore: a process that reads the store, or reaches the port, finds no address
+    or id it could use, and its own writes to the port are refused."""
 
     store: Store
     run: RunFolder
@@ -229,6 +235,7 @@ def process_group(
     timeout = timedelta(seconds=timeout_s)
     network = gloo_interface(hosts, rank)
     began = time.monotonic()
+    store = server = None
     try:
         store, server, port = _rendezvous(ctx, meeting, rank, world_size, hosts[0], timeout)
         if init_group:
@@ -247,6 +254,12 @@ def process_group(
         )
         if on_failure is not None:
             on_failure(rank, error)
+        if server is not None:  # rank 0 formed no group: nobody may still read its address
+            _close_meeting(meeting, ctx)
+        # nor kept listening by the frames of the error's traceback (torch's, which hold the
+        # store, and this one)
+        traceback.clear_frames(e.__traceback__)
+        del store, server
         raise error from e
     _current = RankInfo(
         rank, world_size, *local_ranks(hosts, rank), device, note, *cross_ranks(hosts, rank)
@@ -292,11 +305,16 @@ def process_group(
         if dist.is_initialized():
             dist.destroy_process_group()
         if server is not None:  # its address is of no use to anyone any more
-            with suppress(OSError):
-                meeting.store.remove(meeting.address_file(ctx))
+            _close_meeting(meeting, ctx)
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _close_meeting(meeting: Meeting, ctx) -> None:
+    """Remove rank 0's address file (``Meeting``): the group formed, or never will."""
+    with suppress(OSError):
+        meeting.store.remove(meeting.address_file(ctx))
 
 
 def at_leave(close: Callable[[], None]) -> None:
@@ -401,10 +419,10 @@ def _rendezvous(ctx, meeting: Meeting, rank: int, world_size: int, host: str, ti
 
     Rank 0 starts a TCPStore server on an OS-chosen port and writes host and port to the
     job's address file (``Meeting``); the other ranks read it as soon as it is there and
-    connect. Every rank then uses only keys under the launch's secret, so a stranger who
-    connects to the port cannot join or disturb the group without it. The server lives as
-    long as the group. (A script's own ``env://`` group knows no secret: its keys are
-    torch's, under ``default_pg``.)
+    connect. Every rank then reads and writes the TCPStore sealed under the launch's secret
+    (``SealedStore``): a stranger who connects to the port reads only sealed values and
+    cannot feed a rank one of its own. The server lives as long as the group. (A script's
+    own ``env://`` group knows no secret: it is torch's plain client of the same server.)
     """
     path = meeting.address_file(ctx)
     server = None
@@ -419,7 +437,7 @@ def _rendezvous(ctx, meeting: Meeting, rank: int, world_size: int, host: str, ti
     client = server or dist.TCPStore(
         master["host"], master["port"], world_size, is_master=False, timeout=timeout
     )
-    store = dist.PrefixStore(f"spark-estimator/{meeting.secret}/", client)
+    store = SealedStore(dist.PrefixStore("spark-estimator/", client), meeting.secret)
     return store, server, master["port"]
 
 

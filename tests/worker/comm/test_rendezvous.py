@@ -1,16 +1,20 @@
+import contextlib
 import json
 import multiprocessing
 import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
+import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from spark_estimator.shared.failures import record_failure
 from spark_estimator.store import Store
 from spark_estimator.worker.comm.rendezvous import (
     Meeting,
@@ -112,26 +116,105 @@ class FakeBarrierContext:
 def meeting_in(folder) -> Meeting:
     """A launch's meeting place in a local store at ``folder``."""
     store = Store(str(folder))
-    return Meeting(store, store.run("run-1"), "launch-1", "5e" * 16)
+    return Meeting(store, store.run("run-1"), "launch-1", "3a7d1f09c4e2b8656d0e9a1f7c3b5e28")
 
 
-def test_the_rendezvous_port_is_private_to_the_job_and_closed_afterwards(tmp_path):
+def secret_forms(secret: str) -> list[bytes]:
+    """The launch's secret as the ranks hold it (hex text) and as the bytes it stands for."""
+    return [secret.encode(), bytes.fromhex(secret)]
+
+
+def test_the_rendezvous_port_is_closed_and_its_address_removed_afterwards(tmp_path):
     ctx, meeting = FakeBarrierContext(0, 1), meeting_in(tmp_path)
     with process_group(ctx, meeting, use_gpu=False, timeout_s=5) as info:
         assert info.rank == 0 and dist.is_initialized()
-        written = meeting.store.read_bytes(meeting.address_file(ctx)).decode()
-        assert meeting.secret not in written  # the store only tells where, not the secret
+        written = meeting.store.read_bytes(meeting.address_file(ctx))
+        assert not [f for f in secret_forms(meeting.secret) if f in written]  # where, not how
         address = json.loads(written)
         assert address["host"] == "127.0.0.1"
-        stranger = dist.TCPStore(
-            "127.0.0.1", address["port"], is_master=False, timeout=timedelta(seconds=5)
-        )
-        # the job's keys live under the secret: a client without it sees none of them
-        assert stranger.check([f"spark-estimator/{meeting.secret}/failures"]) is False
     assert not dist.is_initialized()
     assert not meeting.store.exists(meeting.address_file(ctx))  # removed with the group
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", address["port"]), timeout=2).close()
+
+
+def _join_and_sum_after_stranger(folder: str):
+    """Rank 0 of 2 (rank 1 is ``_join_and_sum``): while the group is up, a stranger that
+    reaches the port lists the keys and reads every value; returns what it found."""
+    ctx, meeting = FakeBarrierContext(0, 2), meeting_in(folder)
+    with process_group(ctx, meeting, False, 60):
+        address = meeting.store.read_json(meeting.address_file(ctx))
+        stranger = dist.TCPStore(
+            address["host"], address["port"], is_master=False, timeout=timedelta(seconds=5)
+        )
+        keys = stranger.list_keys()
+        values = [stranger.get(k) for k in keys]
+        total = torch.tensor([1.0])
+        dist.all_reduce(total)
+    return keys, values, total.item()
+
+
+def test_a_stranger_on_the_rendezvous_port_finds_no_secret_in_its_keys_or_values(tmp_path):
+    rank_1 = multiprocessing.get_context("spawn").Process(
+        target=_join_and_sum, args=(1, 2, str(tmp_path))
+    )
+    rank_1.start()
+    try:
+        keys, values, total = _join_and_sum_after_stranger(str(tmp_path))
+    finally:
+        rank_1.join(120)
+    assert rank_1.exitcode == 0 and total == 3.0
+    assert len(keys) >= 2 and all(values)  # the ranks' gloo addresses at least
+    everything = b"\n".join([k.encode() for k in keys] + values)
+    secret = meeting_in(tmp_path).secret
+    assert [f for f in secret_forms(secret) if f in everything] == []
+    # nor the addresses the ranks exchange (gloo's sockaddr of 127.0.0.1): values are sealed
+    assert socket.inet_aton("127.0.0.1") not in everything
+
+
+def test_a_rendezvous_that_times_out_records_its_failure_without_the_secret(tmp_path):
+    # rank 0 of 2, whose rank 1 never comes: torch's timeout names the keys it waited for
+    ctx, meeting = FakeBarrierContext(0, 2), meeting_in(tmp_path)
+    record = meeting.run.failure(meeting.launch_id)
+    with pytest.raises(RendezvousError, match="rank 0 of 2 could not form") as e:
+        with process_group(
+            ctx,
+            meeting,
+            use_gpu=False,
+            timeout_s=1,
+            on_failure=lambda rank, error: record_failure(record, meeting.store, rank, error),
+        ):
+            pass
+    text = "".join(traceback.format_exception(e.value)).encode()  # the causes too
+    assert e.value.__cause__ is not None and "timeout" in text.decode().lower()
+    written = meeting.store.read_bytes(record)
+    assert json.loads(written)["type"] == "RendezvousError"
+    for data in (text, written, str(e.value).encode()):
+        assert [f for f in secret_forms(meeting.secret) if f in data] == []
+
+
+def test_a_failed_rendezvous_removes_rank_0s_address_and_closes_its_port(tmp_path):
+    ctx, meeting = FakeBarrierContext(0, 2), meeting_in(tmp_path)  # rank 1 never comes
+    path, seen = meeting.address_file(ctx), []
+
+    def watch():  # the address, read as rank 1 would
+        while not seen:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                seen.append(meeting.store.read_json(path))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with pytest.raises(RendezvousError) as e:
+        with process_group(ctx, meeting, use_gpu=False, timeout_s=1):
+            pass
+    assert not meeting.store.exists(path)
+    assert not meeting.store.fs.find(meeting.run.rendezvous)
+    watcher.join(5)
+    # even while the error is still held (as Spark or a log would), the server has stopped
+    assert e.value is not None and seen
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", seen[0]["port"]), timeout=2).close()
 
 
 def _join_and_sum(rank: int, world: int, folder: str) -> None:
