@@ -148,6 +148,11 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             ),
         )
 
+    def _class_index_labels(self) -> list[bool]:
+        return validate_training.class_index_losses(
+            self.getLoss(), self.getClassification(), self.getLabelCols()
+        )
+
     def _commit_every_steps(self) -> int:
         """commit_every_steps for the loop: its default resolved (loop/commits.py)."""
         if self.getCommitEverySteps() is not None:
