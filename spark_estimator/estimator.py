@@ -13,7 +13,7 @@ from pyspark import keyword_only
 
 from .driver import loss_probe, run_manifest, validate, validate_training
 from .driver.fit import StoreEstimator, Training
-from .driver.params import EstimatorParams
+from .driver.params import EstimatorParams, spark_ml_keywords
 from .shared.spec import COLLECTIVE_TIMEOUT_S, COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
 
 # the params whose objects the executors rebuild from one pickle (worker/loop/objects.py)
@@ -45,6 +45,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
     _BUNDLED = _BUNDLED
     _REQUIRED = ("model", "optimizer", "feature_cols", "label_cols", "store")
 
+    @spark_ml_keywords
     @keyword_only
     def __init__(
         self,
@@ -145,6 +146,11 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
                 input_shapes=self.getInputShapes(),
                 loss_weights=loop.loss_weights,
             ),
+        )
+
+    def _class_index_labels(self) -> list[bool]:
+        return validate_training.class_index_losses(
+            self.getLoss(), self.getClassification(), self.getLabelCols()
         )
 
     def _commit_every_steps(self) -> int:

@@ -15,7 +15,7 @@ from pyspark import keyword_only
 
 from .driver import run_manifest, validate_lightning
 from .driver.fit import StoreEstimator, Training
-from .driver.params import LightningParams
+from .driver.params import LightningParams, spark_ml_keywords
 from .shared.spec import COLLECTIVE_TIMEOUT_S
 
 
@@ -38,6 +38,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
     _BUNDLED = ("model", "callbacks", "trainer_args", "profiler")
     _TRAINER = "lightning"
 
+    @spark_ml_keywords
     @keyword_only
     def __init__(
         self,

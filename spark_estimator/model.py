@@ -28,7 +28,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
 from .driver import validate
-from .driver.params import ModelParams
+from .driver.params import ModelParams, spark_ml_keywords
 from .driver.persistence import ObjectParamsReadWrite
 from .shared.serialization import dumps
 from .shared.spec import FLOAT_DTYPES
@@ -47,6 +47,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
 
     _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary")
 
+    @spark_ml_keywords
     @keyword_only
     def __init__(
         self,

@@ -413,6 +413,18 @@ def _data_cases() -> dict:
             "of length 3",
             None,
         ),
+        "class labels not whole numbers": (
+            dict(loss=torch.nn.CrossEntropyLoss(), net=linear_net(3, 2)),
+            ValueError,
+            "label_cols: column 'y' has 1 values that are not whole numbers",
+            [_row(0, y=1.0), _row(1, y=0.5)],
+        ),
+        "class scores fewer than the classes": (
+            dict(loss=torch.nn.CrossEntropyLoss(), net=linear_net(3, 2)),
+            ValueError,
+            "label column 'y' holds class indices up to 2, so the model must return [B, 3]",
+            [_row(0, y=0.0), _row(1, y=2.0)],
+        ),
         "empty DataFrame": ({}, ValueError, "DataFrame: no training rows", []),
         "empty validation split": (
             dict(validation="v"),
@@ -635,6 +647,11 @@ def _bad_inputs():
             ValueError,
             "sample_weight_col: the loss for label column 'y' returned shape ()",
         ),
+        "model outputs that do not fit the label": (
+            dict(net=linear_net(3, 3), input_shapes=[[-1, 3]]),
+            ValueError,
+            "torch's MSELoss fails the same way in training: the model returns 3 values per row",
+        ),
         "transformation_fn written for Horovod": (
             dict(transformation_fn=pandas_transformation, input_shapes=[[3]]),
             TypeError,
@@ -687,7 +704,9 @@ def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store, 
     before = _files(store)
     launched = []
     monkeypatch.setattr(estimator_module, "run_barrier_job", lambda *a, **k: launched.append(a))
-    est = make_estimator(linear_net(), store, num_proc=1).setParams(**overrides)
+    overrides = dict(overrides)
+    est = make_estimator(overrides.pop("net", linear_net()), store, num_proc=1)
+    est.setParams(**overrides)
     group = f"bad-input-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, case)
     try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator, RegressionEvaluator
-from pyspark.ml.feature import VectorAssembler
+from pyspark.ml.feature import StringIndexer, VectorAssembler
 from pyspark.ml.tuning import (
     CrossValidator,
     CrossValidatorModel,
@@ -129,6 +129,42 @@ def test_train_validation_split_tunes_a_classifier_with_an_accuracy_evaluator(sp
     best = fitted.bestModel
     assert best.getClassification() and len(best.getHistory()) == 3
     assert best.getTrainingSummary()["base_learning_rates"] == [0.5]
+
+
+def iris_df(spark):
+    from sklearn.datasets import load_iris
+
+    iris = load_iris()
+    rows = [(*map(float, x), str(iris.target_names[t])) for x, t in zip(iris.data, iris.target)]
+    return spark.createDataFrame(rows, "a double, b double, c double, d double, species string")
+
+
+def test_string_indexer_labels_train_a_cross_entropy_classifier_in_a_pipeline(spark, store):
+    """StringIndexer's labels are doubles of whole numbers: with classification=True (or a
+    class-index loss) they reach CrossEntropyLoss as int64 class indices."""
+    df = iris_df(spark)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    est = TorchEstimator(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=0.05),
+        loss=torch.nn.CrossEntropyLoss(),
+        feature_cols="features",
+        label_cols="label",
+        classification=True,
+        batch_size=16,
+        epochs=25,
+        num_proc=1,
+        store=store,
+        use_gpu=False,
+    )
+    indexer = StringIndexer(inputCol="species", outputCol="label")
+    assembler = VectorAssembler(inputCols=["a", "b", "c", "d"], outputCol="features")
+    fitted = Pipeline(stages=[indexer, assembler, est]).fit(df)
+    out = fitted.transform(df)
+    assert dict(out.dtypes)["label"] == "double"  # the labels as StringIndexer made them
+    accuracy = MulticlassClassificationEvaluator(metricName="accuracy").evaluate(out)
+    assert accuracy > 0.9
 
 
 def test_estimator_copy_takes_extra_params_and_leaves_the_original(store):

@@ -1,12 +1,15 @@
 """Driver: the checks of a dataset's values, counted by the materialization's own write.
 
 ``counted_columns`` tells the executors' writer what to count in the batches it writes
-(``shared/column_stats.py``), so the data is not read twice: per column its null rows;
-per array column its null elements and min/max length; per feature and float label its
-NaN and infinite values. ``check_observed`` turns the merged counts into the error naming
-the column, and ``check_row_lengths`` checks ``input_shapes`` against the row lengths (also
-for a dataset reused from the store, whose ``_meta.json`` records them; scalar columns are
-checked earlier, from the schema, by ``validate.check_input_shapes``).
+(``shared/column_stats.py``), so the data is not read twice: per column its null rows; per
+array column its null elements and min/max length; per feature and float label its NaN and
+infinite values; per scalar label of class indices its min and max (the probe tries the
+loss on them, ``loss_probe.py``), and where the DataFrame holds them as floats
+(StringIndexer's labels), the values that are not whole numbers. ``check_observed`` turns
+the merged counts into the error naming the column, and ``check_row_lengths`` checks
+``input_shapes`` against the row lengths (also for a dataset reused from the store, whose
+``_meta.json`` records them; scalar columns are checked earlier, from the schema, by
+``validate.check_input_shapes``).
 """
 
 from __future__ import annotations
@@ -28,12 +31,25 @@ def _finite_checked(role: str, spec: ColumnSpec) -> bool:
     return role == "feature" or (role == "label" and not spec.integral)
 
 
-def counted_columns(columns: list[tuple[str, ColumnSpec]]) -> tuple[CheckedColumn, ...]:
-    """What the writer counts for each checked column, in order (see the module)."""
+def counted_columns(
+    columns: list[tuple[str, ColumnSpec]], from_floats: frozenset[str] = frozenset()
+) -> tuple[CheckedColumn, ...]:
+    """What the writer counts for each checked column, in order (see the module);
+    ``from_floats``: the class-index labels the DataFrame holds as floats."""
     return tuple(
-        CheckedColumn(spec.name, spec.kind != "scalar", _finite_checked(role, spec))
+        CheckedColumn(
+            spec.name,
+            spec.kind != "scalar",
+            _finite_checked(role, spec),
+            classes=_class_indices(role, spec),
+            whole=_class_indices(role, spec) and spec.name in from_floats,
+        )
         for role, spec in columns
     )
+
+
+def _class_indices(role: str, spec: ColumnSpec) -> bool:
+    return role == "label" and spec.kind == "scalar" and spec.integral
 
 
 def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, int]:
@@ -71,6 +87,17 @@ def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict
                 f"they are rejected because a NaN or infinite {kind} makes the loss NaN "
                 "without any error. Filter or replace them before fit"
             )
+    for i, (_, spec) in enumerate(columns):
+        bad = get(f"c{i}_not_whole")
+        if bad:
+            name = spec.name
+            raise ValueError(
+                f"label_cols: column '{name}' has {bad} values that are not whole numbers (or "
+                "NaN or infinite); it is read as class indices 0, 1, ... (classification=True, "
+                "or a class-index loss such as CrossEntropyLoss or NLLLoss), as int64. Give "
+                f"whole numbers (e.g. StringIndexer's labels), or round them: "
+                f"df.withColumn('{name}', F.round('{name}').cast('long'))"
+            )
     lengths = {}
     for i, (role, spec) in enumerate(columns):
         if spec.kind == "scalar":
@@ -86,6 +113,15 @@ def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict
             )
         lengths[spec.name] = int(lo)
     return lengths
+
+
+def label_ranges(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, list[int]]:
+    """The [min, max] of each class-index label column, as the write counted them."""
+    ranges = {}
+    for i, (_, spec) in enumerate(columns):
+        if f"c{i}_min_value" in metrics:
+            ranges[spec.name] = [metrics[f"c{i}_min_value"], metrics[f"c{i}_max_value"]]
+    return ranges
 
 
 def check_row_lengths(data: DatasetInfo, input_shapes: list[list[int]] | None) -> None:

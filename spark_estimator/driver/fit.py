@@ -57,8 +57,9 @@ class Training(NamedTuple):
     manifest: dict  # what checkpoints depend on besides the data (driver/run_manifest.py)
     # checks the callbacks, given whether the fit has validation data
     check_callbacks: Callable[[bool], None]
-    # (features, labels, sample_weight, *, row_lengths, transformation_fn) -> False when the
-    # columns' shapes are not known yet (driver/loss_probe.py); None: no loss to probe
+    # (features, labels, sample_weight, *, row_lengths, transformation_fn, label_ranges) ->
+    # False when the columns' shapes are not known yet (driver/loss_probe.py); None: no loss
+    # to probe
     probe_loss: Callable[..., bool] | None = None
     # the line a fit logs first (TorchEstimator: the learning rate each rank uses, and why)
     first_log: str | None = None
@@ -215,6 +216,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 self.getInputShapes(),
             )
         checked.training.check_callbacks(data.rows("validation") > 0)
+        self._probe_data(data, checked)
         return self._train(spark, data, checked, clock)
 
     def _materialize(self, dataset: DataFrame, checked: _Checked) -> DatasetInfo:
@@ -233,18 +235,26 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             options,
             checked.sample_weight,
             self.getInputShapes(),
+            check=functools.partial(self._probe_data, checked=checked),
         )
 
-    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
-        store, training = checked.store, checked.training
-        if not checked.probed:
-            training.probe_loss(
+    def _probe_data(self, data: DatasetInfo, checked: _Checked) -> None:
+        """The loss on a probe batch once the data is known: where the columns' shapes were
+        not known before (``checked.probed``), and again with the class-index labels'
+        smallest and largest values (``DatasetInfo.label_ranges``)."""
+        probe = checked.training.probe_loss
+        if probe is not None and (not checked.probed or data.label_ranges):
+            probe(
                 data.features,
                 data.labels,
                 data.sample_weight,
                 row_lengths=data.row_lengths,
                 transformation_fn=checked.loader.transformation_fn,
+                label_ranges=data.label_ranges,
             )
+
+    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
+        store, training = checked.store, checked.training
         run_id = self.getRunId()
         if run_id is not None:  # the rest was checked before the data (_check_run_id)
             run_manifest.check_resume_data(store, run_id, data)
@@ -399,6 +409,10 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             features, labels = validate.check_columns(
                 schema, feature_cols, label_cols, self.getDtype()
             )
+            labels = [
+                validate.as_class_indices(spec) if classes else spec
+                for spec, classes in zip(labels, self._class_index_labels())
+            ]
             validate.check_validation(schema, self.getValidation(), feature_cols + label_cols)
         else:
             validate.check_column_names(feature_cols, label_cols)
@@ -482,6 +496,11 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         if store.exists(store.run(run_id).result):
             run_manifest.check_train_further(store, run_id, self.getEpochs())
         run_manifest.check_resume(store, run_id, manifest, self.getEpochs())
+
+    def _class_index_labels(self) -> list[bool]:
+        """Per label column, whether its scalar floats are read as class indices (int64):
+        none here; TorchEstimator's with classification or a class-index loss."""
+        return [False] * len(self.getLabelCols())
 
     def _sample_weight_col(self) -> str | None:
         """The sample weight column, for estimators with that param (TorchEstimator)."""

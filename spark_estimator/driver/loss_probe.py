@@ -5,8 +5,14 @@ by ``input_shapes``, after ``transformation_fn``), go through a copy of the mode
 mode and the executors' own ``BatchLoss`` on the CPU, without gradients. What its checks
 find is refused with the executors' messages: ``label_cols: the model returned N outputs
 ...``, ``sample_weight_col: the loss for label column ... returned shape ...``. The loss
-itself raising (``loss: failed on ...``) is only a warning: a loss may need what only a
-rank has (its GPU, the process group), so the executors decide on the real rows.
+itself raising (``loss: failed on ...``) is refused too when it is torch's own loss
+(``CrossEntropyLoss``, ``MSELoss``, ``F.cross_entropy``...), which needs nothing a rank
+has, saying the shapes and what to change (torch's warning that a target size differs
+from the input's, about to broadcast, counts as a failure); another loss raising is only a
+warning: it may need what only a rank has (its GPU, the process group), so the executors
+decide on the real rows. Once the data is materialized, a class-index label column's
+smallest and largest values are known (``DatasetInfo.label_ranges``): the probe runs again
+with them as its labels, so class scores too few for the classes fail here.
 
 The probe needs every column's values per row: scalars have one; an array or vector
 column's length comes from ``input_shapes`` or from the row lengths a
@@ -70,10 +76,12 @@ def check_loss(
     input_shapes: list[list[int]] | None,
     loss_weights,
     transformation_fn: bytes | None,
+    label_ranges: dict[str, list[int]] | None = None,
 ) -> bool:
-    """Run the loss on a probe batch; raise what its checks find, warn when the loss itself
-    raises. False when a column's values per row are not known yet (then call again with the
-    dataset's row lengths)."""
+    """Run the loss on a probe batch; raise what its checks find, and what torch's own loss
+    fails on; warn when another loss raises. False when a column's values per row are not
+    known yet (then call again with the dataset's row lengths). ``label_ranges``: the
+    [min, max] of class-index label columns, which the probe's two rows then hold."""
     weights = [sample_weight] if sample_weight is not None else []
     feature_shapes = list(input_shapes or [None] * len(features))
     chunk = probe_chunk(
@@ -95,6 +103,7 @@ def check_loss(
             feature_shapes,
             loss_weights,
             loads(transformation_fn) if transformation_fn is not None else None,
+            label_ranges,
         )
     except LossFailed as e:
         _log.warning(

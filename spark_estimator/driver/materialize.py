@@ -3,14 +3,16 @@
 One Spark write produces the train and validation rows together (partitioned by a split
 column), so the two are complementary even when the source is not deterministic. Columns
 are converted column-wise by Spark: vectors (dense or sparse) to arrays, features and float
-labels to ``dtype``, integral labels to int64 (class indices). The rows are repartitioned
-into ``num_files`` partitions, and each partition is written by its executor with pyarrow
-through the store's fsspec filesystem (``worker/data/parquet_writer.py``, run by ``mapInArrow``):
-at most ``num_files`` files per split, row groups of about ``row_group_bytes``, each file
-moved into place only when complete. Spark's own writer is not used, so any fsspec store
-works with its ``storage_options`` alone (no Hadoop connector or configuration), and the
-driver needs no SparkContext (Spark Connect). The executors return each file's row-group
-sizes, so no footer is read back.
+labels to ``dtype``, integral labels to int64 (class indices); labels read as class indices
+that the DataFrame holds as floats (StringIndexer's) are counted and cast by the writer.
+The rows are repartitioned into ``num_files`` partitions, and each partition is written by
+its executor with pyarrow through the store's fsspec filesystem
+(``worker/data/parquet_writer.py``, run by ``mapInArrow``): at most ``num_files`` files per
+split, row groups of about ``row_group_bytes``, each file moved into place only when
+complete. Spark's own writer is not used, so any fsspec store works with its
+``storage_options`` alone (no Hadoop connector or configuration), and the driver needs no
+SparkContext (Spark Connect). The executors return each file's row-group sizes, so no
+footer is read back.
 
 The same write checks the converted values: each executor counts them in the Arrow
 batches it writes (``shared/column_stats.py``; no extra pass over the data) and returns
@@ -34,18 +36,26 @@ from __future__ import annotations
 import functools
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import IntegralType
 
 from ..shared.column_stats import merge_stats
 from ..shared.spec import SPLITS, ColumnSpec, DatasetInfo
 from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
-from .data_checks import check_observed, check_row_lengths, checked_columns, counted_columns
+from .data_checks import (
+    check_observed,
+    check_row_lengths,
+    checked_columns,
+    counted_columns,
+    label_ranges,
+)
 
 SPLIT_COL = "__spark_estimator_split"
 COMPRESSIONS = ("uncompressed", "snappy", "gzip", "zstd")
@@ -60,8 +70,10 @@ class WriteOptions:
     compression: str
 
 
-def _select_expr(spec: ColumnSpec) -> Column:
+def _select_expr(spec: ColumnSpec, from_floats: frozenset[str] = frozenset()) -> Column:
     element = "bigint" if spec.integral else ("double" if spec.dtype == "float64" else "float")
+    if spec.name in from_floats:  # class indices as floats: the writer counts and casts them
+        element = "double"
     if spec.kind == "vector":  # vector_to_array fails on a null vector: keep it null
         column = F.col(spec.name)
         converted = vector_to_array(column, spec.dtype)
@@ -90,22 +102,33 @@ def materialize(
     options: WriteOptions,
     sample_weight: ColumnSpec | None = None,
     input_shapes: list[list[int]] | None = None,
+    check: Callable[[DatasetInfo], None] | None = None,
 ) -> DatasetInfo:
     """Write (or reuse) the Parquet datasets for this DataFrame and these columns, checking
-    the values on the way (see the module's docstring)."""
+    the values on the way (see the module's docstring); ``check`` (the loss on a probe
+    batch) raises, for the dataset found or written, before one is published."""
     source = source_fingerprint(df)
     key = cache_key(source, features + labels, validation, seed, asdict(options), sample_weight)
     dataset = store.dataset(key)
     if store.exists(dataset.meta):
         data = DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
         check_row_lengths(data, input_shapes)
+        if check is not None:
+            check(data)
         return data
 
     write_id = f"write-{uuid.uuid4().hex}"
     columns = checked_columns(features, labels, sample_weight)
+    from_floats = frozenset(
+        c.name
+        for c in labels
+        if c.kind == "scalar"
+        and c.integral
+        and not isinstance(df.schema[c.name].dataType, IntegralType)
+    )
     try:
         selected = df.select(
-            *[_select_expr(c) for _, c in columns],
+            *[_select_expr(c, from_floats) for _, c in columns],
             _split_expr(validation, seed).alias(SPLIT_COL),
         )
         target = ParquetTarget(
@@ -115,7 +138,7 @@ def materialize(
             SPLIT_COL,
             options.row_group_bytes,
             options.compression,
-            counted_columns(columns),
+            counted_columns(columns, from_floats),
         )
         written = (
             selected.repartition(options.num_files)
@@ -135,9 +158,12 @@ def materialize(
             sample_weight=sample_weight,
             row_lengths=row_lengths,
             write_id=write_id,
+            label_ranges=label_ranges(metrics, columns),
         )
         check_not_empty(data, validation)
         check_row_lengths(data, input_shapes)
+        if check is not None:
+            check(data)
         published = store.exists(dataset.meta)  # another fit finished the same dataset first
     except BaseException:
         _discard(store, dataset, write_id)

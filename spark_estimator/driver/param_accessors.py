@@ -40,13 +40,15 @@ class HasModelIOAccessors(Params):
 
     def getFeatureCols(self) -> list[str]:
         """Gets the value of `feature_cols`: input columns; each becomes one positional argument
-        of the model's forward()
+        of the model's forward() (one name alone is taken as a one-element list; Spark ML's
+        featuresCol is not a param here)
         """
         return self.getOrDefault(self.feature_cols)
 
     def setFeatureCols(self: _P, value: list[str]) -> _P:
         """Sets the value of `feature_cols`: input columns; each becomes one positional argument
-        of the model's forward()
+        of the model's forward() (one name alone is taken as a one-element list; Spark ML's
+        featuresCol is not a param here)
         """
         return self._set(feature_cols=value)
 
@@ -121,13 +123,15 @@ class FitParamsAccessors(Params):
 
     def getLabelCols(self) -> list[str]:
         """Gets the value of `label_cols`: label columns; with several, the model returns one
-        output per label
+        output per label (one name alone is taken as a one-element list; Spark ML's labelCol
+        is not a param here)
         """
         return self.getOrDefault(self.label_cols)
 
     def setLabelCols(self: _P, value: list[str]) -> _P:
         """Sets the value of `label_cols`: label columns; with several, the model returns one
-        output per label
+        output per label (one name alone is taken as a one-element list; Spark ML's labelCol
+        is not a param here)
         """
         return self._set(label_cols=value)
 

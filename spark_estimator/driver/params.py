@@ -14,6 +14,7 @@ keep them; Spark's ``probabilityCol`` and ``rawPredictionCol`` are also accepted
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -36,6 +37,11 @@ def _to_optional_str(value: Any) -> str | None:
 
 def _to_optional_list_str(value: Any) -> list[str] | None:
     return None if value is None else TypeConverters.toListString(value)
+
+
+def _to_column_names(value: Any) -> list[str]:
+    """A list of column names; one name alone is a one-element list."""
+    return [value] if isinstance(value, str) else TypeConverters.toListString(value)
 
 
 def _to_optional_list_float(value: Any) -> list[float] | None:
@@ -143,6 +149,41 @@ def spark_names(kwargs: dict[str, Any]) -> dict[str, Any]:
     return named
 
 
+# Spark ML's names of column params these stages name otherwise: a keyword or param set by
+# one of them is refused, naming ours (Spark ML's `featuresCol` is one vector column; ours
+# take a list)
+SPARK_ML_NAMES = {
+    "featuresCol": "feature_cols",
+    "labelCol": "label_cols",
+    "predictionCol": "output_cols",
+}
+
+
+def check_spark_ml_names(stage: Params, kwargs: dict[str, Any]) -> None:
+    """A TypeError naming ``SPARK_ML_NAMES``' param of ``stage`` for any of Spark ML's names
+    in ``kwargs``."""
+    for name, ours in SPARK_ML_NAMES.items():
+        if name in kwargs and ours in param_specs(type(stage)):
+            value = kwargs[name]
+            given = [value] if isinstance(value, str) else value
+            raise TypeError(
+                f"{name}: is Spark ML's name; {type(stage).__name__} takes {ours}, a list of "
+                f"column names: {ours}={given!r}"
+            )
+
+
+def spark_ml_keywords(init):
+    """Wraps a stage's ``__init__`` (outside ``keyword_only``) so that Spark ML's names of
+    its column params are refused naming ours, not with Python's bare TypeError."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        check_spark_ml_names(self, kwargs)
+        return init(self, *args, **kwargs)
+
+    return wrapper
+
+
 class HasClassification(
     accessors.HasClassificationAccessors, HasProbabilityCol, HasRawPredictionCol, SpecParams
 ):
@@ -164,7 +205,9 @@ class HasClassification(
 
     def _set(self, **kwargs: Any):
         """Sets params by name, taking the snake_case spellings too (the estimators'
-        keywords and ``setParams`` come through here)."""
+        keywords and ``setParams`` come through here); Spark ML's names of column params
+        are refused naming ours (``SPARK_ML_NAMES``)."""
+        check_spark_ml_names(self, kwargs)
         return super()._set(**spark_names(kwargs))
 
     def setProbabilityCol(self, value: str):
@@ -182,8 +225,10 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
     _specs = (
         ParamSpec(
             "feature_cols",
-            "input columns; each becomes one positional argument of the model's forward()",
-            TypeConverters.toListString,
+            "input columns; each becomes one positional argument of the model's forward() (one "
+            "name alone is taken as a one-element list; Spark ML's featuresCol is not a param "
+            "here)",
+            _to_column_names,
         ),
         ParamSpec(
             "input_shapes",
@@ -211,8 +256,9 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
         ParamSpec("model", "the module to train"),
         ParamSpec(
             "label_cols",
-            "label columns; with several, the model returns one output per label",
-            TypeConverters.toListString,
+            "label columns; with several, the model returns one output per label (one name "
+            "alone is taken as a one-element list; Spark ML's labelCol is not a param here)",
+            _to_column_names,
         ),
         ParamSpec(
             "batch_size",

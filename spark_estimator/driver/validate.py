@@ -52,6 +52,15 @@ def column_spec(schema: StructType, name: str, role: str, dtype: str = "float32"
     raise TypeError(f"{param}: column '{name}' has type {dt.simpleString()}; it must be {allowed}")
 
 
+def as_class_indices(spec: ColumnSpec) -> ColumnSpec:
+    """A scalar label column read as class indices: loaded as int64 whatever its numeric
+    type (StringIndexer's labels are doubles); its values must be whole numbers, which the
+    materialization's write checks (``data_checks.py``)."""
+    if spec.kind == "scalar" and not spec.integral:
+        return ColumnSpec(spec.name, "scalar", "int64")
+    return spec
+
+
 def check_sample_weight_col(
     schema: StructType | None, name: str | None, used_cols: list[str], dtype: str
 ) -> ColumnSpec | None:

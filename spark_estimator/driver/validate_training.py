@@ -9,6 +9,7 @@ first, so a failure names the parameter that holds the unpicklable thing.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -95,6 +96,26 @@ def check_metrics(metrics) -> dict[str, Callable] | None:
         if not callable(fn):
             raise TypeError(f"metrics: '{name}' is not a function")
     return dict(metrics)
+
+
+def class_index_losses(loss, classification: bool, label_cols: list[str]) -> list[bool]:
+    """Per label column, whether its loss takes class indices: with ``classification``
+    (one label of class indices), or a loss that is torch's CrossEntropyLoss or NLLLoss
+    (module or function). Losses from ``loss_constructors`` are not known here."""
+    if classification:
+        return [True] * len(label_cols)
+    losses = loss if isinstance(loss, (list, tuple)) else [loss] * len(label_cols)
+    return [_takes_class_indices(fn) for fn in losses]
+
+
+def _takes_class_indices(fn) -> bool:
+    functional = torch.nn.functional
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    return isinstance(fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) or fn in (
+        functional.cross_entropy,
+        functional.nll_loss,
+    )
 
 
 def check_loss_weights(loss_weights, label_cols: list[str]) -> None:

@@ -3,13 +3,17 @@ batches the writer is writing anyway (vectorized ``pyarrow.compute``, no other p
 
 Per column: its null rows; for array columns, null elements and the min and max length of
 the non-null rows; for columns whose NaN and +-inf are rejected, how many values are not
-finite. Keys are ``c<i>_<what>`` by the column's position in the checked columns, as
-``driver/data_checks.check_observed`` reads them. Each written file's rows are counted
+finite; for scalar columns of class indices, their min and max value, and where they come
+as floats (a double column of whole numbers, as StringIndexer makes), how many values are
+not whole numbers (``as_written`` then writes them as int64). Keys are ``c<i>_<what>`` by
+the column's position in the checked columns, as ``driver/data_checks.check_observed``
+reads them. Each written file's rows are counted
 once: the driver merges the counts of the files the successful task attempts wrote.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -24,6 +28,20 @@ class CheckedColumn:
     name: str
     array: bool
     finite: bool
+    classes: bool = False  # class indices (a scalar column): their min and max are counted
+    whole: bool = False  # class indices given as floats: values not whole are counted
+
+
+def as_written(table: pa.Table, columns: list[CheckedColumn]) -> pa.Table:
+    """``table`` with the class indices given as floats (``whole``) as int64, as every
+    integral label is written; a value that is not whole is counted first, and the
+    driver refuses the dataset."""
+    for column in columns:
+        if column.whole:
+            i = table.column_names.index(column.name)
+            values = pc.cast(table.column(i), pa.int64(), safe=False)
+            table = table.set_column(i, column.name, values)
+    return table
 
 
 def column_stats(table: pa.Table, columns: list[CheckedColumn]) -> dict[str, int]:
@@ -40,6 +58,20 @@ def column_stats(table: pa.Table, columns: list[CheckedColumn]) -> dict[str, int
                 stats[f"c{i}_min_length"], stats[f"c{i}_max_length"] = lengths.values()
         if column.finite and pa.types.is_floating(values.type):
             stats[f"c{i}_non_finite"] = pc.sum(pc.invert(pc.is_finite(values))).as_py() or 0
+        if column.whole:
+            whole = pc.and_(pc.is_finite(data), pc.equal(data, pc.floor(data)))
+            stats[f"c{i}_not_whole"] = pc.sum(pc.invert(whole)).as_py() or 0
+        if column.classes:
+            values = pc.min_max(data).as_py()
+            if (
+                values["min"] is not None
+                and math.isfinite(values["min"])
+                and math.isfinite(values["max"])
+            ):
+                stats[f"c{i}_min_value"], stats[f"c{i}_max_value"] = (
+                    int(values["min"]),
+                    int(values["max"]),
+                )
     return stats
 
 
@@ -49,9 +81,9 @@ def merge_stats(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     for key, value in b.items():
         if key not in merged:
             merged[key] = value
-        elif key.endswith("_min_length"):
+        elif key.endswith(("_min_length", "_min_value")):
             merged[key] = min(merged[key], value)
-        elif key.endswith("_max_length"):
+        elif key.endswith(("_max_length", "_max_value")):
             merged[key] = max(merged[key], value)
         else:
             merged[key] += value

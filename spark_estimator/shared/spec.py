@@ -67,6 +67,8 @@ class DatasetInfo:
     # array/vector column -> its values per row, the same in every row (checked when written)
     row_lengths: dict[str, int] = field(default_factory=dict)
     write_id: str | None = None  # the write folder under ``path`` holding the files
+    # scalar class-index label column -> [min, max] of its values (counted when written)
+    label_ranges: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def columns(self) -> list[ColumnSpec]:
@@ -89,6 +91,7 @@ class DatasetInfo:
             "rows": {s: self.rows(s) for s in SPLITS},
             "row_lengths": self.row_lengths,
             "write_id": self.write_id,
+            "label_ranges": self.label_ranges,
             "source": self.source,
         }
 
@@ -104,6 +107,7 @@ class DatasetInfo:
             sample_weight=ColumnSpec(**weight) if (weight := meta["sample_weight"]) else None,
             row_lengths=dict(meta["row_lengths"]),
             write_id=meta["write_id"],
+            label_ranges=dict(meta.get("label_ranges", {})),
         )
 
 

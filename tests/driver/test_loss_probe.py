@@ -49,10 +49,68 @@ def test_integer_labels_pass_with_float_and_class_index_losses():
     assert probe(bundle(net=scores, loss=torch.nn.CrossEntropyLoss()), labels=INT_Y) is True
 
 
-def test_a_loss_failing_on_the_labels_is_a_warning_naming_loss_and_the_column(caplog):
-    scores = torch.nn.Linear(3, 4)  # class scores against float labels
-    assert probe(bundle(net=scores, loss=torch.nn.CrossEntropyLoss())) is True
+def test_a_loss_of_its_own_failing_on_the_labels_is_a_warning_naming_loss_and_the_column(
+    caplog,
+):
+    def scores_loss(output, label):  # class scores against float labels
+        return torch.nn.functional.cross_entropy(output, label)
+
+    scores = torch.nn.Linear(3, 4)
+    assert probe(bundle(net=scores, loss=scores_loss)) is True
     assert re.search(r"loss: failed on output of shape \(2, 4\) .* 'y'", caplog.text)
+    assert "training goes on" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "net,loss,labels,message",
+    [
+        (  # class scores against float labels
+            torch.nn.Linear(3, 4),
+            torch.nn.CrossEntropyLoss(),
+            Y,
+            r"loss: failed on output of shape \(2, 4\) and label column 'y' of shape \(2,\) "
+            r"\(RuntimeError: expected .*\), tried on the driver on 2 rows \(of zeros\); torch's "
+            r"CrossEntropyLoss fails the same way in training: this loss takes class indices: "
+            r"give label column 'y' as whole numbers of an integer type, e\.g\. "
+            r"df\.withColumn\('y', F\.col\('y'\)\.cast\('long'\)\)",
+        ),
+        (  # 3 outputs for a scalar label: torch would broadcast them (a UserWarning)
+            torch.nn.Linear(3, 3),
+            torch.nn.MSELoss(),
+            [ColumnSpec("y", "array", "float32")],
+            r"loss: failed on output of shape \(2, 3\) and label column 'y' of shape \(2, 1\) "
+            r"\(UserWarning: Using a target size .*\); torch's MSELoss fails the same way in "
+            r"training: the model returns 3 values per row",
+        ),
+        (  # a function of torch.nn.functional, as a scalar label
+            torch.nn.Linear(3, 3),
+            torch.nn.functional.mse_loss,
+            Y,
+            r"torch's mse_loss fails the same way in training: the model returns 3 values",
+        ),
+    ],
+)
+def test_torchs_own_loss_failing_on_the_shapes_is_refused_saying_what_to_change(
+    net, loss, labels, message
+):
+    lengths = {**KNOWN, "y": 1}
+    with pytest.raises(ValueError, match=message):
+        probe(bundle(net=net, loss=loss), labels=labels, row_lengths=lengths)
+
+
+def test_class_scores_too_few_for_the_labels_largest_value_are_refused():
+    two_classes = bundle(net=torch.nn.Linear(3, 2), loss=torch.nn.CrossEntropyLoss())
+    assert probe(two_classes, labels=INT_Y) is True  # zeros: class 0 exists
+    assert probe(two_classes, labels=INT_Y, label_ranges={"y": [0, 1]}) is True
+    with pytest.raises(ValueError) as e:
+        probe(two_classes, labels=INT_Y, label_ranges={"y": [0, 2]})
+    message = str(e.value)
+    assert message.startswith("loss: failed on output of shape (2, 2) and label column 'y'")
+    assert "Target 2 is out of bounds" in message
+    assert "label 'y' its smallest and largest values in the data, 0 and 2" in message
+    assert "label column 'y' holds class indices up to 2, so the model must return [B, 3]" in (
+        message
+    )
 
 
 def test_a_loss_that_needs_a_rank_is_not_refused(caplog):
@@ -94,8 +152,8 @@ def test_a_transformation_fn_is_applied_to_the_probe_batch(caplog):
     transform = dumps(to_classes, "transformation_fn")
     assert probe(scores, transformation_fn=transform) is True
     assert "loss: failed" not in caplog.text
-    probe(scores)
-    assert "loss: failed on output" in caplog.text
+    with pytest.raises(ValueError, match="loss: failed on output"):
+        probe(scores)
 
 
 def horovod_style(df):  # Horovod's transformation_fn: a pandas DataFrame of NumPy values

@@ -208,3 +208,34 @@ def test_both_spellings_with_different_values_are_refused_naming_them(stage):
         stage(probability_col="p", probabilityCol="q")
     with pytest.raises(ValueError, match="raw_prediction_col, rawPredictionCol"):
         stage(raw_prediction_col="r", rawPredictionCol="s")
+
+
+@pytest.mark.parametrize(
+    "stage,spark_name,ours",
+    [
+        (make, "featuresCol", "feature_cols"),
+        (make, "labelCol", "label_cols"),
+        (LightningEstimator, "featuresCol", "feature_cols"),
+        (LightningEstimator, "labelCol", "label_cols"),
+        (TorchModel, "featuresCol", "feature_cols"),
+        (TorchModel, "predictionCol", "output_cols"),
+    ],
+)
+def test_spark_ml_column_names_point_to_ours(stage, spark_name, ours):
+    """Spark ML's featuresCol/labelCol are refused naming the param to use instead, as a
+    keyword and in setParams."""
+    message = rf"{spark_name}: .*Spark ML's name.* {ours}=\['c'\]"
+    with pytest.raises(TypeError, match=message):
+        stage(**{spark_name: "c"})
+    with pytest.raises(TypeError, match=message):
+        stage()._set(**{spark_name: "c"})  # what setParams and the setters call
+
+
+@pytest.mark.parametrize("stage", [make, LightningEstimator, TorchModel])
+def test_a_single_column_name_is_a_one_element_list(stage):
+    one = stage(feature_cols="features")
+    assert one.getFeatureCols() == ["features"]
+    assert one.setFeatureCols("x").getFeatureCols() == ["x"]
+    if stage is not TorchModel:
+        assert stage(label_cols="label").getLabelCols() == ["label"]
+        assert one.setLabelCols("y").getLabelCols() == ["y"]

@@ -2,7 +2,12 @@ import math
 
 import pyarrow as pa
 
-from spark_estimator.shared.column_stats import CheckedColumn, column_stats, merge_stats
+from spark_estimator.shared.column_stats import (
+    CheckedColumn,
+    as_written,
+    column_stats,
+    merge_stats,
+)
 
 COLUMNS = [
     CheckedColumn("x", array=True, finite=True),
@@ -56,3 +61,26 @@ def test_merging_sums_counts_and_widens_the_length_range():
         "c1_non_finite": 4,
     }
     assert merge_stats({}, a) == a
+
+
+def test_class_indices_count_their_range_and_floats_that_are_not_whole():
+    labels = pa.table({"k": pa.array([2, 0, None, 5], pa.int64())})
+    classes = [CheckedColumn("k", array=False, finite=False, classes=True)]
+    assert column_stats(labels, classes) == {
+        "c0_null_rows": 1,
+        "c0_min_value": 0,
+        "c0_max_value": 5,
+    }
+    floats = pa.table({"k": pa.array([2.0, 0.5, None, math.nan, 1.0], pa.float64())})
+    as_floats = [CheckedColumn("k", array=False, finite=False, classes=True, whole=True)]
+    stats = column_stats(floats, as_floats)
+    assert stats["c0_not_whole"] == 2 and stats["c0_null_rows"] == 1
+    whole = pa.table({"k": pa.array([2.0, 0.0, 1.0], pa.float64())})
+    assert column_stats(whole, as_floats)["c0_not_whole"] == 0
+    written = as_written(whole, as_floats)
+    assert written.column("k").type == pa.int64()
+    assert written.column("k").to_pylist() == [2, 0, 1]
+    merged = merge_stats(
+        {"c0_min_value": 1, "c0_max_value": 3}, {"c0_min_value": 0, "c0_max_value": 2}
+    )
+    assert merged == {"c0_min_value": 0, "c0_max_value": 3}

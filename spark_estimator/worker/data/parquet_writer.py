@@ -17,7 +17,8 @@ partial file; every attempt of a partition writes the same names.
 It yields one row per file written (``WRITTEN_SCHEMA``): the split, the path relative to
 the dataset folder, the rows of each row group, which the driver records in
 ``_meta.json`` without reading any footer back, and the counts of the value checks over
-the file's rows (``column_stats.py``, as JSON), which the driver merges and checks.
+the file's rows (``column_stats.py``, as JSON), which the driver merges and checks. Class
+indices that come as floats are written as int64 (``as_written``), once counted.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark import TaskContext
 
-from ...shared.column_stats import CheckedColumn, column_stats, merge_stats
+from ...shared.column_stats import CheckedColumn, as_written, column_stats, merge_stats
 from ...shared.spec import SPLITS
 from ...store import DatasetFolder, Store
 
@@ -136,7 +137,7 @@ class PartitionWriter:
                 if batch.num_rows:
                     for split, table in _split_tables(batch, self.target.split_col):
                         stats[split] = merge_stats(stats[split], column_stats(table, checked))
-                        for group in buffers[split].add(table):
+                        for group in buffers[split].add(as_written(table, checked)):
                             write_group(split, group)
             for split, buffer in buffers.items():
                 if (rest := buffer.rest()) is not None:

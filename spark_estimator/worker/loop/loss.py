@@ -81,7 +81,12 @@ def _per_row(values: torch.Tensor, rows: int, label: str) -> torch.Tensor:
 
 
 class LossFailed(ValueError):
-    """The user's loss raised on a batch (as opposed to the checks around it)."""
+    """The user's loss raised on a batch (as opposed to the checks around it): the loss
+    of label column ``index``."""
+
+    def __init__(self, message: str, index: int = 0):
+        super().__init__(message)
+        self.index = index
 
 
 class BatchLoss:
@@ -139,7 +144,8 @@ class BatchLoss:
                     return term
             raise LossFailed(
                 f"loss: failed on output of shape {tuple(output.shape)} and label column "
-                f"'{spec.name}' of shape {tuple(aligned.shape)} ({type(e).__name__}: {e})"
+                f"'{spec.name}' of shape {tuple(aligned.shape)} ({type(e).__name__}: {e})",
+                i,
             ) from e
 
 

@@ -3,12 +3,15 @@ builds the batch and decides when), exactly as a rank computes it on its first b
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from ...shared.spec import ColumnSpec
 from ..data.batch import check_transformed
 from ..data.convert import reshape_input
-from .loss import BatchLoss, as_outputs
+from .loss import BatchLoss, LossFailed, as_outputs
 from .objects import build_losses
 
 
@@ -21,10 +24,16 @@ def probe_loss(
     feature_shapes: list,
     loss_weights,
     transformation_fn,
+    label_ranges: dict[str, list[int]] | None = None,
 ) -> None:
     """The loss of ``objects`` (the unpickled training bundle) on ``chunk`` (the loader's
-    column tensors) through the model on the CPU, in eval mode, without gradients. Raises
-    what ``BatchLoss`` raises (``LossFailed`` when the loss itself fails), and a TypeError or
+    column tensors) through the model on the CPU, in eval mode, without gradients; a label
+    column of ``label_ranges`` holds its smallest and largest value (the chunk's two rows).
+    Raises what ``BatchLoss`` raises: ``LossFailed`` when the loss itself fails, but a
+    ValueError saying what to change when that loss is torch's own (``torch_loss``), which
+    fails only on the shapes, dtypes or values of the model's output and the labels, as
+    when torch warns that a target size differs from the input size (it would broadcast
+    them: silently wrong). Also a TypeError or
     ValueError for a ``transformation_fn`` that returns no batch or was written for Horovod's
     batches (``check_not_written_for_horovod``); a model or ``transformation_fn`` failing
     otherwise, or a ``train_minibatch_fn`` (whose step decides what reaches the loss), ends it
@@ -32,6 +41,10 @@ def probe_loss(
     if objects.get("train_minibatch_fn") is not None:
         return
     rows = len(next(iter(chunk.values())))
+    chunk = dict(chunk)
+    for c in labels:
+        if label_ranges and c.name in label_ranges and rows == 2 and c.kind == "scalar":
+            chunk[c.name] = torch.tensor(label_ranges[c.name], dtype=c.torch_dtype)
     if transformation_fn is not None:
         try:
             out = transformation_fn(dict(chunk))
@@ -52,12 +65,97 @@ def probe_loss(
         if isinstance(loss_fn, torch.nn.Module):
             loss_fn.cpu()
     loss = BatchLoss(losses, labels, loss_weights, weighted_rows=sample_weight is not None)
-    with torch.no_grad():
-        loss(
-            outputs,
-            [chunk[c.name] for c in labels],
-            chunk[sample_weight.name] if sample_weight is not None else None,
+    label_values = [chunk[c.name] for c in labels]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Using a target size", category=UserWarning)
+        try:
+            loss(
+                outputs,
+                label_values,
+                chunk[sample_weight.name] if sample_weight is not None else None,
+            )
+        except LossFailed as e:
+            i = e.index
+            if not torch_loss(losses[i]) or _on_a_device(e.__cause__):
+                raise
+            ranges = label_ranges or {}
+            hint = _what_to_change(
+                outputs[i], label_values[i], labels[i], ranges.get(labels[i].name), e.__cause__
+            )
+            raise ValueError(
+                f"{e}, tried on the driver on {rows} rows ({_rows_tried(labels[i], ranges)}); "
+                f"torch's {_name(losses[i])} fails the same way in training: {hint}"
+            ) from None
+
+
+def torch_loss(fn) -> bool:
+    """Whether ``fn`` is one of torch's own losses (a loss module of ``torch.nn``, or a
+    function of ``torch.nn.functional``): it needs no rank, process group or device, so
+    what it fails on in the probe it fails on in training."""
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = type(fn) if isinstance(fn, torch.nn.Module) else fn
+    return getattr(owner, "__module__", "") in ("torch.nn.modules.loss", "torch.nn.functional")
+
+
+def _name(fn) -> str:
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    return type(fn).__name__ if isinstance(fn, torch.nn.Module) else fn.__name__
+
+
+def _on_a_device(error: BaseException | None) -> bool:
+    text = str(error).lower()
+    return "device" in text or "cuda" in text
+
+
+def _rows_tried(spec: ColumnSpec, ranges: dict[str, list[int]]) -> str:
+    if spec.name in ranges:
+        low, high = ranges[spec.name]
+        return (
+            f"features of zeros; label '{spec.name}' its smallest and largest values in the "
+            f"data, {low} and {high}"
         )
+    return "of zeros"
+
+
+def _what_to_change(
+    output: torch.Tensor,
+    label: torch.Tensor,
+    spec: ColumnSpec,
+    label_range: list[int] | None,
+    error: BaseException | None,
+) -> str:
+    """What to change so that the model's ``output`` and the ``label`` column fit the loss
+    that failed with ``error``."""
+    shape = ["B", *output.shape[1:]]
+    if label.is_floating_point() and "expected target dtype to be long" in str(error).lower():
+        return (
+            f"this loss takes class indices: give label column '{spec.name}' as whole numbers "
+            f"of an integer type, e.g. df.withColumn('{spec.name}', F.col('{spec.name}')"
+            ".cast('long')), or set classification=True"
+        )
+    if not label.is_floating_point() and spec.kind == "scalar":
+        if label_range is not None and output.dim() == 2 and label_range[1] >= output.shape[1]:
+            classes = label_range[1] + 1
+            return (
+                f"label column '{spec.name}' holds class indices up to {label_range[1]}, so "
+                f"the model must return [B, {classes}] class scores (at least {classes} "
+                f"outputs; it returns {shape})"
+            )
+        return (
+            f"a label column of class indices ('{spec.name}') needs class scores [B, C] from "
+            f"the model (it returns {shape}), C more than the largest class index"
+        )
+    per_row = output[0].numel() if len(output) else 0
+    label_per_row = label[0].numel() if len(label) else 0
+    if per_row != label_per_row:
+        return (
+            f"the model returns {per_row} values per row (output {shape}) for label column "
+            f"'{spec.name}' of {label_per_row} per row; make them match (e.g. the last "
+            "layer's out_features), or, for classes, use a loss of class indices such as "
+            "CrossEntropyLoss with whole-number labels"
+        )
+    return f"make the model's output ({shape}) and label column '{spec.name}' fit this loss"
 
 
 def check_not_written_for_horovod(fn, chunk: dict[str, torch.Tensor], error: Exception) -> None:
