@@ -246,6 +246,19 @@ def test_a_failed_fit_resumes_from_its_last_checkpoint_as_if_it_had_not_failed(d
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
+def test_a_finished_run_fit_again_with_more_epochs_trains_on_from_its_last_checkpoint(digits):
+    store, train, _ = digits
+    small = dict(epochs=3, validation=None, train_steps_per_epoch=10)
+    straight = lightning_estimator(store, run_id="three", **small).fit(train)
+    lightning_estimator(store, run_id="two-then-three", **{**small, "epochs": 2}).fit(train)
+    further = lightning_estimator(store, run_id="two-then-three", **small).fit(train)
+    assert further.getTrainingSummary()["resumed_from_epoch"] == 2
+    assert further.getHistory() == straight.getHistory()
+    expected = straight.getModel().state_dict()
+    for name, value in further.getModel().state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
+
+
 def test_a_fit_runs_each_driver_check_once(digits, spy):
     store, train, _ = digits
     names = ["check_module", "check_callbacks", "check_trainer_args", "check_monitors"]

@@ -5,9 +5,9 @@ Like ``validate_training.py``: errors name the parameter at fault, before any Sp
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
+import types
+from collections.abc import Iterator
 
 from ..shared.packages import PACKAGES, lightning_package
 from ..shared.serialization import dumps
@@ -68,8 +68,8 @@ TRAINING_HOOKS = ("training_step", "on_train_batch_end", "on_train_epoch_end")
 def check_monitors(model, callbacks, has_validation: bool) -> None:
     """Without validation data, a callback may not monitor a value the module logs only in
     its validation hooks: Lightning never runs them, and the callback would fail on every
-    executor. A value counts as logged there when its name is a string in the source of
-    those hooks (of the module's class or its parents) and not in the training hooks'; a
+    executor. A value counts as logged there when its name is a string constant in the code
+    of those hooks (of the module's class or its parents) and not in the training hooks'; a
     name made at run time (an f-string) is not seen, and is left to Lightning."""
     if has_validation or not callbacks:
         return
@@ -88,25 +88,28 @@ def check_monitors(model, callbacks, has_validation: bool) -> None:
 
 
 def _strings(model, hooks: tuple[str, ...]) -> set[str]:
-    """The string constants in the source of ``hooks`` as the module's own classes define
-    them (not Lightning's defaults); a source that cannot be read adds none."""
+    """The string constants of ``hooks`` as the module's own classes define them (not
+    Lightning's defaults), read from their code objects, not their source: a module
+    defined in ``__main__`` or a notebook has methods without readable source once a fit
+    has unpickled it in the same process (cloudpickle's by-value classes)."""
     found: set[str] = set()
     for cls in type(model).__mro__:
         if cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning", "torch"):
             continue
         for hook in hooks:
-            if hook not in vars(cls):
-                continue
-            try:
-                tree = ast.parse(textwrap.dedent(inspect.getsource(vars(cls)[hook])))
-            except (OSError, TypeError, SyntaxError):
-                continue
-            found.update(
-                node.value
-                for node in ast.walk(tree)
-                if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            )
+            code = getattr(vars(cls).get(hook), "__code__", None)
+            if code is not None:
+                found.update(_code_strings(code))
     return found
+
+
+def _code_strings(code: types.CodeType) -> Iterator[str]:
+    """The string constants of ``code`` and of the code it nests (comprehensions, lambdas)."""
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from _code_strings(const)
 
 
 def check_trainer_args(pl, trainer_args) -> dict:

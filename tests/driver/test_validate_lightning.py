@@ -22,3 +22,22 @@ def test_a_monitor_of_a_validation_value_without_validation_is_refused(module):
     unmonitored = [EarlyStopping(monitor="train_acc"), ModelCheckpoint(), pl.Callback()]
     validate_lightning.check_monitors(module, unmonitored, has_validation=False)
     validate_lightning.check_monitors(module, None, has_validation=False)
+
+
+def test_a_module_whose_source_cannot_be_read_is_checked_too():
+    """A module defined in __main__ or a notebook is pickled by value; unpickling it in the
+    same process (each fit does, on the driver) gives its class methods whose code has no
+    readable source (cloudpickle's ``<dynamic-code>``): the check must not depend on it."""
+    namespace = {}
+    exec(
+        "class Unread(Base):\n"
+        "    def validation_step(self, batch, batch_idx):\n"
+        "        self.log('val_f1', 1.0)\n",
+        {"Base": DigitsModule},
+        namespace,
+    )
+    module = namespace["Unread"]()
+    with pytest.raises(ValueError, match="callbacks: EarlyStopping monitors 'val_f1'"):
+        validate_lightning.check_monitors(
+            module, [EarlyStopping(monitor="val_f1")], has_validation=False
+        )
