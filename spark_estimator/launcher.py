@@ -16,7 +16,6 @@ its stdout, their stderr and logging on its stderr. It exits 0 when every rank f
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
@@ -111,14 +110,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(master: str, conf: dict[str, str]) -> dict[str, str]:
+def _defaults(conf: dict[str, str]) -> dict[str, str]:
     """``conf`` with the launcher's defaults where it says nothing: no console progress bar
-    (its lines would break the ranks'). On this machine's masters (``local``,
-    ``local-cluster``) the tasks run this launcher's Python, which has spark-estimator and
-    torch, unless ``PYSPARK_PYTHON`` names another; on a cluster, executors use the
-    ``PYSPARK_PYTHON`` given to them."""
-    if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
-        os.environ["PYSPARK_PYTHON"] = sys.executable  # read by pyspark's SparkContext
+    (its lines would break the ranks'). Which Python the tasks run is ``run``'s choice, as
+    for any program (``driver/task_python.py``): this launcher's on this machine's masters,
+    unless ``spark.pyspark.python`` or ``PYSPARK_PYTHON`` names another."""
     return {"spark.ui.showConsoleProgress": "false", **conf}
 
 
@@ -128,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     master = options.master or f"local[{max(1, options.num_proc)}]"
     builder = SparkSession.builder.appName(f"spark-estimator-run {options.script}").master(master)
-    for key, value in _defaults(master, dict(options.conf)).items():
+    for key, value in _defaults(dict(options.conf)).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}

@@ -38,6 +38,7 @@ from .driver.launch import (
     tasks_print_here,
 )
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
+from .driver.task_python import check_task_python
 from .driver.validate import check_min_num_proc, check_num_proc, check_positive
 from .shared.failures import TrainingError, carried_failure, read_failure
 from .shared.serialization import dumps
@@ -239,6 +240,7 @@ def run(
         raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
     spark = spark if spark is not None else SparkSession.active()
     slots = available_slots(spark, num_proc, start_timeout)
+    check_task_python(spark)
     num_proc = slots if num_proc is None else num_proc
     if min_num_proc is None:
         check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s")

@@ -38,6 +38,7 @@ from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
+from .task_python import check_task_python
 
 
 class Training(NamedTuple):
@@ -410,7 +411,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
     def _validate(
         self, spark: SparkSession, dataset: DataFrame | None, log_first: bool = True
     ) -> _Checked:
-        """Check every input on the driver; return what fit needs. No Spark job runs here.
+        """Check every input on the driver; return what fit needs. No Spark job runs here,
+        but on a cluster the one task that checks the tasks' Python (``task_python``).
         A fit's first log line (``Training.first_log``) comes from here, unless
         ``log_first`` is False (``materialize`` alone trains nothing).
 
@@ -453,6 +455,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
         )
+        check_task_python(spark)
         probed = training.probe_loss is None or (
             features is not None
             and training.probe_loss(
