@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
 from .runner import run
@@ -99,10 +100,21 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for the cluster's task slots",
     )
-    p.add_argument(
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--gpu",
+        dest="use_gpu",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="require a GPU for every rank (default: the GPU Spark assigned to each rank "
+        "where the cluster has GPUs configured, else the CPU)",
+    )
+    gpu.add_argument(
         "--no-gpu",
         dest="use_gpu",
-        action="store_false",
+        action="store_const",
+        const=False,
         help="train on CPU even where Spark assigns GPUs",
     )
     p.add_argument("script", help="the training script")
@@ -129,23 +141,26 @@ def main(argv: list[str] | None = None) -> int:
     spark = builder.getOrCreate()
     timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}
     try:
-        run(
-            options.script,
-            args=options.args,
-            num_proc=options.num_proc,
-            use_gpu=options.use_gpu,
-            spark=spark,
-            env=dict(options.env),
-            stdout=sys.stdout,
-            stderr=sys.stderr,
-            verbose=options.verbose,
-            store=options.store,
-            run_id=options.run_id,
-            max_restarts=options.max_restarts,
-            min_num_proc=options.min_num_proc,
-            elastic_timeout=options.elastic_timeout,
-            **timeout,
-        )
+        with warnings.catch_warnings(record=True) as caught:  # as lines, not Python's warnings
+            run(
+                options.script,
+                args=options.args,
+                num_proc=options.num_proc,
+                use_gpu=options.use_gpu,
+                spark=spark,
+                env=dict(options.env),
+                stdout=sys.stdout,
+                stderr=sys.stderr,
+                verbose=options.verbose,
+                store=options.store,
+                run_id=options.run_id,
+                max_restarts=options.max_restarts,
+                min_num_proc=options.min_num_proc,
+                elastic_timeout=options.elastic_timeout,
+                **timeout,
+            )
+        for warning in caught:
+            print(f"spark-estimator-run: warning: {warning.message}", file=sys.stderr)
     except TrainingError as e:
         print(f"spark-estimator-run: rank {e.rank} failed: {e}", file=sys.stderr)
         return 1

@@ -69,6 +69,7 @@ class _Checked(NamedTuple):
     store: Store
     loader: LoaderSpec
     probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
+    use_gpu: bool | str  # what the tasks are told (validate.tasks_use_gpu)
 
 
 logger = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             batch_size=self.getBatchSize(),
             epochs=self.getEpochs(),
             seed=self.getRandomSeed(),
-            use_gpu=self.getUseGpu(),
+            use_gpu=checked.use_gpu,
             input_shapes=self.getInputShapes(),
             loader=checked.loader,
             loop=training.loop,
@@ -431,6 +432,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         features, labels, sample_weight = self._check_columns(dataset)
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         validate.check_no_dynamic_allocation(spark)
+        use_gpu = validate.check_use_gpu(spark, self.getUseGpu())
         if self.getMlflowLogging():
             mlflow_log.check_installed()
         slots = available_slots(spark, self.getNumProc())
@@ -463,7 +465,16 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             )
         )
         return _Checked(
-            features, labels, sample_weight, training, num_proc, start_procs, store, loader, probed
+            features,
+            labels,
+            sample_weight,
+            training,
+            num_proc,
+            start_procs,
+            store,
+            loader,
+            probed,
+            use_gpu,
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:
