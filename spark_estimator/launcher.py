@@ -3,7 +3,7 @@
     spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
         [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
         [--min-np N] [--elastic-timeout S]
-        [--start-timeout S] train.py [script args ...]
+        [--start-timeout S] [--gpu | --no-gpu] train.py [script args ...]
 
 (also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
 ``--master`` (default ``local[<np>]``: this machine, one core per rank) and every
