@@ -92,7 +92,6 @@ def main(argv=None) -> int:
         validation=0.2,
         random_seed=42,
         store=Store.create(args.store),
-        use_gpu=False,  # CPU here; on a GPU cluster (conf/spark-defaults.gpu.conf) use True
         # averaged over every row of every process, once per epoch
         metrics={"accuracy": lambda logits, label: (logits.argmax(1) == label).float().mean()},
         # the fitted model holds the weights of the epoch with the best validation accuracy

@@ -72,7 +72,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         validation=None,
         random_seed=0,
         store=None,
-        use_gpu=True,
+        use_gpu="auto",
         run_id=None,
         partitions_per_process=4,
         row_group_size_mb=32.0,

@@ -3,7 +3,7 @@
     spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
         [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
         [--min-np N] [--elastic-timeout S]
-        [--start-timeout S] train.py [script args ...]
+        [--start-timeout S] [--gpu | --no-gpu] train.py [script args ...]
 
 (also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
 ``--master`` (default ``local[<np>]``: this machine, one core per rank) and every
@@ -16,8 +16,8 @@ its stdout, their stderr and logging on its stderr. It exits 0 when every rank f
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+import warnings
 
 from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
 from .runner import run
@@ -100,10 +100,21 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds to wait for the cluster's task slots",
     )
-    p.add_argument(
+    gpu = p.add_mutually_exclusive_group()
+    gpu.add_argument(
+        "--gpu",
+        dest="use_gpu",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="require a GPU for every rank (default: the GPU Spark assigned to each rank "
+        "where the cluster has GPUs configured, else the CPU)",
+    )
+    gpu.add_argument(
         "--no-gpu",
         dest="use_gpu",
-        action="store_false",
+        action="store_const",
+        const=False,
         help="train on CPU even where Spark assigns GPUs",
     )
     p.add_argument("script", help="the training script")
@@ -111,14 +122,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _defaults(master: str, conf: dict[str, str]) -> dict[str, str]:
+def _defaults(conf: dict[str, str]) -> dict[str, str]:
     """``conf`` with the launcher's defaults where it says nothing: no console progress bar
-    (its lines would break the ranks'). On this machine's masters (``local``,
-    ``local-cluster``) the tasks run this launcher's Python, which has spark-estimator and
-    torch, unless ``PYSPARK_PYTHON`` names another; on a cluster, executors use the
-    ``PYSPARK_PYTHON`` given to them."""
-    if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
-        os.environ["PYSPARK_PYTHON"] = sys.executable  # read by pyspark's SparkContext
+    (its lines would break the ranks'). Which Python the tasks run is ``run``'s choice, as
+    for any program (``driver/task_python.py``): this launcher's on this machine's masters,
+    unless ``spark.pyspark.python`` or ``PYSPARK_PYTHON`` names another."""
     return {"spark.ui.showConsoleProgress": "false", **conf}
 
 
@@ -128,28 +136,31 @@ def main(argv: list[str] | None = None) -> int:
 
     master = options.master or f"local[{max(1, options.num_proc)}]"
     builder = SparkSession.builder.appName(f"spark-estimator-run {options.script}").master(master)
-    for key, value in _defaults(master, dict(options.conf)).items():
+    for key, value in _defaults(dict(options.conf)).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}
     try:
-        run(
-            options.script,
-            args=options.args,
-            num_proc=options.num_proc,
-            use_gpu=options.use_gpu,
-            spark=spark,
-            env=dict(options.env),
-            stdout=sys.stdout,
-            stderr=sys.stderr,
-            verbose=options.verbose,
-            store=options.store,
-            run_id=options.run_id,
-            max_restarts=options.max_restarts,
-            min_num_proc=options.min_num_proc,
-            elastic_timeout=options.elastic_timeout,
-            **timeout,
-        )
+        with warnings.catch_warnings(record=True) as caught:  # as lines, not Python's warnings
+            run(
+                options.script,
+                args=options.args,
+                num_proc=options.num_proc,
+                use_gpu=options.use_gpu,
+                spark=spark,
+                env=dict(options.env),
+                stdout=sys.stdout,
+                stderr=sys.stderr,
+                verbose=options.verbose,
+                store=options.store,
+                run_id=options.run_id,
+                max_restarts=options.max_restarts,
+                min_num_proc=options.min_num_proc,
+                elastic_timeout=options.elastic_timeout,
+                **timeout,
+            )
+        for warning in caught:
+            print(f"spark-estimator-run: warning: {warning.message}", file=sys.stderr)
     except TrainingError as e:
         print(f"spark-estimator-run: rank {e.rank} failed: {e}", file=sys.stderr)
         return 1

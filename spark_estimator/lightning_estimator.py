@@ -62,7 +62,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
         validation=None,
         random_seed=0,
         store=None,
-        use_gpu=True,
+        use_gpu="auto",
         run_id=None,
         callbacks=None,
         trainer_args=None,

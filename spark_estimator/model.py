@@ -30,6 +30,7 @@ from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, Str
 from .driver import validate
 from .driver.params import ModelParams, spark_ml_keywords
 from .driver.persistence import ObjectParamsReadWrite
+from .driver.task_python import use_task_python
 from .shared.serialization import dumps
 from .shared.spec import FLOAT_DTYPES
 from .worker.predict import predict_batches
@@ -122,6 +123,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
             validate.column_spec(schema, c, "feature", dtype) for c in self.getFeatureCols()
         ]
         validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols(), features)
+        use_task_python(dataset.sparkSession)  # the driver's Python on a local master
         if self.getClassification():
             return self._transform_classes(dataset, features)
         names = self._output_names()

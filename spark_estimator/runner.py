@@ -38,7 +38,8 @@ from .driver.launch import (
     tasks_print_here,
 )
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
-from .driver.validate import check_min_num_proc, check_num_proc, check_positive
+from .driver.task_python import check_task_python
+from .driver.validate import check_min_num_proc, check_num_proc, check_positive, check_use_gpu
 from .shared.failures import TrainingError, carried_failure, read_failure
 from .shared.serialization import dumps
 from .shared.spec import COLLECTIVE_TIMEOUT_S
@@ -140,7 +141,7 @@ def run(
     args: tuple | list = (),
     kwargs: Mapping[str, Any] | None = None,
     num_proc: int | None = None,
-    use_gpu: bool = True,
+    use_gpu: bool | str = "auto",
     spark: SparkSession | None = None,
     rank0_only: bool = False,
     collective_timeout: float = COLLECTIVE_TIMEOUT_S,
@@ -169,9 +170,12 @@ def run(
 
     ``num_proc`` defaults to every task slot of the cluster; ``spark`` to the active
     session. ``start_timeout`` is how many seconds to wait for the executors of a cluster
-    to offer ``num_proc`` slots (a local master's are known at once). With ``use_gpu`` each
-    rank pins the GPU Spark assigned to its task (a CPU fallback is reported by one warning
-    on the driver). ``env`` sets environment variables on every rank before ``fn`` runs.
+    to offer ``num_proc`` slots (a local master's are known at once). ``use_gpu``: with
+    ``"auto"`` (the default) each rank pins the GPU Spark assigned to its task, and runs on
+    the CPU where the cluster has no GPUs configured (where it has, a rank that got none is
+    reported by one warning on the driver); True requires a GPU for every rank (a
+    ValueError before any job where Spark gives tasks none); False is the CPU. ``env`` sets
+    environment variables on every rank before ``fn`` runs.
     Returns the ranks' return values ordered by rank, or only rank 0's with ``rank0_only``
     (the other ranks then send nothing back); a script returns None. Return values go
     through the driver's memory; tensors arrive on CPU. ``collective_timeout`` is how many
@@ -237,8 +241,12 @@ def run(
         name = getattr(fn, "__qualname__", type(fn).__name__)
     if store is not None and not isinstance(store, (str, Store)):
         raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
+    if not (isinstance(use_gpu, bool) or use_gpu == "auto"):
+        raise TypeError(f"use_gpu: expected 'auto', True or False, got {use_gpu!r}")
     spark = spark if spark is not None else SparkSession.active()
+    use_gpu = check_use_gpu(spark, use_gpu)
     slots = available_slots(spark, num_proc, start_timeout)
+    check_task_python(spark)
     num_proc = slots if num_proc is None else num_proc
     if min_num_proc is None:
         check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s")
@@ -260,7 +268,7 @@ def run(
                 payload,
                 shipped,
                 env,
-                bool(use_gpu),
+                use_gpu,
                 bool(rank0_only),
                 collective_timeout,
                 store,
@@ -293,6 +301,7 @@ def run(
     if notes:
         warnings.warn(
             "; ".join(f"ranks {ranks}: {note}" for note, ranks in notes.items()),
+            RuntimeWarning,
             stacklevel=2,
         )
     if script:

@@ -426,9 +426,10 @@ def test_loss_constructors_build_unpicklable_losses_on_the_executors(df, store):
     assert torch.allclose(weights(built), weights(plain))
 
 
-def test_cpu_fallback_is_a_warning_on_the_driver(df, store):
-    with pytest.warns(RuntimeWarning, match="use_gpu=True but Spark assigned no GPU"):
+def test_use_gpu_true_without_gpus_configured_fails_on_the_driver_before_any_job(df, store):
+    with pytest.raises(ValueError, match=r"use_gpu: True .*spark.task.resource.gpu.amount"):
         fit(df, store, use_gpu=True, epochs=1)
+    assert not store.exists(store.datasets) and not store.exists(store.runs)
 
 
 def test_each_epoch_records_where_each_ranks_time_went(df, store):

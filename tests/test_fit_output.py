@@ -2,6 +2,8 @@
 TensorBoard event files, MLflow logging, and the last lines in a TrainingError."""
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,7 +69,7 @@ def test_not_verbose_shows_no_bar(regression_df, store, capsys):
 
 def test_a_training_error_shows_the_failing_ranks_last_lines(regression_df, store):
     est = make_estimator(
-        store=store, epochs=3, callbacks=[Talk(fail_rank=1, fail_epoch=2)], use_gpu=True
+        store=store, epochs=3, callbacks=[Talk(fail_rank=1, fail_epoch=2)], use_gpu="auto"
     )
     with pytest.raises(TrainingError, match="the user's callback failed") as failure:
         est.fit(regression_df)
@@ -77,8 +79,8 @@ def test_a_training_error_shows_the_failing_ranks_last_lines(regression_df, stor
     assert "(last output of rank 1:)\n[rank 1] printed by rank 1 after epoch 1" in str(
         failure.value
     )
-    # use_gpu=True on a CPU-only Spark: the fallback is no line of the ranks' output
-    assert "assigned no GPU" not in str(failure.value)
+    # the default use_gpu on a CPU-only Spark: no GPU line in the ranks' output
+    assert "GPU" not in str(failure.value)
 
 
 def test_mlflow_logging_without_mlflow_is_refused_before_any_job(regression_df, store, monkeypatch):
@@ -101,3 +103,33 @@ def test_a_job_started_again_shows_each_line_once(regression_df, store, tmp_path
     # epoch 1's line was printed by the first launch only; the second resumed after it
     assert lines.count("[rank 0] printed by rank 0 after epoch 1") == 1
     assert lines.count("[rank 0] printed by rank 0 after epoch 3") == 1
+
+
+DEFAULT_FIT = """
+import torch
+from pyspark.sql import SparkSession
+from spark_estimator import Store, TorchEstimator
+
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+spark.sparkContext.setLogLevel("ERROR")
+rows = [([float(i), 1.0], 2.0 * i) for i in range(64)]
+df = spark.createDataFrame(rows, "x array<double>, y double")
+net = torch.nn.Linear(2, 1)
+TorchEstimator(
+    model=net, optimizer=torch.optim.SGD(net.parameters(), lr=1e-3), loss=torch.nn.MSELoss(),
+    feature_cols=["x"], label_cols=["y"], batch_size=16, epochs=1, num_proc=2,
+    store=Store.create({store!r}),
+).fit(df)
+print("fitted")
+"""
+
+
+def test_a_default_fit_on_a_cluster_without_gpus_shows_no_gpu_warning(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(DEFAULT_FIT.format(store=str(tmp_path / "store")))
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "fitted" in done.stdout, done.stderr[-3000:]
+    assert "GPU" not in done.stdout + done.stderr
+    assert "Warning" not in done.stderr

@@ -38,9 +38,10 @@ def launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
 def test_the_launcher_runs_a_script_and_shows_each_ranks_lines_by_stream(tmp_path):
     done = launch(
         tmp_path, "-np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false",
-        "--env", "MY_SETTING=on", "--verbose", "2", "--no-gpu", "train.py", "--lr", "0.1",
+        "--env", "MY_SETTING=on", "--verbose", "2", "train.py", "--lr", "0.1",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "GPU" not in done.stderr and "Warning" not in done.stderr  # a CPU run by default
     out = done.stdout.splitlines()
     assert "[rank 0] rank 0 of 2 sum 1.0 ['--lr', '0.1']" in out
     assert "[rank 1] rank 1 of 2 sum 1.0 ['--lr', '0.1']" in out
@@ -69,3 +70,10 @@ def test_setup_declares_the_console_script():
     setup = (ROOT / "setup.py").read_text()
     assert '"spark-estimator-run = spark_estimator.launcher:main"' in setup
     assert callable(main)
+
+
+def test_the_gpu_flag_requires_a_gpu_per_rank_and_exits_2_naming_it(tmp_path):
+    done = launch(tmp_path, "-np", "2", "--master", "local[2]", "--gpu", "train.py")
+    assert done.returncode == 2
+    assert "spark-estimator-run: use_gpu: True " in done.stderr
+    assert "[rank" not in done.stderr  # refused before the job

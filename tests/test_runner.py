@@ -112,14 +112,17 @@ def test_rank0_only_returns_rank_0s_value_and_no_cpu_warning_without_gpu(spark):
     assert not [w for w in caught if "training on CPU" in str(w.message)]
 
 
-def test_cpu_fallback_is_one_warning_on_the_driver(spark, caplog):
-    caplog.set_level(logging.INFO, logger="spark_estimator.worker")
-    with pytest.warns(UserWarning) as record:
-        assert run(sd.size, num_proc=2, use_gpu=True, spark=spark) == [2, 2]
-    fallbacks = [str(w.message) for w in record if "training on CPU" in str(w.message)]
-    assert len(fallbacks) == 1
-    assert "ranks [0, 1]" in fallbacks[0] and "assigned no GPU" in fallbacks[0]
-    assert not [r for r in caplog.records if "assigned no GPU" in r.getMessage()]
+def test_the_default_use_gpu_runs_on_cpu_without_a_warning(spark, capfd):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run(sd.size, num_proc=2, spark=spark) == [2, 2]
+    assert not caught
+    assert "GPU" not in capfd.readouterr().err
+
+
+def test_use_gpu_true_without_gpus_configured_is_refused_before_any_job(spark):
+    with pytest.raises(ValueError, match=r"use_gpu: True .*spark.task.resource.gpu.amount"):
+        run(sd.size, num_proc=2, use_gpu=True, spark=spark)
 
 
 def test_spark_defaults_to_the_active_session_and_num_proc_to_every_slot(spark):
@@ -157,7 +160,7 @@ def exit_on_rank_1():
 
 def test_sys_exit_in_fn_is_a_training_error_with_the_exit_code(spark):
     with pytest.raises(TrainingError) as failure:
-        run(exit_on_rank_1, num_proc=2, use_gpu=True, spark=spark)  # on CPU: no GPU line
+        run(exit_on_rank_1, num_proc=2, spark=spark)  # on CPU: no GPU line
     error = failure.value
     assert error.rank == 1 and error.remote_type == "SystemExit"
     assert str(error).startswith("SystemExit: sys.exit(1)\n")

@@ -46,6 +46,7 @@ from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
+from .task_python import check_task_python
 
 
 class Training(NamedTuple):
@@ -77,6 +78,7 @@ class _Checked(NamedTuple):
     store: Store
     loader: LoaderSpec
     probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
+    use_gpu: bool | str  # what the tasks are told (validate.tasks_use_gpu)
 
 
 logger = logging.getLogger(__name__)
@@ -271,7 +273,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             batch_size=self.getBatchSize(),
             epochs=self.getEpochs(),
             seed=self.getRandomSeed(),
-            use_gpu=self.getUseGpu(),
+            use_gpu=checked.use_gpu,
             input_shapes=self.getInputShapes(),
             loader=checked.loader,
             loop=training.loop,
@@ -433,7 +435,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
     def _validate(
         self, spark: SparkSession, dataset: DataFrame | None, log_first: bool = True
     ) -> _Checked:
-        """Check every input on the driver; return what fit needs. No Spark job runs here.
+        """Check every input on the driver; return what fit needs. No Spark job runs here,
+        but on a cluster the one task that checks the tasks' Python (``task_python``).
         A fit's first log line (``Training.first_log``) comes from here, unless
         ``log_first`` is False (``materialize`` alone trains nothing).
 
@@ -452,6 +455,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         features, labels, sample_weight = self._check_columns(dataset)
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         validate.check_no_dynamic_allocation(spark)
+        use_gpu = validate.check_use_gpu(spark, self.getUseGpu())
         if self.getMlflowLogging():
             mlflow_log.check_installed()
         slots = available_slots(spark, self.getNumProc())
@@ -476,6 +480,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
         )
+        check_task_python(spark)
         probed = training.probe_loss is None or (
             features is not None
             and training.probe_loss(
@@ -483,7 +488,16 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             )
         )
         return _Checked(
-            features, labels, sample_weight, training, num_proc, start_procs, store, loader, probed
+            features,
+            labels,
+            sample_weight,
+            training,
+            num_proc,
+            start_procs,
+            store,
+            loader,
+            probed,
+            use_gpu,
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:

@@ -91,7 +91,7 @@ class FitParamsAccessors(Params):
     validation: Param[float | str | None]
     random_seed: Param[int]
     store: Param[Any]
-    use_gpu: Param[bool]
+    use_gpu: Param[bool | str]
     run_id: Param[str | None]
     collective_timeout: Param[float]
     verbose: Param[bool]
@@ -249,15 +249,17 @@ class FitParamsAccessors(Params):
         """
         return self._set(store=value)
 
-    def getUseGpu(self) -> bool:
-        """Gets the value of `use_gpu`: train on the GPU Spark assigned to each task; falls back
-        to CPU where none is
+    def getUseGpu(self) -> bool | str:
+        """Gets the value of `use_gpu`: 'auto': train on the GPU Spark assigned to each task, on
+        the CPU where the cluster has no GPUs configured (a warning where it has but a task
+        got none); True: require a GPU for every task (an error without one); False: the CPU
         """
         return self.getOrDefault(self.use_gpu)
 
-    def setUseGpu(self: _P, value: bool) -> _P:
-        """Sets the value of `use_gpu`: train on the GPU Spark assigned to each task; falls back
-        to CPU where none is
+    def setUseGpu(self: _P, value: bool | str) -> _P:
+        """Sets the value of `use_gpu`: 'auto': train on the GPU Spark assigned to each task, on
+        the CPU where the cluster has no GPUs configured (a warning where it has but a task
+        got none); True: require a GPU for every task (an error without one); False: the CPU
         """
         return self._set(use_gpu=value)
 

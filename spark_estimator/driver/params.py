@@ -72,6 +72,13 @@ def _to_validation(value: Any) -> float | str | None:
     return float(value)
 
 
+def _to_use_gpu(value: Any) -> bool | str:
+    """``"auto"``, True or False (saved estimators hold True or False)."""
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise TypeError(f"use_gpu: expected 'auto', True or False, got {value!r}")
+
+
 def _to_verbose(value: bool | int) -> bool:
     """A boolean, or Horovod's levels 0, 1 and 2 (2, per-epoch lines there, shows the same
     as 1 here: the bar already shows every epoch)."""
@@ -318,9 +325,11 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
         ),
         ParamSpec(
             "use_gpu",
-            "train on the GPU Spark assigned to each task; falls back to CPU where none is",
-            TypeConverters.toBoolean,
-            default=True,
+            "'auto': train on the GPU Spark assigned to each task, on the CPU where the cluster "
+            "has no GPUs configured (a warning where it has but a task got none); True: "
+            "require a GPU for every task (an error without one); False: the CPU",
+            _to_use_gpu,
+            default="auto",
         ),
         ParamSpec(
             "run_id",

@@ -7,6 +7,8 @@ schema comes from the DataFrame's analyzed plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import (
     ArrayType,
@@ -209,6 +211,45 @@ def check_num_proc(num_proc: int, slots: int, waited: str = "", name: str = "num
             f"{slots} tasks at once{within}; a barrier job needs all of them at the same time. "
             "Lower num_proc or add executor cores."
         )
+
+
+GPU_AMOUNTS = ("spark.task.resource.gpu.amount", "spark.executor.resource.gpu.amount")
+
+
+def tasks_use_gpu(use_gpu: bool | str, conf: Callable[[str], str | None]) -> bool | str:
+    """What the tasks are told of ``use_gpu``, given the cluster's settings (``conf(key)``:
+    a value or None): ``"auto"`` where GPUs are configured (per task or per executor; a task
+    that gets none warns), False where none are (the CPU, silently); True only where every
+    task gets a GPU (``spark.task.resource.gpu.amount`` > 0), else a ValueError."""
+
+    def amount(key: str) -> float:
+        try:
+            return float(conf(key) or 0)
+        except ValueError:
+            return 0.0
+
+    if use_gpu is True and amount(GPU_AMOUNTS[0]) <= 0:
+        raise ValueError(
+            "use_gpu: True requires a GPU for every task, but Spark gives tasks none: "
+            "spark.task.resource.gpu.amount is not set (see docs/gpu.md). Set it on a GPU "
+            "cluster, or leave use_gpu at 'auto' (the default) to train on the CPU where "
+            "there is no GPU"
+        )
+    if use_gpu == "auto":
+        return "auto" if any(amount(key) > 0 for key in GPU_AMOUNTS) else False
+    return use_gpu
+
+
+def check_use_gpu(spark, use_gpu: bool | str) -> bool | str:
+    """``tasks_use_gpu`` with ``spark``'s settings; raises before any job."""
+
+    def conf(key: str) -> str | None:
+        try:
+            return spark.conf.get(key, None)
+        except Exception:  # a session that cannot tell
+            return None
+
+    return tasks_use_gpu(use_gpu, conf)
 
 
 def check_no_dynamic_allocation(spark) -> None:

@@ -190,7 +190,7 @@ class TrainSpec:
     batch_size: int
     epochs: int
     seed: int
-    use_gpu: bool
+    use_gpu: bool | str  # True: required; "auto": where Spark assigned one; False: CPU
     input_shapes: list[list[int]] | None
     loader: LoaderSpec = field(default_factory=LoaderSpec)
     loop: LoopSpec | None = None  # our loop's (worker/loop/train.py); None for Lightning's Trainer

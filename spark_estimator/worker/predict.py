@@ -39,7 +39,7 @@ def predict_batches(
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    device = task_device(ctx, use_gpu=True, warn=False)[0] if ctx else torch.device("cpu")
+    device = task_device(ctx, use_gpu="auto", warn=False)[0] if ctx else torch.device("cpu")
     model = loads(model_bytes).to(device).eval()
     shapes = input_shapes or [None] * len(features)
     expected = 1 if classification else len(output_cols)

@@ -48,7 +48,7 @@ class RunSpec:
     payload: bytes | None  # cloudpickled (fn, args, kwargs); None for a script
     script: tuple[str, str, tuple[str, ...]] | None  # (path as given, its source, args)
     env: dict[str, str]
-    use_gpu: bool
+    use_gpu: bool | str  # as TrainSpec.use_gpu
     rank0_only: bool
     collective_timeout: float
     store: Store

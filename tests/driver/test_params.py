@@ -24,7 +24,7 @@ def test_defaults():
     est = make()
     assert est.getBatchSize() == 32 and est.getEpochs() == 1
     assert est.getNumProc() is None and est.getValidation() is None
-    assert est.getRandomSeed() == 0 and est.getUseGpu() is True
+    assert est.getRandomSeed() == 0 and est.getUseGpu() == "auto"
     assert est.getRunId() is None and est.getInputShapes() is None and est.getOutputCols() is None
     assert (est.getPartitionsPerProcess(), est.getRowGroupSizeMb()) == (4, 32.0)
     assert (est.getCompression(), est.getDtype(), est.getReader()) == ("snappy", "float32", "arrow")
@@ -100,6 +100,25 @@ def test_verbose_takes_horovods_levels_and_booleans(value, shown):
 def test_verbose_refuses_other_values_naming_it(value):
     with pytest.raises((TypeError, ValueError), match="verbose"):
         make(verbose=value)
+
+
+@pytest.mark.parametrize("stage", [TorchEstimator, LightningEstimator])
+def test_use_gpu_defaults_to_auto(stage):
+    assert stage().getUseGpu() == "auto"
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_use_gpu_takes_auto_true_or_false(value, tmp_path):
+    est = make(use_gpu=value)
+    assert est.getUseGpu() is value if isinstance(value, bool) else est.getUseGpu() == value
+    est.write().save(str(tmp_path / "est"))  # saved estimators keep True/False as they were
+    assert TorchEstimator.load(str(tmp_path / "est")).getUseGpu() == value
+
+
+@pytest.mark.parametrize("value", ["yes", "true", 1])
+def test_use_gpu_refuses_other_values_naming_it(value):
+    with pytest.raises(TypeError, match="use_gpu: expected 'auto', True or False"):
+        make(use_gpu=value)
 
 
 def test_copy_with_extra_changes_only_the_copy():

@@ -179,3 +179,33 @@ def test_dynamic_allocation_is_refused_up_front():
 
 def test_the_real_session_has_no_dynamic_allocation(spark):
     validate.check_no_dynamic_allocation(spark)
+
+
+TASK_GPUS, EXECUTOR_GPUS = "spark.task.resource.gpu.amount", "spark.executor.resource.gpu.amount"
+
+
+@pytest.mark.parametrize(
+    "conf, told",
+    [
+        ({}, False),  # no GPUs configured: the CPU, silently
+        ({TASK_GPUS: "0"}, False),
+        ({TASK_GPUS: "1", EXECUTOR_GPUS: "4"}, "auto"),  # a GPU each; warn where one got none
+        ({EXECUTOR_GPUS: "4"}, "auto"),  # executors have GPUs, tasks ask for none: warned
+    ],
+)
+def test_use_gpu_auto_asks_for_a_gpu_only_where_the_cluster_has_gpus_configured(conf, told):
+    assert validate.tasks_use_gpu("auto", conf.get) == told
+
+
+def test_use_gpu_false_is_the_cpu_anywhere():
+    assert validate.tasks_use_gpu(False, {TASK_GPUS: "1"}.get) is False
+
+
+def test_use_gpu_true_is_required_of_every_task_where_gpus_are_configured():
+    assert validate.tasks_use_gpu(True, {TASK_GPUS: "0.5"}.get) is True
+
+
+@pytest.mark.parametrize("conf", [{}, {EXECUTOR_GPUS: "4"}, {TASK_GPUS: "0"}])
+def test_use_gpu_true_without_a_gpu_per_task_is_refused_naming_it(conf):
+    with pytest.raises(ValueError, match=r"use_gpu: True .*spark.task.resource.gpu.amount"):
+        validate.tasks_use_gpu(True, conf.get)

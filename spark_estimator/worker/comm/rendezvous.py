@@ -146,27 +146,40 @@ def cuda_ordinal(address: str, visible_devices: str | None) -> int:
 
 
 def select_device(
-    use_gpu: bool,
+    use_gpu: bool | str,
     gpu_addresses: Sequence[str],
     cuda_available: bool,
     visible_devices: str | None = None,
 ) -> tuple[torch.device, str | None]:
     """The device for this task and, when falling back to CPU, the reason why.
 
+    ``use_gpu`` is what the driver told the tasks (``driver.validate.tasks_use_gpu``):
+    False, the CPU; ``"auto"`` (the cluster has GPUs configured), the GPU Spark assigned,
+    else the CPU with a reason; True, that GPU or a RuntimeError naming ``use_gpu``.
     ``gpu_addresses`` are the GPU addresses Spark assigned to the task
     (``TaskContext.resources()["gpu"].addresses``); the first one is used.
     """
     if not use_gpu:
         return torch.device("cpu"), None
     if not gpu_addresses:
+        if use_gpu is True:
+            raise RuntimeError(
+                "use_gpu: True requires a GPU for every task, but Spark assigned no GPU to "
+                "this task (set spark.task.resource.gpu.amount)"
+            )
         return torch.device("cpu"), (
-            "use_gpu=True but Spark assigned no GPU to this task (set "
-            "spark.task.resource.gpu.amount); training on CPU"
+            "GPUs are configured but this task got none (set spark.task.resource.gpu.amount "
+            "to give each task one); training on CPU"
         )
     if not cuda_available:
+        if use_gpu is True:
+            raise RuntimeError(
+                f"use_gpu: True and Spark assigned GPU {gpu_addresses[0]}, but torch has no "
+                "CUDA support here (a CPU-only torch?)"
+            )
         return torch.device("cpu"), (
-            f"use_gpu=True and Spark assigned GPU {gpu_addresses[0]}, but torch has no CUDA "
-            "support here; training on CPU"
+            f"Spark assigned GPU {gpu_addresses[0]}, but torch has no CUDA support here; "
+            "training on CPU"
         )
     return torch.device("cuda", cuda_ordinal(gpu_addresses[0], visible_devices)), None
 
@@ -176,7 +189,7 @@ def task_gpu_addresses(resources: Mapping) -> list[str]:
     return list(gpu.addresses) if gpu is not None else []
 
 
-def task_device(ctx, use_gpu: bool, warn: bool = True) -> tuple[torch.device, str | None]:
+def task_device(ctx, use_gpu: bool | str, warn: bool = True) -> tuple[torch.device, str | None]:
     """Pin the device for the running Spark task ``ctx`` and size torch's threads; return
     the device and, on a CPU fallback, the reason (the driver turns it into one warning).
 
@@ -205,7 +218,7 @@ class RendezvousError(RuntimeError):
 def process_group(
     ctx,
     meeting: Meeting,
-    use_gpu: bool,
+    use_gpu: bool | str,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
     on_failure: Callable[[int, BaseException], None] | None = None,
     init_group: bool = True,
@@ -230,7 +243,12 @@ def process_group(
     global _current, _script_timeout
     infos = ctx.getTaskInfos()
     rank, world_size = ctx.partitionId(), len(infos)
-    device, note = task_device(ctx, use_gpu)
+    try:
+        device, note = task_device(ctx, use_gpu)
+    except RuntimeError as e:  # use_gpu=True and no GPU here: the driver raises it
+        if on_failure is not None:
+            on_failure(rank, e)
+        raise
     hosts = [info.address.rsplit(":", 1)[0] for info in infos]
     timeout = timedelta(seconds=timeout_s)
     network = gloo_interface(hosts, rank)

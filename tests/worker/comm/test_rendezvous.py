@@ -45,14 +45,33 @@ def test_uses_the_gpu_address_spark_assigned():
     assert device == torch.device("cuda", 3) and reason is None
 
 
-def test_falls_back_to_cpu_without_an_assigned_gpu():
-    device, reason = select_device(True, [], cuda_available=True)
-    assert device.type == "cpu" and "assigned no GPU" in reason
+def test_auto_without_gpus_configured_is_the_cpu_silently():
+    # the driver tells the tasks use_gpu=False when the cluster has no GPUs configured
+    assert select_device(False, [], cuda_available=False) == (torch.device("cpu"), None)
 
 
-def test_falls_back_to_cpu_without_cuda():
-    device, reason = select_device(True, ["0"], cuda_available=False)
+def test_auto_uses_the_assigned_gpu():
+    assert select_device("auto", ["2"], cuda_available=True) == (torch.device("cuda", 2), None)
+
+
+def test_auto_falls_back_to_cpu_with_a_reason_where_a_task_got_no_gpu():
+    device, reason = select_device("auto", [], cuda_available=True)
+    assert device.type == "cpu" and "GPUs are configured" in reason and "got none" in reason
+
+
+def test_auto_falls_back_to_cpu_with_a_reason_without_cuda():
+    device, reason = select_device("auto", ["0"], cuda_available=False)
     assert device.type == "cpu" and "no CUDA" in reason
+
+
+def test_use_gpu_true_requires_an_assigned_gpu():
+    with pytest.raises(RuntimeError, match=r"use_gpu: True .*Spark assigned no GPU to this task"):
+        select_device(True, [], cuda_available=True)
+
+
+def test_use_gpu_true_requires_cuda():
+    with pytest.raises(RuntimeError, match=r"use_gpu: True .*GPU 0.* torch has no CUDA"):
+        select_device(True, ["0"], cuda_available=False)
 
 
 def test_task_gpu_addresses_reads_spark_resources():
