@@ -33,7 +33,7 @@ from ..store import RunFolder, Store
 from ..worker.task import training_task
 from . import mlflow_log, run_manifest, validate
 from .elastic import ElasticSize, lost_reason
-from .launch import available_slots, cancel_jobs, run_barrier_job
+from .launch import available_slots, cancel_jobs, run_barrier_job, tasks_print_here
 from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
@@ -261,6 +261,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             collective_timeout=self.getCollectiveTimeout(),
             launch_id=uuid.uuid4().hex,
             trainer=self._TRAINER,
+            echo=not tasks_print_here(spark),
         )
         with clock("job"):
             summaries, resizes = self._launch(spark, spec, checked.num_proc, checked.start_procs)
