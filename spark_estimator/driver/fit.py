@@ -374,7 +374,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 )
         except Exception as e:
             if (record := read_failure(failure, store)) is not None:
-                raise TrainingError(run_id, record, monitor.tail(record["rank"])) from e
+                error = TrainingError(run_id, record, monitor.tail(record["rank"]))
+                error.spark_error = e  # not chained: its traceback repeats the error's
+                raise error from None
             if hasattr(e, "add_note") and monitor.tail():
                 e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
             raise _LostProcesses() from e
