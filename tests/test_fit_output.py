@@ -2,20 +2,15 @@
 TensorBoard event files, MLflow logging, and the last lines in a TrainingError."""
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from spark_estimator import TrainingError
 from spark_estimator.callbacks import Callback
-from tests.conftest import linear_net, make_estimator
+from tests.conftest import linear_net, make_estimator, run_user_script
 from tests.faults import Fault
 
-ROOT = Path(__file__).resolve().parents[1]
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 mlflow = pytest.importorskip("mlflow")
 
@@ -158,16 +153,7 @@ fit(Loss(fail_at=5))  # 2 steps an epoch on each rank
 @pytest.fixture(scope="module")
 def user_view(tmp_path_factory) -> tuple[str, str]:
     """stdout and stderr of USER_SCRIPT, stderr cut at the failing fit: (plain, failed)."""
-    folder = tmp_path_factory.mktemp("user")
-    (folder / "fit.py").write_text(USER_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "fit.py"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        cwd=folder,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = run_user_script(tmp_path_factory.mktemp("user"), USER_SCRIPT)
     assert done.returncode == 1, done.stderr[-3000:]
     plain, _, failed = done.stderr.partition("=== the failing fit ===")
     return done.stdout + plain, failed
