@@ -106,7 +106,7 @@ def test_a_job_started_again_shows_each_line_once(regression_df, store, tmp_path
 # A user's script, run as a user runs it (python script.py in a terminal): a plain fit whose
 # forward() prints once per rank, then a fit whose loss raises in its second epoch.
 USER_SCRIPT = """
-import sys, tempfile, torch
+import sys, tempfile, time, traceback, torch
 from pyspark.sql import SparkSession
 from spark_estimator import Store, TorchEstimator
 
@@ -146,7 +146,12 @@ def fit(loss):
 
 fit(Loss())
 print("=== the failing fit ===", file=sys.stderr, flush=True)
-fit(Loss(fail_at=5))  # 2 steps an epoch on each rank
+try:
+    fit(Loss(fail_at=5))  # 2 steps an epoch on each rank
+except Exception:  # shown as Python shows it, then the session goes on (as in a notebook)
+    traceback.print_exc()
+    time.sleep(12)  # Spark kills the job's other task and says so after the job failed
+    sys.exit(1)
 """
 
 

@@ -16,6 +16,7 @@ tag (``spark.addTag``) instead of a job description.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ QUIET_LOGGERS = (
     "org.apache.spark.sql.execution.python",
     "org.apache.spark.api.python",
 )
+QUIET_AFTER_FAILURE_S = 10.0  # they stay off this long after a failed job: its killed tasks
 log = logging.getLogger(__name__)
 
 
@@ -215,17 +217,21 @@ def run_barrier_job(
 
 class _Quiet:
     """The silenced loggers' own levels (None: no level of their own) while any training
-    job of this process runs; jobs of several threads (a CrossValidator's) share it."""
+    job of this process runs, or a failed one's tasks may still be ending; jobs of several
+    threads (a CrossValidator's) share it."""
 
     lock = threading.Lock()
     jobs = 0
     saved: dict[str, object] | None = None
+    timer: threading.Timer | None = None
 
 
 @contextmanager
 def quiet_task_errors(spark: SparkSession) -> Iterator[None]:
     """Turn ``QUIET_LOGGERS`` off in this driver's JVM (log4j 2) while the block runs, and
-    back to their own levels after the last block of the process ends.
+    back to their own levels after the last block of the process ends; after a failed job
+    only ``QUIET_AFTER_FAILURE_S`` later, as Spark kills its other tasks (and logs that)
+    after the job has failed.
 
     The scheduler runs in the driver's JVM on every master, so the "Lost task" lines are
     gone everywhere; the executors' "Exception in task" lines are gone where the executor
@@ -236,17 +242,34 @@ def quiet_task_errors(spark: SparkSession) -> Iterator[None]:
         yield
         return
     with _Quiet.lock:
-        if _Quiet.jobs == 0:
+        if _Quiet.timer is not None:
+            _Quiet.timer.cancel()
+            _Quiet.timer = None
+        if _Quiet.jobs == 0 and _Quiet.saved is None:
             _Quiet.saved = _set_levels(spark, None)
         _Quiet.jobs += 1
+    failed = True
     try:
         yield
+        failed = False
     finally:
         with _Quiet.lock:
             _Quiet.jobs -= 1
             if _Quiet.jobs == 0 and _Quiet.saved is not None:
-                _set_levels(spark, _Quiet.saved)
-                _Quiet.saved = None
+                if failed:
+                    _Quiet.timer = threading.Timer(QUIET_AFTER_FAILURE_S, _restore, [spark])
+                    _Quiet.timer.daemon = True
+                    _Quiet.timer.start()
+                else:
+                    _restore(spark, locked=True)
+
+
+def _restore(spark: SparkSession, locked: bool = False) -> None:
+    """The silenced loggers' own levels again, unless a training job runs."""
+    with contextlib.nullcontext() if locked else _Quiet.lock:
+        if _Quiet.jobs == 0 and _Quiet.saved is not None:
+            _set_levels(spark, _Quiet.saved)
+            _Quiet.saved, _Quiet.timer = None, None
 
 
 def _set_levels(spark: SparkSession, levels: dict | None) -> dict | None:

@@ -4,6 +4,7 @@ import time
 import pytest
 
 from spark_estimator import Store
+from spark_estimator.driver import launch as launch_module
 from spark_estimator.driver import monitor as monitor_module
 from spark_estimator.driver.launch import (
     QUIET_LOGGERS,
@@ -220,3 +221,20 @@ def test_sparks_task_loggers_are_off_while_a_training_job_runs_and_theirs_again_
         assert levels() == {"INFO"}
     finally:
         spark.sparkContext.setLogLevel("ERROR")  # the tests' sessions' level (conftest)
+
+
+def test_after_a_failed_job_sparks_task_loggers_stay_off_while_its_tasks_are_killed(
+    spark, monkeypatch
+):
+    monkeypatch.setattr(launch_module, "QUIET_AFTER_FAILURE_S", 1.0)
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+
+    def levels():
+        return {str(log4j.LogManager.getLogger(name).getLevel()) for name in QUIET_LOGGERS}
+
+    before = levels()
+    with pytest.raises(ValueError), quiet_task_errors(spark):
+        raise ValueError("the job failed")
+    assert levels() == {"OFF"}  # Spark logs the killing of the other tasks after the failure
+    time.sleep(2.0)
+    assert levels() == before
