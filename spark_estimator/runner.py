@@ -338,4 +338,6 @@ def _launch(spark, spec: RunSpec, num_proc: int, name: str, show) -> list[dict]:
         output = monitor.tail(record["rank"]) or rank_lines(
             record["rank"], record.get("output", [])
         )
-        raise TrainingError(spec.run_id, record, output) from e
+        error = TrainingError(spec.run_id, record, output)
+        error.spark_error = e  # not chained: its traceback repeats the error's
+        raise error from None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -244,3 +246,18 @@ def process_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def run_user_script(folder: Path, source: str) -> subprocess.CompletedProcess:
+    """``source`` run as a user runs a script (``python script.py``, this checkout
+    importable), in ``folder``: what its terminal would show, as stdout and stderr."""
+    (folder / "script.py").write_text(source)
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, "script.py"],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )

@@ -10,7 +10,7 @@ import torch
 
 from spark_estimator import TrainingError
 from spark_estimator.callbacks import Callback
-from tests.conftest import linear_net, make_estimator
+from tests.conftest import linear_net, make_estimator, run_user_script
 from tests.faults import Fault
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -133,3 +133,81 @@ def test_a_default_fit_on_a_cluster_without_gpus_shows_no_gpu_warning(tmp_path):
     assert done.returncode == 0 and "fitted" in done.stdout, done.stderr[-3000:]
     assert "GPU" not in done.stdout + done.stderr
     assert "Warning" not in done.stderr
+
+
+# A user's script, run as a user runs it (python script.py in a terminal): a plain fit whose
+# forward() prints once per rank, then a fit whose loss raises in its second epoch.
+USER_SCRIPT = """
+import sys, tempfile, time, traceback, torch
+from pyspark.sql import SparkSession
+from spark_estimator import Store, TorchEstimator
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = torch.nn.Linear(3, 1), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 3:
+            print("forward call", self.calls)
+        return self.linear(x)
+
+class Loss(torch.nn.Module):
+    def __init__(self, fail_at=None):
+        super().__init__()
+        self.fail_at, self.calls = fail_at, 0
+
+    def forward(self, output, label):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("the loss failed in epoch 2")
+        return torch.nn.functional.mse_loss(output, label)
+
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+rows = [([i / 64, 1.0, -1.0], i / 32) for i in range(64)]
+df = spark.createDataFrame(rows, "x array<double>, y double")
+
+def fit(loss):
+    net = Net()
+    return TorchEstimator(
+        model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01), loss=loss,
+        feature_cols=["x"], label_cols=["y"], batch_size=16, epochs=4, num_proc=2,
+        use_gpu=False, store=Store.create(tempfile.mkdtemp()),
+    ).fit(df)
+
+fit(Loss())
+print("=== the failing fit ===", file=sys.stderr, flush=True)
+try:
+    fit(Loss(fail_at=5))  # 2 steps an epoch on each rank
+except Exception:  # shown as Python shows it, then the session goes on (as in a notebook)
+    traceback.print_exc()
+    time.sleep(12)  # Spark kills the job's other task and says so after the job failed
+    sys.exit(1)
+"""
+
+
+@pytest.fixture(scope="module")
+def user_view(tmp_path_factory) -> tuple[str, str]:
+    """stdout and stderr of USER_SCRIPT, stderr cut at the failing fit: (plain, failed)."""
+    done = run_user_script(tmp_path_factory.mktemp("user"), USER_SCRIPT)
+    assert done.returncode == 1, done.stderr[-3000:]
+    plain, _, failed = done.stderr.partition("=== the failing fit ===")
+    return done.stdout + plain, failed
+
+
+def test_a_fit_shows_each_line_of_the_ranks_once_as_the_driver_logs_it(user_view):
+    plain, _ = user_view
+    # the tasks' own stdout is this terminal on a local master: only the driver's copy shows
+    lines = [line for frame in plain.split("\r") for line in frame.splitlines()]
+    printed = [line.strip() for line in lines if "forward call" in line]
+    assert sorted(printed) == ["[rank 0] forward call 3", "[rank 1] forward call 3"], printed
+
+
+def test_a_failed_fit_shows_our_error_once_and_not_the_executors(user_view):
+    _, failed = user_view
+    assert failed.count("TrainingError: LossFailed") == 1, failed
+    assert "ValueError: the loss failed in epoch 2" in failed
+    # Spark's log lines of the failed barrier tasks and its Java error are not repeated
+    for spark_line in ("ERROR Executor", "TaskSetManager", "Py4JJavaError", "PythonException"):
+        assert spark_line not in failed, failed

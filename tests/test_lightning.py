@@ -14,7 +14,7 @@ from spark_estimator.driver import run_manifest, validate_lightning
 from spark_estimator.shared import packages
 from spark_estimator.shared.serialization import state_from_bytes
 from spark_estimator.shared.summary import RankSummary
-from tests.conftest import LOCAL, cnn, digits_rows, spark_session
+from tests.conftest import LOCAL, cnn, digits_rows, run_user_script, spark_session
 
 pl = pytest.importorskip("lightning.pytorch")
 EarlyStopping, ModelCheckpoint = pl.callbacks.EarlyStopping, pl.callbacks.ModelCheckpoint
@@ -445,3 +445,44 @@ def test_terminate_on_nan_stops_a_lightning_fit_and_keeps_the_last_good_checkpoi
     assert store.checkpoint_epochs("nan-lightning") == [1]
     model = lightning_estimator(store, terminate_on_nan=False, **small).fit(train)
     assert math.isnan(model.getHistory()[1]["train"]["loss"])
+
+
+LIGHTNING_SCRIPT = """
+import tempfile, torch
+import lightning.pytorch as pl
+from pyspark.sql import SparkSession
+from spark_estimator import LightningEstimator, Store
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.net(x).squeeze(1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.mse_loss(self(batch["x"]), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
+rows = [([i / 64, 1.0, -1.0], i / 32) for i in range(64)]
+df = spark.createDataFrame(rows, "x array<double>, y double")
+LightningEstimator(
+    model=Module(), feature_cols=["x"], label_cols=["y"], batch_size=16, epochs=3, num_proc=2,
+    use_gpu=False, store=Store.create(tempfile.mkdtemp()),
+).fit(df)
+"""
+
+
+def test_a_lightning_fit_shows_lightnings_lines_once_and_none_of_its_checkpoints(tmp_path):
+    done = run_user_script(tmp_path, LIGHTNING_SCRIPT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line.strip() for f in done.stderr.split("\r") for line in f.splitlines()]
+    # our own checkpoint saving and loading: nothing of Lightning's about it
+    assert not [line for line in lines if "weights_only" in line]
+    # Lightning's own lines: once, as rank 0's logging
+    stopped = [line for line in lines if "`max_epochs=3` reached" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("[rank 0] INFO "), stopped

@@ -41,7 +41,7 @@ from ..store import RunFolder, Store
 from ..worker.task import training_task
 from . import mlflow_log, run_manifest, validate
 from .elastic import ElasticSize, lost_reason
-from .launch import available_slots, cancel_jobs, run_barrier_job
+from .launch import available_slots, cancel_jobs, run_barrier_job, tasks_print_here
 from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
@@ -281,6 +281,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             collective_timeout=self.getCollectiveTimeout(),
             launch_id=uuid.uuid4().hex,
             trainer=self._TRAINER,
+            echo=not tasks_print_here(spark),
         )
         with clock("job"):
             summaries, resizes = self._launch(spark, spec, checked.num_proc, checked.start_procs)
@@ -394,7 +395,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 )
         except Exception as e:
             if (record := read_failure(failure, store)) is not None:
-                raise TrainingError(run_id, record, monitor.tail(record["rank"])) from e
+                error = TrainingError(run_id, record, monitor.tail(record["rank"]))
+                error.spark_error = e  # not chained: its traceback repeats the error's
+                raise error from None
             if hasattr(e, "add_note") and monitor.tail():
                 e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
             raise _LostProcesses() from e

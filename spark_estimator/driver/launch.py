@@ -16,9 +16,12 @@ tag (``spark.addTag``) instead of a job description.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +33,18 @@ from ..worker.job import barrier_job
 _LOCAL = re.compile(r"local\[(\*|\d+)(?:,\s*\d+)?\]")
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]")
 SLOT_WAIT_S = 30.0  # how long to wait for executors to register before counting slots
+# Spark's loggers that repeat a failed training job's error at length while it runs: each
+# failed or killed barrier task's Python traceback and Java stack (the executor's "Exception
+# in task", the scheduler's "Lost task"). The driver raises the error once itself (a
+# TrainingError, or Spark's own error), so they are off while the job runs.
+QUIET_LOGGERS = (
+    "org.apache.spark.executor.Executor",
+    "org.apache.spark.scheduler.TaskSetManager",
+    "org.apache.spark.sql.execution.python",
+    "org.apache.spark.api.python",
+)
+QUIET_AFTER_FAILURE_S = 10.0  # they stay off this long after a failed job: its killed tasks
+log = logging.getLogger(__name__)
 
 
 def is_connect(spark) -> bool:
@@ -190,10 +205,93 @@ def run_barrier_job(
     tag: str | None = None,
 ) -> list[dict]:
     """Run ``task`` on ``num_proc`` barrier tasks at once; return their summaries by rank.
-    With ``tag``, ``cancel_jobs(spark, tag)`` cancels the job."""
-    with labelled_jobs(spark, description, tag):
+    With ``tag``, ``cancel_jobs(spark, tag)`` cancels the job. Spark's log lines of its
+    failed tasks are silenced while it runs (``quiet_task_errors``)."""
+    with labelled_jobs(spark, description, tag), quiet_task_errors(spark):
         summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
             barrier_job(task), "summary string", barrier=True
         )
         rows = summaries.collect()
     return sorted((json.loads(r.summary) for r in rows), key=lambda s: s["rank"])
+
+
+class _Quiet:
+    """The silenced loggers' own levels (None: no level of their own) while any training
+    job of this process runs, or a failed one's tasks may still be ending; jobs of several
+    threads (a CrossValidator's) share it."""
+
+    lock = threading.Lock()
+    jobs = 0
+    saved: dict[str, object] | None = None
+    timer: threading.Timer | None = None
+
+
+@contextmanager
+def quiet_task_errors(spark: SparkSession) -> Iterator[None]:
+    """Turn ``QUIET_LOGGERS`` off in this driver's JVM (log4j 2) while the block runs, and
+    back to their own levels after the last block of the process ends; after a failed job
+    only ``QUIET_AFTER_FAILURE_S`` later, as Spark kills its other tasks (and logs that)
+    after the job has failed.
+
+    The scheduler runs in the driver's JVM on every master, so the "Lost task" lines are
+    gone everywhere; the executors' "Exception in task" lines are gone where the executor
+    is this JVM (a ``local`` master) and stay in the executors' own logs on a cluster. On
+    Spark Connect the server's JVM is not reachable from here: nothing changes. Other
+    jobs running at the same time in this JVM lose those lines too."""
+    if is_connect(spark):
+        yield
+        return
+    with _Quiet.lock:
+        if _Quiet.timer is not None:
+            _Quiet.timer.cancel()
+            _Quiet.timer = None
+        if _Quiet.jobs == 0 and _Quiet.saved is None:
+            _Quiet.saved = _set_levels(spark, None)
+        _Quiet.jobs += 1
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        with _Quiet.lock:
+            _Quiet.jobs -= 1
+            if _Quiet.jobs == 0 and _Quiet.saved is not None:
+                if failed:
+                    _Quiet.timer = threading.Timer(QUIET_AFTER_FAILURE_S, _restore, [spark])
+                    _Quiet.timer.daemon = True
+                    _Quiet.timer.start()
+                else:
+                    _restore(spark, locked=True)
+
+
+def _restore(spark: SparkSession, locked: bool = False) -> None:
+    """The silenced loggers' own levels again, unless a training job runs."""
+    with contextlib.nullcontext() if locked else _Quiet.lock:
+        if _Quiet.jobs == 0 and _Quiet.saved is not None:
+            _set_levels(spark, _Quiet.saved)
+            _Quiet.saved, _Quiet.timer = None, None
+
+
+def _set_levels(spark: SparkSession, levels: dict | None) -> dict | None:
+    """Give ``QUIET_LOGGERS`` ``levels`` (a level object, or None for none of their own);
+    all OFF when ``levels`` is None. Returns the levels they had (None where this JVM's
+    logging is not log4j 2, when nothing changes)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        log4j = jvm.org.apache.logging.log4j
+        context = log4j.LogManager.getContext(False)
+        config = context.getConfiguration()
+        own = config.getLoggers()  # name -> LoggerConfig, those with settings of their own
+        before = {}
+        for name in QUIET_LOGGERS:
+            before[name] = own.get(name).getLevel() if own.containsKey(name) else None
+            level = log4j.Level.OFF if levels is None else levels[name]
+            if level is not None:
+                log4j.core.config.Configurator.setLevel(name, level)
+            elif own.containsKey(name):
+                config.removeLogger(name)  # back to its parent's level, as before
+        context.updateLoggers()
+        return before
+    except Exception as e:  # another logging backend: Spark's lines stay
+        log.debug("could not set the levels of Spark's task loggers: %s", e)
+        return None

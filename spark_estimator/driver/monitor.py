@@ -10,7 +10,8 @@ every ``POLL_S`` seconds:
   or "stderr": ``run`` sends them to its ``stdout`` / ``stderr``);
 - with ``verbose``, rank 0's ``progress.json`` drives a tqdm bar (a widget in Jupyter, text
   in a terminal): steps over all epochs, the epoch, the running training loss and the last
-  epoch's validation loss.
+  epoch's validation loss. The bar starts at the first step the driver sees (``initial``),
+  so its rate counts only the steps it saw being done, not those before it appeared.
 
 The last lines of every rank are kept for error messages (``tail``). Reading is
 best-effort: a store that fails for a moment delays lines, it never fails the fit.
@@ -129,9 +130,12 @@ class FitMonitor:
         if progress.get("launch_id") != self.launch_id:
             return  # an earlier fit of the same run_id
         steps, epoch = progress["steps"], progress["epoch"]
-        if self.bar is None:
-            self.bar = tqdm(total=progress["epochs"] * steps, unit="step", dynamic_ncols=True)
-        self.bar.n = (epoch - 1) * steps + progress["step"]
+        done = (epoch - 1) * steps + progress["step"]
+        if self.bar is None:  # starts where training is: the steps before are not timed
+            total = progress["epochs"] * steps
+            self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True)
+        else:
+            self.bar.update(done - self.bar.n)
         self.bar.set_description(f"epoch {epoch}/{progress['epochs']}", refresh=False)
         postfix = {"loss": progress["loss"]}
         last = progress.get("last") or {}

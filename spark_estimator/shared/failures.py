@@ -48,7 +48,13 @@ class TrainingError(RuntimeError):
     would only raise it again, so the run stops. A fit's checkpoints stay in the store, and
     a new fit with the same ``run_id`` resumes from them once the cause is fixed. For
     ``run(fn)`` it is the run's folder in its store.
+
+    It is raised ``from None``: Spark's error of the failed job (its Java stack and the
+    executor's copy of the traceback) would show the same failure again. ``spark_error``
+    keeps it (None where the error did not come from a Spark job).
     """
+
+    spark_error: BaseException | None = None
 
     def __init__(self, run_id: str | None, record: dict, output: str = ""):
         self.run_id = run_id

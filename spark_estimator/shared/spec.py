@@ -198,5 +198,8 @@ class TrainSpec:
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds any rank waits for the others
     launch_id: str = ""  # this fit call's id: names its failure record (shared/failures.py)
     trainer: str = "torch"  # the loop: "torch" (worker/loop/train.py) or "lightning"
+    # the ranks' lines also go to the tasks' own stdout and stderr; not where those are
+    # the driver's terminal (local masters), which shows them from the store already
+    echo: bool = True
     # seals the job's TCPStore; the driver makes a fresh one for each barrier job
     secret: str = field(default_factory=launch_secret, repr=False)

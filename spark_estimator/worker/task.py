@@ -26,7 +26,7 @@ def training_task(spec: TrainSpec) -> dict:
 
     rank, attempt = ctx.partitionId(), ctx.taskAttemptId()  # unique, rising over retries
     meeting = Meeting(store, store.run(spec.run_id), spec.launch_id, spec.secret)
-    with RankLog(store, spec.run_id, spec.launch_id, rank, attempt) as log:
+    with RankLog(store, spec.run_id, spec.launch_id, rank, attempt, spec.echo) as log:
         with process_group(
             ctx, meeting, spec.use_gpu, spec.collective_timeout, on_failure, on_error=log.write_now
         ) as info:

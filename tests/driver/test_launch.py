@@ -4,8 +4,10 @@ import time
 import pytest
 
 from spark_estimator import Store
+from spark_estimator.driver import launch as launch_module
 from spark_estimator.driver import monitor as monitor_module
 from spark_estimator.driver.launch import (
+    QUIET_LOGGERS,
     available_slots,
     cancel_jobs,
     connect_slots,
@@ -13,6 +15,7 @@ from spark_estimator.driver.launch import (
     job_tag,
     labelled_jobs,
     master_slots,
+    quiet_task_errors,
     run_barrier_job,
     scheduler_slots,
 )
@@ -198,3 +201,40 @@ def test_connect_jobs_are_tagged_not_described():
 def test_classic_sessions_are_not_connect(spark):
     assert not is_connect(spark)
     assert is_connect(FakeConnectSession())
+
+
+def test_sparks_task_loggers_are_off_while_a_training_job_runs_and_theirs_again_after(spark):
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+
+    def levels():
+        return {str(log4j.LogManager.getLogger(name).getLevel()) for name in QUIET_LOGGERS}
+
+    before = levels()
+    with quiet_task_errors(spark):
+        with quiet_task_errors(spark):  # another thread's job at the same time
+            assert levels() == {"OFF"}
+        assert levels() == {"OFF"}  # the other job still runs
+    assert levels() == before
+    # no level of their own is left behind: they follow the root level as before
+    spark.sparkContext.setLogLevel("INFO")
+    try:
+        assert levels() == {"INFO"}
+    finally:
+        spark.sparkContext.setLogLevel("ERROR")  # the tests' sessions' level (conftest)
+
+
+def test_after_a_failed_job_sparks_task_loggers_stay_off_while_its_tasks_are_killed(
+    spark, monkeypatch
+):
+    monkeypatch.setattr(launch_module, "QUIET_AFTER_FAILURE_S", 1.0)
+    log4j = spark.sparkContext._jvm.org.apache.logging.log4j
+
+    def levels():
+        return {str(log4j.LogManager.getLogger(name).getLevel()) for name in QUIET_LOGGERS}
+
+    before = levels()
+    with pytest.raises(ValueError), quiet_task_errors(spark):
+        raise ValueError("the job failed")
+    assert levels() == {"OFF"}  # Spark logs the killing of the other tasks after the failure
+    time.sleep(2.0)
+    assert levels() == before

@@ -1,7 +1,9 @@
 """FitMonitor: the ranks' chunks become driver log lines; progress drives a tqdm bar."""
 
 import logging
+import re
 import sys
+import time
 
 import pytest
 
@@ -103,3 +105,21 @@ def test_show_receives_each_line_with_its_stream(store):
         (0, "stderr", "to stderr"),
         (0, "stdout", "to stdout"),
     ]
+
+
+def test_the_bar_starts_at_the_first_step_it_sees_and_rates_only_the_steps_it_saw(store, capsys):
+    def report(step):
+        progress = dict(epoch=1, epochs=2, step=step, steps=10, loss=1.0, last=None)
+        write_rank(store, 0, [], progress=progress)
+
+    report(4)  # steps done before the driver looked: counted, not timed
+    with FitMonitor(store, "r", "L", verbose=True) as monitor:
+        monitor.poll()
+        time.sleep(0.5)
+        report(9)
+        monitor.poll()
+    frames = capsys.readouterr().err.split("\r")
+    counts = [int(m) for f in frames for m in re.findall(r"\b(\d+)/20\b", f)]
+    assert counts[0] == 4 and counts[-1] == 9, counts  # no jump from 0
+    rates = [float(r) for f in frames for r in re.findall(r"([\d.]+)step/s", f)]
+    assert rates and max(rates) < 100, rates  # 5 steps in about half a second

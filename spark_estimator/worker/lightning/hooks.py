@@ -287,7 +287,9 @@ def lightning_parts(pl):
             self.optimizer_steps_per_epoch.append(steps - self.counted[1])
             self.counted = (drawn, steps)
             self.stopped = bool(trainer.should_stop)
-            trainer.save_checkpoint(url(self.store, self.checkpoints.path(epoch)))
+            # the whole state, to resume from (saying so keeps Lightning from logging it)
+            path = url(self.store, self.checkpoints.path(epoch))
+            trainer.save_checkpoint(path, weights_only=False)
             if trainer.is_global_zero:
                 self.checkpoints.prune()
                 self.tensorboard.write(self.history)

@@ -18,10 +18,12 @@ checkpoint of a ModelCheckpoint that monitors a value; every rank returns its
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,11 +63,59 @@ class _Batches:
             yield self.to_dict(chunk)
 
 
+# Lightning's loggers that print to the console themselves (handlers of their own, not
+# propagating), besides the rank's logging that the driver shows (observe/run_log.py)
+LIGHTNING_LOGGERS = (
+    "lightning",
+    "lightning.pytorch",
+    "lightning.fabric",
+    "pytorch_lightning",
+    "lightning_fabric",
+)
+
+
+@contextlib.contextmanager
+def lightning_console_once() -> Iterator[None]:
+    """While the block runs, Lightning's loggers print nothing themselves and hand their
+    records to the root logger, whose handler is the rank's log: each line of Lightning's
+    reaches the driver once (``[rank r] INFO lightning.pytorch...: ...``), not again as
+    its own console copy (``INFO: ...``, raw in the executor's stderr). Restored after:
+    Python workers are reused."""
+    saved = []
+    for name in LIGHTNING_LOGGERS:
+        if name not in logging.root.manager.loggerDict:  # not imported: nothing to undo
+            continue
+        log = logging.getLogger(name)
+        consoles = [
+            h
+            for h in log.handlers
+            if type(h) is logging.StreamHandler  # a file handler of the user's stays
+        ]
+        saved.append((log, consoles, log.propagate))
+        for handler in consoles:
+            log.removeHandler(handler)
+        log.propagate = True
+    try:
+        yield
+    finally:
+        for log, consoles, propagate in saved:
+            for handler in consoles:
+                log.addHandler(handler)
+            log.propagate = propagate
+
+
 def train_lightning(
     spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None
 ) -> RankSummary:
     """Train this rank; return its summary (rank 0 also writes the result to the store)."""
-    objects = loads(spec.bundle)
+    objects = loads(spec.bundle)  # imports Lightning: its loggers exist from here
+    with lightning_console_once():
+        return _train(spec, info, report, objects)
+
+
+def _train(
+    spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None, objects: dict
+) -> RankSummary:
     module = objects["model"]
     pl = lightning_package(module)
     TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients = lightning_parts(pl)

@@ -1,7 +1,9 @@
 """Executor: what a rank prints and logs, and how far training got, written to the store.
 
 While a training task runs, ``RankLog`` copies the lines the process writes to
-``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too) and the
+``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too, unless not
+``echo``: on a local master that log is the driver's terminal, which shows the lines from the
+store already) and the
 records of Python ``logging`` (INFO and above, on the root logger; counted as stderr, where
 logging writes by default) into a buffer. A background thread writes the buffer every
 ``CHUNK_S`` seconds (when it holds lines, and at the end) as new chunk files, one per stream
