@@ -426,7 +426,8 @@ def test_loss_constructors_build_unpicklable_losses_on_the_executors(df, store):
     assert torch.allclose(weights(built), weights(plain))
 
 
-def test_use_gpu_true_without_gpus_configured_fails_on_the_driver_before_any_job(df, store):
+def test_use_gpu_true_without_gpus_configured_fails_on_the_driver_before_any_job(df, tmp_path):
+    store = Store.create(str(tmp_path / "store"))  # the module's store holds earlier fits
     with pytest.raises(ValueError, match=r"use_gpu: True .*spark.task.resource.gpu.amount"):
         fit(df, store, use_gpu=True, epochs=1)
     assert not store.exists(store.datasets) and not store.exists(store.runs)
