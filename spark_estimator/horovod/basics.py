@@ -9,6 +9,7 @@ Python workers, so a mark left by an earlier task must not count).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from ..worker.comm import rendezvous
@@ -85,9 +86,14 @@ def cross_size() -> int:
     return rank_info().cross_size
 
 
-def nccl_built() -> bool:
-    """Whether torch.distributed has the NCCL backend (used for GPU ranks)."""
-    return dist.is_nccl_available()
+def nccl_built() -> int:
+    """NCCL's version code (``major * 10000 + minor * 100 + patch``, Horovod's
+    ``NCCL_VERSION_CODE``) where torch.distributed has the NCCL backend (used for GPU
+    ranks) and CUDA; 0 without: an int, as Horovod's, which scripts test and compare."""
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    major, minor, patch = torch.cuda.nccl.version()[:3]
+    return major * 10000 + minor * 100 + patch
 
 
 def gloo_built() -> bool:
@@ -98,3 +104,32 @@ def gloo_built() -> bool:
 def mpi_built() -> bool:
     """Whether torch.distributed has the MPI backend (never used by this package)."""
     return dist.is_mpi_available()
+
+
+def cuda_built() -> bool:
+    """Whether torch was built with CUDA (GPU ranks use NCCL)."""
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """Whether torch was built with ROCm."""
+    return torch.version.hip is not None
+
+
+def mpi_enabled() -> bool:
+    """False: the job is never run by MPI (Spark starts its processes)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """True: Horovod's non-MPI mode, the one that matches a job started by Spark, whose
+    processes meet through the job's store (their collectives: gloo on CPU, NCCL on GPU)."""
+    return True
+
+
+def mpi_threads_supported() -> bool:
+    """Raises ValueError, as Horovod does where MPI is not enabled (never, here)."""
+    raise ValueError(
+        "Horovod MPI is not enabled: spark_estimator.horovod runs without MPI "
+        "(hvd.mpi_enabled() is False)"
+    )

@@ -58,5 +58,25 @@ def test_an_init_of_an_earlier_task_does_not_count_in_the_next(one_rank):
 
 def test_built_backends_are_torch_distributeds():
     assert hvd.gloo_built() is True
-    assert hvd.nccl_built() == dist.is_nccl_available()
     assert hvd.mpi_built() == dist.is_mpi_available()
+
+
+def test_nccl_built_is_an_int_as_horovods_its_version_code_or_0():
+    """Scripts write `if hvd.nccl_built():` and compare it with numbers (Horovod: NCCL's
+    NCCL_VERSION_CODE, 0 without NCCL)."""
+    built = hvd.nccl_built()
+    assert type(built) is int
+    if dist.is_nccl_available() and torch.cuda.is_available():
+        major, minor, patch = torch.cuda.nccl.version()
+        assert built == major * 10000 + minor * 100 + patch
+    else:
+        assert built == 0
+
+
+def test_the_capability_queries_a_script_branches_on():
+    assert hvd.cuda_built() is (torch.version.cuda is not None)
+    assert hvd.rocm_built() is (torch.version.hip is not None)
+    assert hvd.mpi_enabled() is False  # never run by MPI
+    assert hvd.gloo_enabled() is True  # Horovod's non-MPI mode
+    with pytest.raises(ValueError, match="MPI is not enabled"):  # as Horovod without MPI
+        hvd.mpi_threads_supported()
