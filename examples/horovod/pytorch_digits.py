@@ -27,53 +27,28 @@ import spark_estimator.horovod as hvd
 
 # Training settings
 parser = argparse.ArgumentParser(description="PyTorch digits example")
-parser.add_argument(
-    "--batch-size",
-    type=int,
-    default=64,
-    metavar="N",
-    help="input batch size for training (default: 64)",
-)
-parser.add_argument(
-    "--test-batch-size",
-    type=int,
-    default=1000,
-    metavar="N",
-    help="input batch size for testing (default: 1000)",
-)
-parser.add_argument(
-    "--epochs", type=int, default=10, metavar="N", help="number of epochs to train (default: 10)"
-)
-parser.add_argument(
-    "--lr", type=float, default=0.01, metavar="LR", help="learning rate (default: 0.01)"
-)
-parser.add_argument(
-    "--momentum", type=float, default=0.5, metavar="M", help="SGD momentum (default: 0.5)"
-)
-parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
-parser.add_argument("--seed", type=int, default=42, metavar="S", help="random seed (default: 42)")
-parser.add_argument(
-    "--log-interval",
-    type=int,
-    default=10,
-    metavar="N",
-    help="how many batches to wait before logging training status",
-)
-parser.add_argument(
-    "--fp16-allreduce",
-    action="store_true",
-    default=False,
-    help="use fp16 compression during allreduce",
-)
-parser.add_argument(
-    "--use-adasum", action="store_true", default=False, help="use adasum algorithm to do reduction"
-)
-parser.add_argument(
-    "--gradient-predivide-factor",
-    type=float,
-    default=1.0,
-    help="apply gradient predivide factor in optimizer (default: 1.0)",
-)
+parser.add_argument("--batch-size", type=int, default=64, metavar="N",
+                    help="input batch size for training (default: 64)")
+parser.add_argument("--test-batch-size", type=int, default=1000, metavar="N",
+                    help="input batch size for testing (default: 1000)")
+parser.add_argument("--epochs", type=int, default=10, metavar="N",
+                    help="number of epochs to train (default: 10)")
+parser.add_argument("--lr", type=float, default=0.01, metavar="LR",
+                    help="learning rate (default: 0.01)")
+parser.add_argument("--momentum", type=float, default=0.5, metavar="M",
+                    help="SGD momentum (default: 0.5)")
+parser.add_argument("--no-cuda", action="store_true", default=False,
+                    help="disables CUDA training")
+parser.add_argument("--seed", type=int, default=42, metavar="S",
+                    help="random seed (default: 42)")
+parser.add_argument("--log-interval", type=int, default=10, metavar="N",
+                    help="how many batches to wait before logging training status")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="use fp16 compression during allreduce")
+parser.add_argument("--use-adasum", action="store_true", default=False,
+                    help="use adasum algorithm to do reduction")
+parser.add_argument("--gradient-predivide-factor", type=float, default=1.0,
+                    help="apply gradient predivide factor in optimizer (default: 1.0)")
 
 
 class Net(nn.Module):
@@ -124,10 +99,8 @@ def train(epoch):
             # Horovod: use train_sampler to determine the number of examples in
             # this worker's partition.
             done, percent = batch_idx * len(data), 100.0 * batch_idx / len(train_loader)
-            print(
-                f"Train Epoch: {epoch} [{done}/{len(train_sampler)} ({percent:.0f}%)]"
-                f"\tLoss: {loss.item():.6f}"
-            )
+            print(f"Train Epoch: {epoch} [{done}/{len(train_sampler)} ({percent:.0f}%)]"
+                  f"\tLoss: {loss.item():.6f}")
 
 
 def metric_average(val, name):
@@ -138,8 +111,8 @@ def metric_average(val, name):
 
 def test():
     model.eval()
-    test_loss = 0.0
-    test_accuracy = 0.0
+    test_loss = 0.
+    test_accuracy = 0.
     for data, target in test_loader:
         if args.cuda:
             data, target = data.cuda(), target.cuda()
@@ -161,9 +134,7 @@ def test():
 
     # Horovod: print output only on first rank.
     if hvd.rank() == 0:
-        print(
-            f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {100.0 * test_accuracy:.2f}%\n"
-        )
+        print(f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {100. * test_accuracy:.2f}%\n")
 
 
 if __name__ == "__main__":
@@ -186,20 +157,16 @@ if __name__ == "__main__":
     train_dataset = digits(train=True)
     # Horovod: use DistributedSampler to partition the training data.
     train_sampler = torch.utils.data.distributed.DistributedSampler(
-        train_dataset, num_replicas=hvd.size(), rank=hvd.rank()
-    )
+        train_dataset, num_replicas=hvd.size(), rank=hvd.rank())
     train_loader = torch.utils.data.DataLoader(
-        train_dataset, batch_size=args.batch_size, sampler=train_sampler, **kwargs
-    )
+        train_dataset, batch_size=args.batch_size, sampler=train_sampler, **kwargs)
 
     test_dataset = digits(train=False)
     # Horovod: use DistributedSampler to partition the test data.
     test_sampler = torch.utils.data.distributed.DistributedSampler(
-        test_dataset, num_replicas=hvd.size(), rank=hvd.rank()
-    )
-    test_loader = torch.utils.data.DataLoader(
-        test_dataset, batch_size=args.test_batch_size, sampler=test_sampler, **kwargs
-    )
+        test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
+    test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size,
+                                              sampler=test_sampler, **kwargs)
 
     model = Net()
 
@@ -214,7 +181,8 @@ if __name__ == "__main__":
             lr_scaler = hvd.local_size()
 
     # Horovod: scale learning rate by lr_scaler.
-    optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
+    optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler,
+                          momentum=args.momentum)
 
     # Horovod: broadcast parameters & optimizer state.
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -224,13 +192,11 @@ if __name__ == "__main__":
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
 
     # Horovod: wrap optimizer with DistributedOptimizer.
-    optimizer = hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=model.named_parameters(),
-        compression=compression,
-        op=hvd.Adasum if args.use_adasum else hvd.Average,
-        gradient_predivide_factor=args.gradient_predivide_factor,
-    )
+    optimizer = hvd.DistributedOptimizer(optimizer,
+                                         named_parameters=model.named_parameters(),
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average,
+                                         gradient_predivide_factor=args.gradient_predivide_factor)
 
     for epoch in range(1, args.epochs + 1):
         train(epoch)

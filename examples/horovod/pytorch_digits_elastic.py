@@ -29,44 +29,24 @@ from sklearn.datasets import load_digits
 import spark_estimator.horovod as hvd
 
 parser = argparse.ArgumentParser(description="Elastic PyTorch digits example")
-parser.add_argument(
-    "--batch-size",
-    type=int,
-    default=64,
-    metavar="N",
-    help="input batch size for training (default: 64)",
-)
-parser.add_argument(
-    "--epochs", type=int, default=10, metavar="N", help="number of epochs to train (default: 10)"
-)
-parser.add_argument(
-    "--batches-per-commit",
-    type=int,
-    default=4,
-    metavar="N",
-    help="number of batches between commits of the state (default: 4)",
-)
-parser.add_argument(
-    "--lr",
-    type=float,
-    default=0.01,
-    metavar="LR",
-    help="learning rate for a single worker (default: 0.01)",
-)
-parser.add_argument(
-    "--momentum", type=float, default=0.5, metavar="M", help="SGD momentum (default: 0.5)"
-)
-parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
-parser.add_argument("--seed", type=int, default=42, metavar="S", help="random seed (default: 42)")
-parser.add_argument(
-    "--fp16-allreduce",
-    action="store_true",
-    default=False,
-    help="use fp16 compression during allreduce",
-)
-parser.add_argument(
-    "--use-adasum", action="store_true", default=False, help="use adasum algorithm to do reduction"
-)
+parser.add_argument("--batch-size", type=int, default=64, metavar="N",
+                    help="input batch size for training (default: 64)")
+parser.add_argument("--epochs", type=int, default=10, metavar="N",
+                    help="number of epochs to train (default: 10)")
+parser.add_argument("--batches-per-commit", type=int, default=4, metavar="N",
+                    help="number of batches between commits of the state (default: 4)")
+parser.add_argument("--lr", type=float, default=0.01, metavar="LR",
+                    help="learning rate for a single worker (default: 0.01)")
+parser.add_argument("--momentum", type=float, default=0.5, metavar="M",
+                    help="SGD momentum (default: 0.5)")
+parser.add_argument("--no-cuda", action="store_true", default=False,
+                    help="disables CUDA training")
+parser.add_argument("--seed", type=int, default=42, metavar="S",
+                    help="random seed (default: 42)")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="use fp16 compression during allreduce")
+parser.add_argument("--use-adasum", action="store_true", default=False,
+                    help="use adasum algorithm to do reduction")
 
 args = parser.parse_args()
 args.cuda = not args.no_cuda and torch.cuda.is_available()
@@ -134,12 +114,10 @@ model = Net().to(device)
 lr_scaler = hvd.size() if not args.use_adasum else 1
 optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-optimizer = hvd.DistributedOptimizer(
-    optimizer,
-    named_parameters=model.named_parameters(),
-    compression=compression,
-    op=hvd.Adasum if args.use_adasum else hvd.Average,
-)
+optimizer = hvd.DistributedOptimizer(optimizer,
+                                     named_parameters=model.named_parameters(),
+                                     compression=compression,
+                                     op=hvd.Adasum if args.use_adasum else hvd.Average)
 
 
 def test(epoch):
@@ -150,7 +128,7 @@ def test(epoch):
         accuracy = output.argmax(dim=1).eq(y_test).float().mean().item()
     model.train()
     if hvd.rank() == 0:
-        print(f"Epoch {epoch}: test loss {test_loss:.4f}, Accuracy: {100.0 * accuracy:.2f}%")
+        print(f"Epoch {epoch}: test loss {test_loss:.4f}, Accuracy: {100. * accuracy:.2f}%")
 
 
 @hvd.elastic.run
