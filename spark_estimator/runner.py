@@ -38,6 +38,7 @@ from .driver.launch import (
     tasks_print_here,
 )
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
+from .driver.params import to_use_gpu
 from .driver.task_python import check_task_python
 from .driver.validate import check_min_num_proc, check_num_proc, check_positive, check_use_gpu
 from .shared.failures import TrainingError, carried_failure, read_failure
@@ -241,8 +242,7 @@ def run(
         name = getattr(fn, "__qualname__", type(fn).__name__)
     if store is not None and not isinstance(store, (str, Store)):
         raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
-    if not (isinstance(use_gpu, bool) or use_gpu == "auto"):
-        raise TypeError(f"use_gpu: expected 'auto', True or False, got {use_gpu!r}")
+    use_gpu = to_use_gpu(use_gpu)
     spark = spark if spark is not None else SparkSession.active()
     use_gpu = check_use_gpu(spark, use_gpu)
     slots = available_slots(spark, num_proc, start_timeout)

@@ -125,6 +125,12 @@ def test_use_gpu_true_without_gpus_configured_is_refused_before_any_job(spark):
         run(sd.size, num_proc=2, use_gpu=True, spark=spark)
 
 
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_use_gpu_other_than_auto_true_or_false_is_refused_naming_it(spark, value):
+    with pytest.raises(TypeError, match="use_gpu: expected 'auto', True or False"):
+        run(sd.size, num_proc=2, use_gpu=value, spark=spark)
+
+
 def test_spark_defaults_to_the_active_session_and_num_proc_to_every_slot(spark):
     assert run(sd.size, use_gpu=False) == [4, 4, 4, 4]
 

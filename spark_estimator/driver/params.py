@@ -72,8 +72,8 @@ def _to_validation(value: Any) -> float | str | None:
     return float(value)
 
 
-def _to_use_gpu(value: Any) -> bool | str:
-    """``"auto"``, True or False (saved estimators hold True or False)."""
+def to_use_gpu(value: Any) -> bool | str:
+    """``"auto"``, True or False (saved estimators hold True or False); also ``run``'s."""
     if isinstance(value, bool) or value == "auto":
         return value
     raise TypeError(f"use_gpu: expected 'auto', True or False, got {value!r}")
@@ -328,7 +328,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "'auto': train on the GPU Spark assigned to each task, on the CPU where the cluster "
             "has no GPUs configured (a warning where it has but a task got none); True: "
             "require a GPU for every task (an error without one); False: the CPU",
-            _to_use_gpu,
+            to_use_gpu,
             default="auto",
         ),
         ParamSpec(

@@ -62,16 +62,9 @@ def column_stats(table: pa.Table, columns: list[CheckedColumn]) -> dict[str, int
             whole = pc.and_(pc.is_finite(data), pc.equal(data, pc.floor(data)))
             stats[f"c{i}_not_whole"] = pc.sum(pc.invert(whole)).as_py() or 0
         if column.classes:
-            values = pc.min_max(data).as_py()
-            if (
-                values["min"] is not None
-                and math.isfinite(values["min"])
-                and math.isfinite(values["max"])
-            ):
-                stats[f"c{i}_min_value"], stats[f"c{i}_max_value"] = (
-                    int(values["min"]),
-                    int(values["max"]),
-                )
+            bounds = pc.min_max(data).as_py()
+            if bounds["min"] is not None and all(map(math.isfinite, bounds.values())):
+                stats[f"c{i}_min_value"], stats[f"c{i}_max_value"] = map(int, bounds.values())
     return stats
 
 

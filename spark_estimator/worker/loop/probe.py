@@ -184,11 +184,8 @@ def check_not_written_for_horovod(fn, chunk: dict[str, torch.Tensor], error: Exc
 def _horovod_forms(chunk: dict[str, torch.Tensor]):
     """The batch as a pandas DataFrame (an array column: one NumPy array per row) and as a
     dict of NumPy arrays, each made anew (a function may change its batch)."""
-    try:
-        import pandas as pd
-    except ImportError:
-        pd = None
-    if pd is not None:
-        columns = {n: t.numpy() if t.dim() == 1 else list(t.numpy()) for n, t in chunk.items()}
-        yield "a pandas DataFrame", pd.DataFrame(columns)
+    import pandas as pd  # a dependency of the package; imported only where needed
+
+    columns = {n: t.numpy() if t.dim() == 1 else list(t.numpy()) for n, t in chunk.items()}
+    yield "a pandas DataFrame", pd.DataFrame(columns)
     yield "a dict of NumPy arrays", {n: t.numpy().copy() for n, t in chunk.items()}
