@@ -21,12 +21,13 @@ every Worker ALIVE. Every daemon binds ports of its own choosing (port 0) and th
 are read from its log, so no port is picked here and bound later by another process, when a
 process of someone else's (another xdist worker's cluster, a Spark application's UI that
 walks up from 4040) could take it first; ``master_status()`` also checks that the server it
-asks names this cluster's Master URL. Leaving stops the session, kills every process of the
-cluster (Master, Workers, executors, their Python workers: each carries the environment
-variable ``MARKER``, so none escapes by being re-parented) and removes its folders,
-namespaces, veths and bridge, also after a failure. Names and the subnet carry this test
-process's pid so that parallel pytest workers (xdist) do not collide; leftovers of a killed
-test process are removed by the next cluster.
+asks names this cluster's Master URL, and ``wait_workers`` retries any other answer until
+its timeout (the Master's own UI gives one for a moment at start-up). Leaving stops the
+session, kills every process of the cluster (Master, Workers, executors, their Python
+workers: each carries the environment variable ``MARKER``, so none escapes by being
+re-parented) and removes its folders, namespaces, veths and bridge, also after a failure.
+Names and the subnet carry this test process's pid so that parallel pytest workers (xdist)
+do not collide; leftovers of a killed test process are removed by the next cluster.
 
 ``kill_worker(i)`` / ``stop_worker(i)`` lose Worker ``i`` for good (SIGKILL to the Worker
 JVM, its executor JVM and their Python workers; a namespace host loses all of its
@@ -123,6 +124,11 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip()}")
 
 
+class NotThisMaster(RuntimeError):
+    """The server at a cluster's Master UI port did not answer with this cluster's
+    Master status (an HTML page, another Master's status)."""
+
+
 class StandaloneCluster:
     """A Spark standalone Master and ``workers`` one-core Workers on this machine."""
 
@@ -182,7 +188,8 @@ class StandaloneCluster:
 
     def master_status(self) -> dict:
         """The Master's JSON status (``/json/`` of its web UI), checked to be this
-        cluster's: a server that does not name this cluster's Master URL is an error."""
+        cluster's: a server that does not name this cluster's Master URL is an error
+        (``NotThisMaster``)."""
         url = f"http://{self.host}:{self.ui_port}/json/"
         with urllib.request.urlopen(url, timeout=10) as response:
             body = response.read()
@@ -191,8 +198,11 @@ class StandaloneCluster:
         except ValueError:
             status = None
         if not isinstance(status, dict) or status.get("url") != self.url:
-            raise RuntimeError(
-                f"{url} is not the Master of this cluster ({self.url}); it answers {body[:200]!r}"
+            title = re.search(rb"<title>\s*(.*?)\s*</title>", body, re.S | re.I)
+            raise NotThisMaster(
+                f"{url} is not the Master of this cluster ({self.url}); it answers "
+                + (f"a page titled {title.group(1).decode(errors='replace')!r}: " if title else "")
+                + f"{body[:200]!r}"
             )
         return status
 
@@ -201,19 +211,28 @@ class StandaloneCluster:
         return [w for w in self.master_status()["workers"] if w["state"] == "ALIVE"]
 
     def wait_workers(self, n: int, timeout_s: float = START_S) -> float:
-        """Wait until the Master lists exactly ``n`` ALIVE workers; return the seconds."""
+        """Wait until the Master lists exactly ``n`` ALIVE workers; return the seconds.
+
+        Until then an answer that is not this cluster's Master's status is retried too:
+        for a moment after the Master's log names its UI port (``_start_master``), its
+        web UI answers ``/json/`` with its HTML home page, as the ``/`` handler is
+        attached before the ``/json`` one. A server that stays someone else's is still
+        an error, once ``timeout_s`` is up, with its last answer."""
         began = time.monotonic()
-        alive: list | str = "no answer"
+        last = "no answer"
         while time.monotonic() - began < timeout_s:
             try:
                 alive = self.alive_workers()
                 if len(alive) == n:
                     return time.monotonic() - began
+                last = f"the Master lists {alive!r}"
             except OSError as e:  # the Master's web UI is not up yet
-                alive = repr(e)
+                last = repr(e)
+            except NotThisMaster as e:  # its UI still attaching its handlers, or not it
+                last = str(e)
             time.sleep(0.2)
         raise RuntimeError(
-            f"the Master lists {alive!r}, not {n} ALIVE workers, after {timeout_s:g} s; "
+            f"not {n} ALIVE workers after {timeout_s:g} s: {last}; "
             f"logs in {self.dir / 'logs'}:\n{self.log_tails()}"
         )
 

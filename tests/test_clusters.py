@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 import re
 import socket
@@ -161,6 +163,85 @@ def test_a_cluster_talks_to_its_own_master_when_another_server_takes_ports_first
             decoy.shutdown()
             decoy.server_close()
     assert cluster.processes() == []
+
+
+class MasterUiStartingUp(BaseHTTPRequestHandler):
+    """A Master's web UI at start-up: its HTML home page for ``/json/`` to the first
+    ``html_answers`` requests (its ``/`` handler is attached before ``/json``), then its
+    JSON status naming ``master_url`` with one ALIVE Worker."""
+
+    master_url = ""
+    html_answers = 3
+    requests = 0
+
+    def do_GET(self):
+        type(self).requests += 1
+        if type(self).requests <= self.html_answers:
+            body = f"<html><head><title>Spark Master at {self.master_url}</title></head></html>"
+            kind = "text/html"
+        else:
+            workers = [{"id": "worker-1", "state": "ALIVE"}]
+            body = json.dumps({"url": self.master_url, "workers": workers})
+            kind = "text/json"
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+THIS_MASTER, OTHER_MASTER = "spark://127.0.0.1:7077", "spark://127.0.0.1:7078"
+
+
+@contextlib.contextmanager
+def cluster_at(handler: type[BaseHTTPRequestHandler], tmp_path):
+    """A ``StandaloneCluster`` of Master ``THIS_MASTER`` whose UI port is a server of
+    ``handler`` (no JVM)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cluster = StandaloneCluster(workers=1)
+    cluster.url, cluster.ui_port = THIS_MASTER, server.server_address[1]
+    cluster.dir = tmp_path
+    (tmp_path / "logs").mkdir()
+    try:
+        yield cluster
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_wait_workers_retries_the_masters_html_page_at_start_up(tmp_path):
+    handler = type("Ui", (MasterUiStartingUp,), {"master_url": THIS_MASTER})
+    with cluster_at(handler, tmp_path) as cluster:
+        assert cluster.wait_workers(1, timeout_s=30) < 30
+        assert handler.requests == 4  # three HTML answers retried, then the status
+
+
+@pytest.mark.parametrize(
+    "handler, said",
+    [
+        (HtmlPage, "not a Spark Master"),
+        (
+            type("Ui", (MasterUiStartingUp,), {"master_url": OTHER_MASTER, "html_answers": 10**6}),
+            f"a page titled 'Spark Master at {OTHER_MASTER}'",
+        ),
+        (
+            type("Ui", (MasterUiStartingUp,), {"master_url": OTHER_MASTER, "html_answers": 0}),
+            f'"url": "{OTHER_MASTER}"',
+        ),
+    ],
+    ids=["html page", "another master's page", "another master's status"],
+)
+def test_wait_workers_refuses_a_server_that_stays_someone_elses(tmp_path, handler, said):
+    with cluster_at(handler, tmp_path) as cluster:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="not the Master of this cluster") as error:
+            cluster.wait_workers(1, timeout_s=1)
+        assert time.monotonic() - began >= 1  # retried until the timeout, then refused
+        assert said in str(error.value)  # with the server's last answer
 
 
 def test_standalone_cluster_loses_a_worker_for_good_and_gains_a_new_one():
