@@ -27,6 +27,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 MODES = ("min", "max")
 
 
@@ -167,9 +170,7 @@ class BestModel(_Monitor):
 
     def on_epoch_end(self, epoch: int, logs: dict, state: TrainingState) -> None:
         if self.update(epoch, logs):
-            self.best_state = {
-                k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()
-            }
+            self.best_state = {k: _copy(v) for k, v in state.model.state_dict().items()}
 
     def selection(self) -> dict | None:
         """What was selected, for the training summary; None before any epoch ended."""
@@ -181,3 +182,10 @@ class BestModel(_Monitor):
             "mode": self.mode,
             "value": self.best_value,
         }
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a weight; a sharded one (FSDP's DTensor) stays a shard where it is."""
+    if isinstance(tensor, DTensor):
+        return tensor.detach().clone()
+    return tensor.detach().to("cpu", copy=True)

@@ -92,6 +92,8 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         gradient_compression="none",
         gradient_reduction="average",
         mixed_precision="none",
+        parallelism="ddp",
+        fsdp_wrap=None,
         compile=False,
         metrics=None,
         loss_weights=None,
@@ -121,6 +123,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         bundle, metrics = validate_training.training_bundle(
             objects, self.getLabelCols(), loop.lr_scheduler_interval
         )
+        validate_training.check_fsdp_wrap(objects["model"], loop.fsdp_wrap)
         names = ["loss", *metric_keys(list(metrics or {}), self.getLabelCols())]
 
         def check_callbacks(has_validation: bool) -> None:
@@ -171,6 +174,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
                 "learning_rate": self.getLearningRate(),
                 "lr_scaling": self.getLrScaling(),
                 "backward_passes_per_step": self.getBackwardPassesPerStep(),
+                "parallelism": self.getParallelism(),
             },
         )
 
@@ -187,6 +191,8 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             lr_scheduler_interval=self.getLrSchedulerInterval(),
             terminate_on_nan=self.getTerminateOnNan(),
             commit_every_steps=self._commit_every_steps(),
+            parallelism=self.getParallelism(),
+            fsdp_wrap=tuple(self.getFsdpWrap() or ()),
         )
         validate_training.check_loop(loop, self.getLabelCols(), self.getTrainMinibatchFn())
         return loop

@@ -9,6 +9,8 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
                                                              its files, rows, row lengths
     runs/<run_id>/run.json                                   what the checkpoints were made with
     runs/<run_id>/checkpoints/epoch-0001.pt                  rank 0's checkpoint after each epoch
+    runs/<run_id>/shards/<name>/                             parallelism="fsdp": every rank's shard
+                                                             of an epoch's checkpoint or a commit
     runs/<run_id>/commit.pt                                  the last commit inside an epoch
     runs/<run_id>/failures/<launch>.json                     the training code's error, if raised
     runs/<run_id>/result.pt                                  final weights, history, output shapes
@@ -149,6 +151,12 @@ class RunFolder:
     def checkpoint(self, epoch: int) -> str:
         return posixpath.join(self.checkpoints, f"epoch-{epoch:04d}.pt")
 
+    def shards(self, name: str) -> str:
+        """``parallelism="fsdp"``: the folder of every rank's shard of the model and
+        optimizer (``torch.distributed.checkpoint``) that the checkpoint or commit naming
+        ``name`` holds (``epoch-0001``, ``commit-<id>``)."""
+        return posixpath.join(self.path, "shards", name)
+
     def failure(self, launch_id: str) -> str:
         return posixpath.join(self.failures, f"{launch_id}.json")
 
@@ -178,6 +186,7 @@ def layout() -> list[str]:
         data.meta,
         run.manifest,
         run.checkpoint(1),
+        run.shards("<name>") + "/",
         run.step_commit,
         run.failure("<launch>"),
         run.result,
@@ -242,9 +251,7 @@ class Store:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None:
-            uncached = {} if self.protocol == "file" else {"use_listings_cache": False}
-            options = {**uncached, **self._url_options, **self.storage_options}
-            self._fs = fsspec.filesystem(self.protocol, **options)
+            self._fs = fsspec.filesystem(self.protocol, **self._options())
         return self._fs
 
     def __getstate__(self):
@@ -259,6 +266,16 @@ class Store:
     # -- paths ---------------------------------------------------------------------------
     def join(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
+
+    def fsspec_target(self, path: str) -> tuple[str, dict[str, Any]]:
+        """``path`` of this store as a URL and the options fsspec opens it with, for
+        readers and writers that open the filesystem themselves."""
+        url = path if self.protocol == "file" else self.fs.unstrip_protocol(path)
+        return url, self._options()
+
+    def _options(self) -> dict[str, Any]:
+        uncached = {} if self.protocol == "file" else {"use_listings_cache": False}
+        return {**uncached, **self._url_options, **self.storage_options}
 
     @property
     def datasets(self) -> str:

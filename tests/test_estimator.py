@@ -609,6 +609,37 @@ def _bad_inputs():
             "mixed_precision: must be one of",
         ),
         "compile a string": (dict(compile="inductor"), TypeError, "compile: expected True"),
+        "unknown parallelism": (dict(parallelism="tp"), ValueError, "parallelism: must be one"),
+        "fsdp with gradient_compression": (
+            dict(parallelism="fsdp", gradient_compression="bf16"),
+            ValueError,
+            "gradient_compression: 'bf16' cannot be combined with parallelism='fsdp'",
+        ),
+        "fsdp with adasum": (
+            dict(parallelism="fsdp", gradient_reduction="adasum"),
+            ValueError,
+            "gradient_reduction: 'adasum' cannot be combined with parallelism='fsdp'",
+        ),
+        "fsdp with compile": (
+            dict(parallelism="fsdp", compile=True),
+            ValueError,
+            "compile: torch.compile is not offered with parallelism='fsdp'",
+        ),
+        "fsdp_wrap without fsdp": (
+            dict(fsdp_wrap=[torch.nn.Linear]),
+            ValueError,
+            "fsdp_wrap: applies only with parallelism='fsdp'",
+        ),
+        "fsdp_wrap of a class the model lacks": (
+            dict(parallelism="fsdp", fsdp_wrap=["Conv2d"]),
+            ValueError,
+            "fsdp_wrap: the model has no submodule of class ['Conv2d']",
+        ),
+        "model function with an optimizer object": (
+            dict(model=linear_net),
+            TypeError,
+            "optimizer: model is a function",
+        ),
         "ReduceLROnPlateau per step": (
             dict(
                 lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o),

@@ -25,6 +25,7 @@ from pyspark.ml import Estimator
 from pyspark.sql import DataFrame, SparkSession
 
 from ..model import TorchModel
+from ..shared import model_factory
 from ..shared.failures import TrainingError, read_failure
 from ..shared.serialization import loads, state_from_bytes
 from ..shared.spec import (
@@ -115,6 +116,20 @@ def log_placements(summaries: list[RankSummary]) -> None:
     for placement, which in ranks.items():
         listed = ", ".join(map(str, which))
         logger.info("rank%s %s: data %s", "s" if len(which) > 1 else "", listed, placement)
+
+
+def rank_memory(summaries: list[RankSummary]) -> list[dict]:
+    """Per rank: the parameter elements it held (a shard of the model's with FSDP) and its
+    peak memory, for the training summary."""
+    return [
+        {
+            "rank": s.rank,
+            "parameter_elements": s.parameter_elements,
+            "peak_memory_mib": round(s.peak_memory_bytes / 2**20, 1),
+            "memory": s.peak_memory_kind,
+        }
+        for s in sorted(summaries, key=lambda s: s.rank)
+    ]
 
 
 class _LostProcesses(Exception):
@@ -297,8 +312,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         for note in notes:
             warnings.warn(f"spark-estimator: {note}", RuntimeWarning, stacklevel=4)
         result = state_from_bytes(store.read_bytes(store.run(run_id).result))
-        model = loads(training.bundle)["model"]
-        model.load_state_dict(result["model"])
+        model = model_factory.build(loads(training.bundle)["model"])
+        model.load_state_dict(result["model"], assign=model_factory.on_meta(model))
         fitted = TorchModel(
             model=model.cpu().eval(),
             feature_cols=self.getFeatureCols(),
@@ -316,6 +331,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 "dataset_reused": data.reused,
                 "resizes": resizes,
                 "fit_seconds": clock.report(summaries),
+                "rank_memory": rank_memory(summaries),
             },
         )
         if self.getMlflowLogging():

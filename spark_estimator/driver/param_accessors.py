@@ -540,6 +540,8 @@ class EstimatorParamsAccessors(Params):
     gradient_compression: Param[str]
     gradient_reduction: Param[str]
     mixed_precision: Param[str]
+    parallelism: Param[str]
+    fsdp_wrap: Param[list[str]]
     compile: Param[Any]
     metrics: Param[Any]
     loss_weights: Param[list[float] | None]
@@ -552,22 +554,32 @@ class EstimatorParamsAccessors(Params):
     loss_constructors: Param[Any]
 
     def getModel(self) -> Any:
-        """Gets the value of `model`: the torch.nn.Module to train"""
+        """Gets the value of `model`: the torch.nn.Module to train, or a function () -> Module
+        called on each process (the driver builds it only for the fitted model; with
+        parallelism='fsdp' and torch.device('meta') inside it each process materializes only
+        its shard)
+        """
         return self.getOrDefault(self.model)
 
     def setModel(self: _P, value: Any) -> _P:
-        """Sets the value of `model`: the torch.nn.Module to train"""
+        """Sets the value of `model`: the torch.nn.Module to train, or a function () -> Module
+        called on each process (the driver builds it only for the fitted model; with
+        parallelism='fsdp' and torch.device('meta') inside it each process materializes only
+        its shard)
+        """
         return self._set(model=value)
 
     def getOptimizer(self) -> Any:
         """Gets the value of `optimizer`: a torch.optim.Optimizer built on the model's
-        parameters
+        parameters, or a function model -> Optimizer called on each process with the model as
+        it trains (needed when model is a function)
         """
         return self.getOrDefault(self.optimizer)
 
     def setOptimizer(self: _P, value: Any) -> _P:
         """Sets the value of `optimizer`: a torch.optim.Optimizer built on the model's
-        parameters
+        parameters, or a function model -> Optimizer called on each process with the model as
+        it trains (needed when model is a function)
         """
         return self._set(optimizer=value)
 
@@ -666,6 +678,38 @@ class EstimatorParamsAccessors(Params):
         autocast
         """
         return self._set(mixed_precision=value)
+
+    def getParallelism(self) -> str:
+        """Gets the value of `parallelism`: 'ddp' (default: every process holds the whole model,
+        DistributedDataParallel) or 'fsdp' (the model's parameters, gradients and optimizer
+        state sharded over the processes with FSDP2, for models larger than one device;
+        checkpoints sharded too; see docs/large-models.md)
+        """
+        return self.getOrDefault(self.parallelism)
+
+    def setParallelism(self: _P, value: str) -> _P:
+        """Sets the value of `parallelism`: 'ddp' (default: every process holds the whole model,
+        DistributedDataParallel) or 'fsdp' (the model's parameters, gradients and optimizer
+        state sharded over the processes with FSDP2, for models larger than one device;
+        checkpoints sharded too; see docs/large-models.md)
+        """
+        return self._set(parallelism=value)
+
+    def getFsdpWrap(self) -> list[str]:
+        """Gets the value of `fsdp_wrap`: parallelism='fsdp': the submodule classes (or class
+        names, e.g. your transformer block) sharded as units of their own, each gathered only
+        while it computes; the whole model is always one unit; default: none (the model is
+        one unit)
+        """
+        return self.getOrDefault(self.fsdp_wrap)
+
+    def setFsdpWrap(self: _P, value: list[str]) -> _P:
+        """Sets the value of `fsdp_wrap`: parallelism='fsdp': the submodule classes (or class
+        names, e.g. your transformer block) sharded as units of their own, each gathered only
+        while it computes; the whole model is always one unit; default: none (the model is
+        one unit)
+        """
+        return self._set(fsdp_wrap=value)
 
     def getCompile(self) -> Any:
         """Gets the value of `compile`: False (default), True or a dict of torch.compile keyword

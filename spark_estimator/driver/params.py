@@ -79,6 +79,20 @@ def to_use_gpu(value: Any) -> bool | str:
     raise TypeError(f"use_gpu: expected 'auto', True or False, got {value!r}")
 
 
+def _to_class_names(value: Any) -> list[str]:
+    """``fsdp_wrap``: module classes, or their names, as class names (saved as JSON)."""
+    items = [value] if isinstance(value, (str, type)) else list(value or [])
+    names = []
+    for item in items:
+        if isinstance(item, type):
+            names.append(item.__name__)
+        elif isinstance(item, str) and item:
+            names.append(item)
+        else:
+            raise TypeError(f"fsdp_wrap: expected module classes or class names, got {item!r}")
+    return names
+
+
 def _to_verbose(value: bool | int) -> bool:
     """A boolean, or Horovod's levels 0, 1 and 2 (2, per-epoch lines there, shows the same
     as 1 here: the bar already shows every epoch)."""
@@ -479,8 +493,17 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
     """The params of TorchEstimator's own training loop."""
 
     _specs = (
-        _FIT["model"].with_doc("the torch.nn.Module to train"),
-        ParamSpec("optimizer", "a torch.optim.Optimizer built on the model's parameters"),
+        _FIT["model"].with_doc(
+            "the torch.nn.Module to train, or a function () -> Module called on each process "
+            "(the driver builds it only for the fitted model; with parallelism='fsdp' and "
+            "torch.device('meta') inside it each process materializes only its shard)"
+        ),
+        ParamSpec(
+            "optimizer",
+            "a torch.optim.Optimizer built on the model's parameters, or a function model -> "
+            "Optimizer called on each process with the model as it trains (needed when model "
+            "is a function)",
+        ),
         ParamSpec(
             "learning_rate",
             "when set, the learning rate of every param group of the optimizer for this fit "
@@ -531,6 +554,23 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "GradScaler); meant for GPUs, on CPU it runs torch's CPU autocast",
             TypeConverters.toString,
             default="none",
+        ),
+        ParamSpec(
+            "parallelism",
+            "'ddp' (default: every process holds the whole model, DistributedDataParallel) or "
+            "'fsdp' (the model's parameters, gradients and optimizer state sharded over the "
+            "processes with FSDP2, for models larger than one device; checkpoints sharded "
+            "too; see docs/large-models.md)",
+            TypeConverters.toString,
+            default="ddp",
+        ),
+        ParamSpec(
+            "fsdp_wrap",
+            "parallelism='fsdp': the submodule classes (or class names, e.g. your transformer "
+            "block) sharded as units of their own, each gathered only while it computes; the "
+            "whole model is always one unit; default: none (the model is one unit)",
+            _to_class_names,
+            default=[],
         ),
         ParamSpec(
             "compile",

@@ -12,14 +12,18 @@ checkpoint means: weights that no longer fit, optimizer state of another kind, o
 or another position in the data. Anything else may change between the two fits (epochs,
 callbacks, metrics, ...); the optimizer's hyper-parameters, learning rates included, come
 back from the checkpoint. The optimizer described is the one the fit trains (the estimator's
-``learning_rate`` applied); ``learning_rate`` and ``lr_scaling`` are in the manifest too,
-because a resumed run's rates come from its checkpoint: a fit asking for other rates is
-refused rather than silently trained with the old ones.
+``learning_rate`` applied); a model or optimizer given as a function is described by its
+name. ``parallelism`` is in the manifest (its checkpoints hold shards), and so are
+``learning_rate`` and ``lr_scaling``, because a resumed run's rates come from its
+checkpoint: a fit asking for other rates is refused rather than silently trained with the
+old ones.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 from ..shared.spec import SPLITS, DatasetInfo
 from ..store import Store
@@ -29,13 +33,26 @@ def run_manifest(model, optimizer, fields: dict[str, Any]) -> dict:
     """The description of a fit that its checkpoints depend on, without the data (known
     only after materialization, see ``data_fields``); ``fields`` holds params by name.
     ``optimizer`` is None where the model makes its own (a LightningModule)."""
-    manifest = {"model": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()}}
-    if optimizer is not None:
+    if isinstance(model, torch.nn.Module):
+        manifest = {
+            "model": {k: [list(v.shape), str(v.dtype)] for k, v in model.state_dict().items()}
+        }
+    else:  # a function builds it on each rank: its state is not known here
+        manifest = {"model": {"function": _name(model)}}
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        manifest["optimizer"] = {"function": _name(optimizer)}
+    elif optimizer is not None:
         manifest["optimizer"] = {
             "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
             "param_groups": [len(g["params"]) for g in optimizer.param_groups],
         }
     return {**manifest, **fields}
+
+
+def _name(function) -> str:
+    """A function's qualified name (an object's class's, for a callable object)."""
+    named = function if hasattr(function, "__qualname__") else type(function)
+    return f"{named.__module__}.{named.__qualname__}"
 
 
 def data_fields(data: DatasetInfo) -> dict:

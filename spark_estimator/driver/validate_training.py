@@ -17,10 +17,12 @@ from collections.abc import Callable
 import torch
 
 from ..callbacks import Callback, _Monitor
+from ..shared import model_factory
 from ..shared.serialization import dumps
 from ..shared.spec import (
     GRADIENT_REDUCTIONS,
     LR_SCALINGS,
+    PARALLELISMS,
     PRECISIONS,
     SCHEDULER_INTERVALS,
     LoopSpec,
@@ -33,11 +35,25 @@ def _check_callable(name: str, value) -> None:
 
 
 def _check_model_and_optimizer(model, optimizer) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    """A module, or a function that builds one (``shared/model_factory.py``); an optimizer
+    on its parameters, or a function model -> optimizer (needed with a model function)."""
+    if not isinstance(model, torch.nn.Module) and not callable(model):
         raise TypeError(
-            f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            "model: expected a torch.nn.Module or a function () -> Module, got "
+            f"{type(model).__name__}"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if callable(optimizer):
+            return  # called on each rank, on the model as it trains
+        raise TypeError(
+            "optimizer: expected a torch.optim.Optimizer or a function model -> Optimizer, "
+            f"got {type(optimizer).__name__}"
+        )
+    if model_factory.is_factory(model):
+        raise TypeError(
+            "optimizer: model is a function, so the optimizer cannot be built on its "
+            "parameters here; give a function model -> Optimizer, e.g. "
+            "lambda model: torch.optim.AdamW(model.parameters(), lr=1e-3)"
         )
     model_params = {id(p) for p in model.parameters()}
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -157,6 +173,7 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
         ("gradient_reduction", GRADIENT_REDUCTIONS),
         ("mixed_precision", PRECISIONS),
         ("lr_scheduler_interval", SCHEDULER_INTERVALS),
+        ("parallelism", PARALLELISMS),
     ):
         value = getattr(loop, name)
         if value not in choices:
@@ -166,6 +183,7 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
             "lr_scaling: must be 'none' with gradient_reduction='adasum' (Adasum does not "
             f"grow the step with the number of processes), got {loop.lr_scaling!r}"
         )
+    check_sharding(loop)
     k = loop.backward_passes_per_step
     if k < 1:
         raise ValueError(f"backward_passes_per_step: must be >= 1, got {k}")
@@ -174,6 +192,46 @@ def check_loop(loop: LoopSpec, label_cols: list[str], train_minibatch_fn) -> Non
         raise ValueError(
             "train_minibatch_fn: your step owns backward and optimizer.step, so it cannot be "
             "combined with backward_passes_per_step > 1 or mixed_precision; do those in it"
+        )
+
+
+def check_sharding(loop: LoopSpec) -> None:
+    """What ``parallelism="fsdp"`` cannot be combined with, and ``fsdp_wrap`` without it."""
+    if not loop.sharded:
+        if loop.fsdp_wrap:
+            raise ValueError(
+                f"fsdp_wrap: applies only with parallelism='fsdp' (got {list(loop.fsdp_wrap)} "
+                f"with parallelism={loop.parallelism!r})"
+            )
+        return
+    for name, value, plain in (
+        ("gradient_compression", loop.gradient_compression, "none"),
+        ("gradient_reduction", loop.gradient_reduction, "average"),
+    ):
+        if value != plain:
+            raise ValueError(
+                f"{name}: {value!r} cannot be combined with parallelism='fsdp', whose "
+                "gradients are reduce-scattered in float32 (mixed_precision='bf16' sets the "
+                f"dtype parameters are gathered in); use {name}={plain!r}"
+            )
+    if loop.compile is not None:
+        raise ValueError(
+            "compile: torch.compile is not offered with parallelism='fsdp' yet (FSDP's "
+            "units would each need compiling); use compile=False"
+        )
+
+
+def check_fsdp_wrap(model, wrap: tuple[str, ...]) -> None:
+    """Every class ``fsdp_wrap`` names is a submodule's of ``model`` (a module; a model
+    function is checked where it is built, on each rank)."""
+    if not wrap or not isinstance(model, torch.nn.Module):
+        return
+    classes = {type(m).__name__ for m in model.modules() if m is not model}
+    missing = sorted(set(wrap) - classes)
+    if missing:
+        raise ValueError(
+            f"fsdp_wrap: the model has no submodule of class {missing}; its submodules' "
+            f"classes are {sorted(classes)}"
         )
 
 
@@ -217,6 +275,8 @@ def with_learning_rate(optimizer, learning_rate: float | None):
     if not math.isfinite(learning_rate) or learning_rate <= 0:
         raise ValueError(f"learning_rate: must be a finite number > 0, got {learning_rate}")
     if not isinstance(optimizer, torch.optim.Optimizer):
+        if callable(optimizer):  # the rate is set on what it builds, on each rank
+            return WithLearningRate(optimizer, learning_rate)
         return optimizer  # refused, naming optimizer, by training_bundle
     effective = copy.copy(optimizer)
     effective.param_groups = [{**g, "lr": learning_rate} for g in optimizer.param_groups]
@@ -224,12 +284,33 @@ def with_learning_rate(optimizer, learning_rate: float | None):
     return effective
 
 
+class WithLearningRate:
+    """An optimizer function whose optimizer's param groups all get ``learning_rate``."""
+
+    def __init__(self, make, learning_rate: float):
+        self.make, self.learning_rate = make, learning_rate
+        functools.update_wrapper(self, make)  # named as the function (run manifests)
+
+    def __call__(self, model):
+        optimizer = self.make(model)
+        for group in getattr(optimizer, "param_groups", []):
+            group["lr"] = self.learning_rate
+        return optimizer
+
+
 def learning_rate_note(
     optimizer, learning_rate: float | None, lr_scaling: str, num_proc: int, scheduler: bool
 ) -> str:
     """The line a fit logs first: the learning rate each rank starts with, and why (the
     optimizer's or ``learning_rate``'s, times ``num_proc`` with ``lr_scaling='linear'``);
-    without scaling, what Horovod's estimator (which always scales) would use instead."""
+    without scaling, what Horovod's estimator (which always scales) would use instead. An
+    optimizer function's rates are known only where it is called, unless ``learning_rate``
+    sets them."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if learning_rate is None:
+            scaled = f" x {num_proc} (lr_scaling='linear')" if lr_scaling == "linear" else ""
+            return f"learning rates: those the optimizer function sets on each process{scaled}"
+        optimizer = torch.optim.SGD([torch.zeros(1)], lr=learning_rate)  # only its rate
     given = [g["lr"] for g in optimizer.param_groups]
 
     def rates(values: list[float]) -> str:
@@ -272,7 +353,8 @@ def training_bundle(
     for name, value in objects.items():
         if name != "optimizer":  # the one left unchecked: a failure of the last pickle
             dumps(value, name)
-    _check_scheduler(objects["lr_scheduler"], objects["optimizer"], lr_scheduler_interval)
+    if isinstance(objects["optimizer"], torch.optim.Optimizer):  # else built on each rank
+        _check_scheduler(objects["lr_scheduler"], objects["optimizer"], lr_scheduler_interval)
     return dumps(objects, "optimizer"), objects["metrics"]
 
 

@@ -19,6 +19,7 @@ LR_SCALINGS = ("none", "linear")
 PRECISIONS = ("none", "fp16", "bf16")  # for mixed_precision and gradient_compression
 GRADIENT_REDUCTIONS = ("average", "adasum")
 SCHEDULER_INTERVALS = ("epoch", "step")
+PARALLELISMS = ("ddp", "fsdp")  # every rank holds the model (DDP), or a shard of it (FSDP2)
 # torch dtypes by name: this module is imported by executor code that needs no torch
 PRECISION_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -148,6 +149,13 @@ class LoopSpec:
     terminate_on_nan: bool = True
     # steps between commits inside an epoch; 0: none; COMMIT_AUTO: a few per epoch
     commit_every_steps: int = 0
+    parallelism: str = "ddp"  # "ddp" | "fsdp" (worker/comm/fsdp.py)
+    # FSDP: the class names of the submodules sharded as units of their own (the root always)
+    fsdp_wrap: tuple[str, ...] = ()
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallelism == "fsdp"
 
 
 def compile_backend(options: dict | None) -> str | None:

@@ -37,6 +37,9 @@ class RankSummary:
     seconds: float  # from the end of the rank's setup (loaders open) to its summary
     compiled: str | None = None  # the torch.compile backend of the module trained; None: eager
     paused: bool = False  # stopped at an epoch's end so the job starts again larger (elastic)
+    parameter_elements: int = 0  # the model's parameter elements this rank held (FSDP: shards)
+    peak_memory_bytes: int = 0  # the process's peak memory at its end, as peak_memory_kind says
+    peak_memory_kind: str = ""  # "cuda max allocated" or "cpu peak rss"
 
 
 def training_summary(

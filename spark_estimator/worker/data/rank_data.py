@@ -17,7 +17,6 @@ import socket
 import time
 from collections.abc import Iterator
 
-from ...shared.serialization import state_dict_digest
 from ...shared.spec import SPLITS, TrainSpec
 from ...shared.summary import RankSummary
 from ..comm.ddp import AdasumState, CompressionState, communicated_dtypes, gradient_path
@@ -80,11 +79,24 @@ class RankData:
         return training_steps(self.train, self.plan, group, self.steps_per_epoch, start)
 
 
+def peak_memory(device) -> tuple[int, str]:
+    """This process's peak memory so far, in bytes, and what was measured: on a GPU the
+    most torch allocated there, else the process's peak resident set (RSS)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated(device), "cuda max allocated"
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu peak rss"
+
+
 def rank_summary(
     info: RankInfo,
     data: RankData,
     hook: CompressionState | AdasumState | SharedMemoryAllreduce | None,
-    weights: dict,
+    weights_digest: str,
+    parameter_elements: int,
     batches_per_epoch: list[int],
     optimizer_steps_per_epoch: list[int],
     started: float,
@@ -92,9 +104,11 @@ def rank_summary(
     paused: bool = False,
 ) -> RankSummary:
     """What this rank did: ``hook`` is the DDP gradient hook's state (None without one),
-    ``weights`` the final state dict, ``started`` when training began (``time.time()``),
+    ``weights_digest`` the final weights' (the same on every rank), ``parameter_elements``
+    those this rank held (its shards with FSDP), ``started`` when training began (``time.time()``),
     ``compiled`` the torch.compile backend of the module it trained (None: not compiled),
     ``paused`` whether it stopped at an epoch's end for the job to grow."""
+    memory, kind = peak_memory(info.device)
     return RankSummary(
         rank=info.rank,
         local_rank=info.local_rank,
@@ -111,7 +125,10 @@ def rank_summary(
         validation_batches_per_epoch=len(data.validation_sizes),
         batches_per_epoch=batches_per_epoch,
         optimizer_steps_per_epoch=optimizer_steps_per_epoch,
-        weights_digest=state_dict_digest(weights),
+        weights_digest=weights_digest,
+        parameter_elements=parameter_elements,
+        peak_memory_bytes=memory,
+        peak_memory_kind=kind,
         seconds=round(time.time() - started, 3),
         compiled=compiled,
         paused=paused,

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ...shared.packages import lightning_package
-from ...shared.serialization import loads, state_to_bytes
+from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import TrainSpec
 from ...shared.summary import RankSummary, training_summary
 from ..comm.ddp import open_shared_memory
@@ -205,7 +205,8 @@ def _train(
         info,
         data,
         shared,
-        weights,
+        state_dict_digest(weights),
+        sum(p.numel() for p in module.parameters()),
         recorder.batches_per_epoch,
         recorder.optimizer_steps_per_epoch,
         started,

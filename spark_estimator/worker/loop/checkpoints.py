@@ -3,7 +3,9 @@
 A checkpoint holds everything needed to continue after its epoch (see ``resume.py``).
 Each is written atomically (``Store.write_bytes``). With ``keep`` set, only the last
 ``keep`` epochs' checkpoints stay, plus any epoch named in ``protected`` (the best epoch,
-when a BestModel callback tracks one).
+when a BestModel callback tracks one). With ``parallelism="fsdp"`` every rank first writes
+its shard of the model and optimizer (``shards``, ``sharded.py``); a pruned checkpoint's
+file goes before its shards, so no listed checkpoint lacks them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ class Checkpoints:
 
     def path(self, epoch: int) -> str:
         return self.store.run(self.run_id).checkpoint(epoch)
+
+    def shards(self, epoch: int) -> str:
+        """The folder of the epoch's shards (``parallelism="fsdp"``)."""
+        return self.store.run(self.run_id).shards(f"epoch-{epoch:04d}")
 
     def epochs(self) -> list[int]:
         """Epochs with a checkpoint in the store, ascending."""
@@ -34,6 +40,7 @@ class Checkpoints:
         for old in self.epochs()[: -self.keep]:
             if old not in protected:
                 self.store.remove(self.path(old))
+                self.store.remove(self.shards(old))
 
     def last(self) -> str | None:
         """The newest checkpoint's path, or None when there is none yet."""

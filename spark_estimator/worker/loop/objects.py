@@ -2,7 +2,11 @@
 
 The driver pickles one dict (``driver/validate_training.py``): model and optimizer in the
 same pickle, so the optimizer's param groups refer to the model's parameters after
-unpickling, whatever its constructor arguments. Here the model moves to the device, the
+unpickling, whatever its constructor arguments. A model given as a function is built here
+(``shared/model_factory.py``), seeded alike on every rank, and an optimizer given as a
+function is called on the model as it trains. Here the model moves to the device (or, with
+``parallelism="fsdp"``, is sharded: ``comm/fsdp.py``; then an optimizer object is built
+anew on the shards, from its class, defaults and param groups by parameter name), the
 learning rates are scaled (``lr_scaling``), losses are built (``loss_constructors`` run
 here, for losses that cannot be pickled), and then the LR scheduler is built on the
 scaled optimizer.
@@ -10,13 +14,17 @@ scaled optimizer.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ...shared import model_factory
 from ...shared.serialization import loads
 from ...shared.spec import TrainSpec
+from ..comm.fsdp import shard_model
+from ..comm.rendezvous import RankInfo
 from .loss import BatchLoss
 
 
@@ -59,11 +67,68 @@ def build_losses(loss, loss_constructors, num_labels: int) -> list[Callable]:
     return losses * num_labels if len(losses) == 1 else losses
 
 
-def build_objects(spec: TrainSpec, world_size: int, device: torch.device) -> TrainingObjects:
-    objects = loads(spec.bundle)
-    model, optimizer = objects["model"], objects["optimizer"]
+def group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names of the parameters of each of ``optimizer``'s param groups in ``model``."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def rebuilt(
+    optimizer: torch.optim.Optimizer, names: list[list[str]], model
+) -> torch.optim.Optimizer:
+    """``optimizer``'s class with its defaults and param groups (their options, and their
+    parameters by name: ``names``) on ``model``'s parameters as they are now (sharded)."""
+    params = dict(model.named_parameters())
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [params[n] for n in ns]}
+        for group, ns in zip(optimizer.param_groups, names)
+    ]
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
+def called(make_optimizer, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer a function model -> optimizer builds on ``model``."""
+    optimizer = make_optimizer(model)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "optimizer: the function must return a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    return optimizer
+
+
+def model_and_optimizer(
+    spec: TrainSpec, info: RankInfo, model, optimizer
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The model on this rank's device (sharded with FSDP) and its optimizer."""
+    device = info.device
+    torch.manual_seed(spec.seed)  # a model built here starts alike on every rank
+    model = model_factory.build(model)
+    names = group_names(model, optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None
+    meta = model_factory.on_meta(model)
+    if spec.loop.sharded:
+        if not meta:
+            model.to(device)
+        job = "job-" + hashlib.sha256(spec.secret.encode()).hexdigest()[:12]
+        shard_model(model, info, spec.loop.fsdp_wrap, spec.loop.mixed_precision, job)
+    if meta:
+        # a CPU mesh draws each shard's values from its rank's generator (no DTensor RNG
+        # there): seeded per rank, else every shard would start with the same values
+        torch.manual_seed(spec.seed * 1_000_003 + info.rank)
+        model_factory.materialize(model, device)
     model.to(device)
+    if names is None:
+        return model, called(optimizer, model)
+    if spec.loop.sharded:
+        return model, rebuilt(optimizer, names, model)
     optimizer.load_state_dict(optimizer.state_dict())  # moves any optimizer state to device
+    return model, optimizer
+
+
+def build_objects(spec: TrainSpec, info: RankInfo) -> TrainingObjects:
+    objects = loads(spec.bundle)
+    model, optimizer = model_and_optimizer(spec, info, objects["model"], objects["optimizer"])
+    world_size, device = info.world_size, info.device
     base_lrs = [group["lr"] for group in optimizer.param_groups]
     if spec.loop.lr_scaling == "linear":
         scale_learning_rates(optimizer, world_size)

@@ -8,6 +8,9 @@ rows on all ranks: k batches of n rows give the gradient of one batch of k x n r
 
 ``mixed_precision`` runs forward and loss under ``torch.autocast`` in fp16 or bf16 on the
 task's device (CUDA, or CPU where torch's CPU autocast is used); fp16 adds a GradScaler.
+With ``parallelism="fsdp"`` FSDP's own policy casts instead (``comm/fsdp.py``), its
+``no_sync`` skips the gradients' reduce-scatter, and fp16's scaler is FSDP's, which agrees
+across ranks on whether any shard's gradients overflowed.
 A ``train_minibatch_fn`` replaces all of this with the user's own step.
 
 With ``compile`` DDP wraps ``torch.compile`` of the model (``compile_module``); the plain
@@ -17,10 +20,13 @@ model, whose state dict is checkpointed, stays as it is.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ...shared.spec import PRECISION_DTYPES, LoopSpec, torch_dtype
+from ..comm import fsdp
 from ..data.batch import Batch
 from .loss import as_outputs
 from .objects import TrainingObjects
@@ -54,6 +60,11 @@ class Stepper:
         precision = PRECISION_DTYPES.get(loop.mixed_precision)
         self.autocast_dtype = torch_dtype(precision) if precision else None
         self.scaler = torch.amp.GradScaler(device.type) if loop.mixed_precision == "fp16" else None
+        if loop.sharded:
+            self.no_sync = functools.partial(fsdp.no_sync, ddp)
+            self.autocast_dtype = None  # FSDP's policy casts
+            if self.scaler is not None:
+                self.scaler = ShardedGradScaler(device.type)
 
     def autocast(self):
         """The autocast context of ``mixed_precision`` (also used for validation)."""

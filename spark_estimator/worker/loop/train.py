@@ -15,32 +15,41 @@ checkpoint (``checkpoints.py``); with ``commit_every_steps`` the ranks also comm
 the epoch (one gather each time, ``commits.py``). At the end rank 0 writes the result, and
 every rank returns its ``RankSummary``. A run that finds checkpoints of its ``run_id``
 continues after the newest, or from a newer commit (``resume.py``).
+
+With ``parallelism="fsdp"`` the model is sharded over the ranks instead of wrapped in DDP
+(``comm/fsdp.py``): checkpoints and commits then hold every rank's shard
+(``sharded.py``), validation runs the same number of batches on every rank (FSDP's
+forward is a collective), and the result's weights are gathered to rank 0's CPU.
 """
 
 from __future__ import annotations
 
 import itertools
+import posixpath
 import time
+import uuid
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
-from ...shared.serialization import loads, state_to_bytes
+from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import COMMIT_AUTO, TrainSpec, compile_backend, metric_keys
 from ...shared.summary import RankSummary, seconds_per_rank, training_summary
+from ..comm import fsdp
 from ..comm.ddp import wrap_model
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
 from ..data.device_shard import DeviceShard
+from ..data.loader import empty_batch
 from ..data.prefetch import Prefetched
 from ..data.rank_data import RankData, rank_summary
 from ..data.remainder import own_runs
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
-from . import commits
+from . import commits, sharded
 from .checkpoints import Checkpoints
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums, non_finite_loss_error
@@ -80,17 +89,21 @@ class _TrainingLoop:
         self.reported = 0.0  # when progress was last reported (time.monotonic)
         self.tensorboard = TensorBoardLog(spec.store, spec.run_id) if lead else None
         rank, world = info.rank, info.world_size
-        self.objects = build_objects(spec, world, self.device)
+        self.objects = build_objects(spec, info)
         fn = spec.loader.transformation_fn
         self.transform = loads(fn) if fn else None
-        trained = compile_module(self.objects.model, spec.loop.compile)  # model stays plain
-        self.ddp, self.hook = wrap_model(
-            trained,
-            info,
-            spec.loop.gradient_compression,
-            spec.collective_timeout,
-            spec.loop.gradient_reduction,
-        )
+        self.sharded = spec.loop.sharded
+        if self.sharded:  # FSDP: the model is its own wrapper (objects.py sharded it)
+            self.ddp, self.hook = self.objects.model, None
+        else:
+            trained = compile_module(self.objects.model, spec.loop.compile)  # model stays plain
+            self.ddp, self.hook = wrap_model(
+                trained,
+                info,
+                spec.loop.gradient_compression,
+                spec.collective_timeout,
+                spec.loop.gradient_reduction,
+            )
         self.stepper = Stepper(self.ddp, self.objects, spec.loop, self.device)
 
         self.data = RankData(spec, info, lockstep=False)
@@ -148,15 +161,23 @@ class _TrainingLoop:
         """Continue from an epoch's checkpoint (see resume.py) or from a commit inside the
         next epoch (commits.py), which holds the same keys and the epoch's position."""
         epoch = saved["epoch"]
-        objects = self.objects
-        objects.model.load_state_dict(saved["model"])
-        objects.optimizer.load_state_dict(saved["optimizer"])
+        objects, store = self.objects, self.spec.store
+        if sharded.SHARDS in saved:
+            folder = store.run(self.spec.run_id).shards(saved[sharded.SHARDS])
+            sharded.load(store, folder, objects.model, objects.optimizer)
+        else:
+            objects.model.load_state_dict(saved["model"])
+            objects.optimizer.load_state_dict(saved["optimizer"])
         self.stepper.load_state_dict(saved)
         restore_callbacks(objects.callbacks, saved["callbacks"])
         if self.best is not None and self.best.best_epoch is not None:
             best = self.best.best_epoch
-            source = saved if best == epoch else load_checkpoint(self.checkpoints, best)
-            self.best.best_state = source["model"]
+            if sharded.SHARDS in saved:  # the best epoch's checkpoint is never pruned
+                folder = self.checkpoints.shards(best)
+                self.best.best_state = sharded.model_state(store, folder, objects.model)
+            else:
+                source = saved if best == epoch else load_checkpoint(self.checkpoints, best)
+                self.best.best_state = source["model"]
         self.state.history = list(saved["history"])
         self.output_shapes = saved["output_shapes"]
         self.batches_drawn = saved["batches_drawn"]
@@ -208,8 +229,8 @@ class _TrainingLoop:
             stop, self.paused, self.every = self._agree_after_epoch(
                 state.stop_training, epoch < last, self.optimizer_steps_run[-1], times["train"]
             )
+            self._write_checkpoint(epoch, stop)
             if self.info.rank == 0:
-                self._write_checkpoint(epoch, stop)
                 self.tensorboard.write(state.history)
             if stop or self.paused:
                 break
@@ -352,16 +373,31 @@ class _TrainingLoop:
 
     def _validate(self, epoch: int, sums: EpochSums) -> None:
         """Add this rank's validation batches to ``sums`` (no collectives: ranks may have
-        different batch counts, so this runs on the module, not the DDP wrapper)."""
+        different batch counts, so this runs on the module, not the DDP wrapper; a sharded
+        model's forward is a collective: ranks with fewer batches run empty ones)."""
         model, objects = self.objects.model, self.objects
         model.eval()
+        sizes = self.data.validation_sizes
+        chunks = self.data.validation.batches(sizes, epoch)
+        if self.sharded:
+            chunks = self._lockstep(chunks, len(sizes))
         with torch.no_grad(), self.stepper.autocast():
-            for chunk in self.data.validation.batches(self.data.validation_sizes, epoch):
+            for chunk in chunks:
                 batch = Batch(chunk, self.spec, self.device, self.transform)
                 outputs = as_outputs(model(*batch.inputs))
+                if not batch.size:
+                    continue
                 loss = objects.loss(outputs, batch.labels, batch.sample_weight)
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
                 sums.add("validation", loss, batch.size, metrics)
+
+    def _lockstep(self, chunks, count: int):
+        """``chunks``, then empty batches up to the most any rank has (one allreduce)."""
+        most = torch.tensor([count], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        yield from chunks
+        for _ in range(int(most.item()) - count):
+            yield empty_batch(self.spec, "validation")
 
     def _step_scheduler(self, record: dict) -> None:
         scheduler = self.objects.scheduler
@@ -408,25 +444,35 @@ class _TrainingLoop:
             "consumed": self.epoch_rows,
             "held": isinstance(self.data.train, DeviceShard),
         }
+        shards = self._save_shards("commit") if self.sharded else None
         shared = {}
         if self.info.rank == 0:
             shared = {
-                **self._state(False),
+                **self._state(False, shards),
                 "epoch": epoch,
                 "step": step,
                 "resharded": self.resharded,
                 "sources": self.sources,
             }
         commits.write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
+        if shards is not None and self.info.rank == 0:  # the commit it replaced
+            self._remove_shards("commit-", keep=shards)
         self.commit_s.append(time.perf_counter() - began)
         self.commits_made += 1
         self.commit_seconds += self.commit_s[-1]
 
-    def _state(self, stop: bool) -> dict:
-        """What an epoch's checkpoint and a commit both hold."""
+    def _state(self, stop: bool, shards: str | None = None) -> dict:
+        """What an epoch's checkpoint and a commit both hold; a sharded model's and its
+        optimizer's state is in the folder of ``shards`` (``_save_shards``)."""
+        if shards is None:
+            weights = {
+                "model": self.objects.model.state_dict(),
+                "optimizer": self.objects.optimizer.state_dict(),
+            }
+        else:
+            weights = {sharded.SHARDS: shards}
         return {
-            "model": self.objects.model.state_dict(),
-            "optimizer": self.objects.optimizer.state_dict(),
+            **weights,
             "history": self.state.history,
             "callbacks": callback_states(self.objects.callbacks),
             "output_shapes": self.output_shapes,
@@ -437,8 +483,40 @@ class _TrainingLoop:
         }
 
     def _write_checkpoint(self, epoch: int, stop: bool) -> None:
+        """Rank 0 writes the epoch's checkpoint; with FSDP every rank its shard first."""
+        shards = None
+        if self.sharded:
+            shards = f"epoch-{epoch:04d}"
+            sharded.save(
+                self.spec.store,
+                self.checkpoints.shards(epoch),
+                self.objects.model,
+                self.objects.optimizer,
+            )
+        if self.info.rank != 0:
+            return
         best_epoch = self.best.best_epoch if self.best else None
-        self.checkpoints.write(epoch, self._state(stop), {best_epoch} if best_epoch else set())
+        state = self._state(stop, shards)
+        self.checkpoints.write(epoch, state, {best_epoch} if best_epoch else set())
+
+    def _save_shards(self, prefix: str) -> str:
+        """Every rank's shard of model and optimizer in a new folder (a collective); its
+        name, ``<prefix>-<id>``, is rank 0's."""
+        name = [f"{prefix}-{uuid.uuid4().hex[:12]}" if self.info.rank == 0 else None]
+        dist.broadcast_object_list(name, src=0)
+        store = self.spec.store
+        folder = store.run(self.spec.run_id).shards(name[0])
+        sharded.save(store, folder, self.objects.model, self.objects.optimizer)
+        return name[0]
+
+    def _remove_shards(self, prefix: str, keep: str) -> None:
+        """Remove the shard folders named ``<prefix>...`` but ``keep``."""
+        store = self.spec.store
+        parent = posixpath.dirname(store.run(self.spec.run_id).shards(keep))
+        for path in store.fs.ls(parent, detail=False):
+            name = posixpath.basename(path.rstrip("/"))
+            if name.startswith(prefix) and name != keep:
+                store.remove(path)
 
     def _nan_error(self, sums: EpochSums, epoch: int) -> Exception:
         """The error every rank raises when a training loss was not finite this epoch."""
@@ -456,11 +534,21 @@ class _TrainingLoop:
     def finish(self) -> RankSummary:
         """Rank 0 writes the result; every rank returns its summary."""
         model = self.objects.model
-        weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+        selection = self.best.selection() if self.best else None
+        if self.sharded:
+            if selection:  # every rank's shard of the best epoch
+                model.load_state_dict(self.best.best_state)
+            weights = fsdp.full_state_dict(model)  # on rank 0; gathered by every rank
+            digest = [state_dict_digest(weights) if self.info.rank == 0 else None]
+            dist.broadcast_object_list(digest, src=0)
+            best = weights
+        else:
+            weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+            digest = [state_dict_digest(weights)]
+            best = self.best.best_state if selection else weights
         if self.info.rank == 0 and not self.paused:
-            selection = self.best.selection() if self.best else None
             result = {
-                "model": self.best.best_state if selection else weights,
+                "model": best,
                 "history": self.state.history,
                 "output_shapes": self.output_shapes,
                 "summary": self._training_summary(selection),
@@ -472,7 +560,8 @@ class _TrainingLoop:
             self.info,
             self.data,
             self.hook,
-            weights,
+            digest[0],
+            fsdp.local_elements(model),
             self.batches_run,
             self.optimizer_steps_run,
             self.started,
@@ -507,5 +596,6 @@ class _TrainingLoop:
             "gradient_compression": loop.gradient_compression,
             "gradient_reduction": loop.gradient_reduction,
             "mixed_precision": loop.mixed_precision,
+            "parallelism": loop.parallelism,
             "seconds_per_rank": seconds_per_rank(history),
         }
