@@ -3,6 +3,7 @@
     from spark_estimator import distributed as sd
     sd.rank(), sd.size(), sd.local_rank(), sd.local_size(), sd.device()
     sd.allreduce(loss), sd.broadcast_object(config), sd.barrier()
+    sd.device_mesh()   # for FSDP2's fully_shard, DTensor
 
 They read the running task's process group; outside one each raises a RuntimeError.
 """
@@ -14,8 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .worker.comm.rendezvous import current_rank_info
+from .worker.comm.rendezvous import RankInfo, current_rank_info
+
+_mesh: tuple[RankInfo, DeviceMesh] | None = None  # the running task's, made on first use
 
 
 def rank() -> int:
@@ -41,6 +45,20 @@ def local_size() -> int:
 def device() -> torch.device:
     """The device this task pinned: the GPU Spark assigned it, or the CPU."""
     return current_rank_info().device
+
+
+def device_mesh() -> DeviceMesh:
+    """A 1-D DeviceMesh over every rank of the job, of ``device()``'s type ("cuda" or
+    "cpu"): what ``fully_shard(module, mesh=...)`` (FSDP2) and DTensor shard over.
+
+    It spans the job's process group (no new group is formed) and is made once per task:
+    a later task in the same (reused) Python worker, in a new group, gets a new mesh.
+    """
+    global _mesh
+    info = current_rank_info()
+    if _mesh is None or _mesh[0] is not info:
+        _mesh = info, init_device_mesh(info.device.type, (info.world_size,))
+    return _mesh[1]
 
 
 def _sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,23 @@ def test_horovod_style_job():
     assert accuracy == float(epochs[-1][2]) and accuracy > 0.9  # 0.969 when measured
 
 
+def test_fsdp_run_job(tmp_path):
+    out = run_example("fsdp_run.py", "--store", str(tmp_path / "store"))
+    held = re.findall(r"^\[rank (\d)\] holds (\d+) of (\d+) parameter elements$", out, re.M)
+    assert sorted(int(rank) for rank, _, _ in held) == [0, 1], out
+    total = int(held[0][2])
+    assert sum(int(mine) for _, mine, _ in held) == total  # each element on one rank only
+    assert all(abs(int(mine) / total - 0.5) < 0.01 for _, mine, _ in held)  # about half each
+    losses = [
+        float(v) for v in re.findall(r"^\[rank 0\] epoch \d+  train loss ([0-9.]+)$", out, re.M)
+    ]
+    assert len(losses) == 8 and losses[-1] < losses[0] / 5, out
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.9, out  # 0.953 when measured
+    shards = tmp_path / "store" / "checkpoints" / "fsdp_digits"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+
 def _name(distribution: str) -> str:
     return re.sub(r"[-_.]+", "-", distribution).lower()
 
