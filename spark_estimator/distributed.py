@@ -10,13 +10,15 @@ They read the running task's process group; outside one each raises a RuntimeErr
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
+from .worker.comm import fsdp
 from .worker.comm.rendezvous import RankInfo, current_rank_info
 
 _mesh: tuple[RankInfo, DeviceMesh] | None = None  # the running task's, made on first use
@@ -51,13 +53,16 @@ def device_mesh() -> DeviceMesh:
     """A 1-D DeviceMesh over every rank of the job, of ``device()``'s type ("cuda" or
     "cpu"): what ``fully_shard(module, mesh=...)`` (FSDP2) and DTensor shard over.
 
-    It spans the job's process group (no new group is formed) and is made once per task:
-    a later task in the same (reused) Python worker, in a new group, gets a new mesh.
+    It spans the job's process group (no new group is formed) and is made once per task
+    (a collective: call it on every rank): a later task in the same (reused) Python worker,
+    in a new group, gets a new mesh, named anew (see ``worker/comm/fsdp.mesh``).
     """
     global _mesh
     info = current_rank_info()
     if _mesh is None or _mesh[0] is not info:
-        _mesh = info, init_device_mesh(info.device.type, (info.world_size,))
+        name = [f"job-{uuid.uuid4().hex[:12]}"]
+        dist.broadcast_object_list(name, src=0)
+        _mesh = info, fsdp.mesh(info, name[0])
     return _mesh[1]
 
 

@@ -541,7 +541,7 @@ class EstimatorParamsAccessors(Params):
     gradient_reduction: Param[str]
     mixed_precision: Param[str]
     parallelism: Param[str]
-    fsdp_wrap: Param[list[str]]
+    fsdp_wrap: Param[list[str] | None]
     compile: Param[Any]
     metrics: Param[Any]
     loss_weights: Param[list[float] | None]
@@ -695,7 +695,7 @@ class EstimatorParamsAccessors(Params):
         """
         return self._set(parallelism=value)
 
-    def getFsdpWrap(self) -> list[str]:
+    def getFsdpWrap(self) -> list[str] | None:
         """Gets the value of `fsdp_wrap`: parallelism='fsdp': the submodule classes (or class
         names, e.g. your transformer block) sharded as units of their own, each gathered only
         while it computes; the whole model is always one unit; default: none (the model is
@@ -703,7 +703,7 @@ class EstimatorParamsAccessors(Params):
         """
         return self.getOrDefault(self.fsdp_wrap)
 
-    def setFsdpWrap(self: _P, value: list[str]) -> _P:
+    def setFsdpWrap(self: _P, value: list[str] | None) -> _P:
         """Sets the value of `fsdp_wrap`: parallelism='fsdp': the submodule classes (or class
         names, e.g. your transformer block) sharded as units of their own, each gathered only
         while it computes; the whole model is always one unit; default: none (the model is

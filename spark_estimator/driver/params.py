@@ -79,8 +79,10 @@ def to_use_gpu(value: Any) -> bool | str:
     raise TypeError(f"use_gpu: expected 'auto', True or False, got {value!r}")
 
 
-def _to_class_names(value: Any) -> list[str]:
+def _to_class_names(value: Any) -> list[str] | None:
     """``fsdp_wrap``: module classes, or their names, as class names (saved as JSON)."""
+    if value is None:
+        return None
     items = [value] if isinstance(value, (str, type)) else list(value or [])
     names = []
     for item in items:
@@ -570,7 +572,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "block) sharded as units of their own, each gathered only while it computes; the "
             "whole model is always one unit; default: none (the model is one unit)",
             _to_class_names,
-            default=[],
+            default=None,
         ),
         ParamSpec(
             "compile",

@@ -36,9 +36,11 @@ def test_the_bundle_keeps_the_optimizer_on_the_models_parameters():
 
 def test_model_optimizer_and_loss_types():
     net = torch.nn.Linear(2, 1)
-    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
-        bundle(model=lambda x: x)
-    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module or a function"):
+        bundle(model=3)
+    with pytest.raises(TypeError, match="optimizer: model is a function"):
+        bundle(model=lambda: torch.nn.Linear(2, 1))
+    with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer or a"):
         bundle(net, optimizer="adam")
     with pytest.raises(TypeError, match="loss: expected"):
         bundle(loss=3)
@@ -173,3 +175,41 @@ def test_compile_is_false_true_or_keyword_arguments_of_torch_compile():
     lock = threading.Lock()
     with pytest.raises(TypeError, match="compile: cannot be serialized"):
         vt.compile_options({"backend": lambda graph, inputs: lock and graph.forward})
+
+
+def huge():
+    """A 64M-parameter model (256 MiB of float32), built only where it is called."""
+    with torch.device("meta"):
+        return torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)])
+
+
+def test_a_model_function_pickles_small_whatever_the_models_size():
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    made = bundle(model=huge, optimizer=vt.with_learning_rate(adamw, 0.01))
+    assert len(made) < 20_000  # the functions, not 256 MiB of weights
+    objects = loads(made)
+    optimizer = objects["optimizer"](torch.nn.Linear(2, 1))
+    assert [g["lr"] for g in optimizer.param_groups] == [0.01]  # learning_rate applies
+    note = vt.learning_rate_note(objects["optimizer"], None, "none", 2, scheduler=False)
+    assert note == "learning rates: those the optimizer function sets on each process"
+
+
+def test_sharding_refuses_what_it_cannot_combine_with_and_fsdp_wrap_without_it():
+    sharded = dict(parallelism="fsdp")
+    for change, message in [
+        (dict(gradient_compression="fp16"), "gradient_compression: 'fp16' cannot be combined"),
+        (dict(gradient_reduction="adasum"), "gradient_reduction: 'adasum' cannot be combined"),
+        (dict(compile={}), "compile: torch.compile is not offered with parallelism='fsdp'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            vt.check_loop(LoopSpec(**sharded, **change), Y, None)
+    with pytest.raises(ValueError, match="fsdp_wrap: applies only with parallelism='fsdp'"):
+        vt.check_loop(LoopSpec(fsdp_wrap=("Linear",)), Y, None)
+    vt.check_loop(LoopSpec(**sharded, fsdp_wrap=("Linear",), mixed_precision="bf16"), Y, None)
+    with pytest.raises(
+        ValueError, match=r"fsdp_wrap: the model has no submodule of class \['Block'\]"
+    ):
+        vt.check_fsdp_wrap(torch.nn.Sequential(torch.nn.Linear(2, 2)), ("Block",))
+    vt.check_fsdp_wrap(huge, ("Block",))  # a function: checked where it is built
