@@ -99,6 +99,44 @@ def test_mixed_precision_and_compression_on_nccl(tmp_path):
     assert result == {"device": "cuda:0", "sent": ["float16"], "scaler": True, "improved": True}
 
 
+def test_an_fsdp_fit_of_a_meta_model_function_trains_in_bf16_on_nccl_and_resumes(tmp_path):
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        def build():
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                return torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.ReLU(),
+                                           torch.nn.Linear(64, 1))
+        def fit(epochs):
+            est = TorchEstimator(model=build, loss=torch.nn.MSELoss(), feature_cols=["x"],
+                                 optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+                                 label_cols=["y"], epochs=epochs, num_proc=1, store=store,
+                                 use_gpu=True, parallelism="fsdp", fsdp_wrap=["Linear"],
+                                 mixed_precision="bf16", run_id="fsdp")
+            return est.fit(df)
+        fit(2)
+        model = fit(4)
+        summary = model.getTrainingSummary()
+        ranks = store.read_json(store.run(model.getRunId()).ranks)
+        history = model.getHistory()
+        print(json.dumps({"device": ranks[0]["device"], "parallelism": summary["parallelism"],
+                          "memory": summary["rank_memory"][0]["memory"],
+                          "resumed": summary["resumed_from_epoch"],
+                          "dtype": str(model.getModel()[0].weight.dtype),
+                          "improved": history[-1]["train"]["loss"] < history[0]["train"]["loss"]}))
+        """,
+    )
+    assert result == {
+        "device": "cuda:0",
+        "parallelism": "fsdp",
+        "memory": "cuda max allocated",
+        "resumed": 2,
+        "dtype": "torch.float32",
+        "improved": True,
+    }
+
+
 def test_run_pins_the_assigned_gpu_and_reduces_on_nccl(tmp_path):
     result = run_on_gpu_spark(
         tmp_path,

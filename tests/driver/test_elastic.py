@@ -392,3 +392,49 @@ def test_an_error_of_the_training_code_still_fails_an_elastic_fit_at_once(three_
     with pytest.raises(TrainingError, match="injected fault on rank 1 at epoch 2"):
         est.fit(df)
     assert time.monotonic() - started < 60  # not started again
+
+
+@pytest.mark.cluster
+def test_an_fsdp_fit_that_loses_a_worker_for_good_resumes_its_shards_on_fewer(
+    three_workers, tmp_path
+):
+    """Sharded state written by 3 ranks (a commit inside epoch 2) read by 2: DCP re-shards."""
+    _, spark = three_workers
+    store = Store.create(str(tmp_path / "store"))
+    df = spark.createDataFrame(regression_rows(ROWS), "x array<double>, y double, id long")
+
+    def build():
+        with torch.device("meta"):
+            return torch.nn.Sequential(
+                torch.nn.Linear(3, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+            )
+
+    fault = Fault("kill-worker", rank=1, epoch=2, marker=tmp_path / "killed", after_batches=3)
+    model = TorchEstimator(
+        model=build,
+        optimizer=lambda m: torch.optim.Adam(m.parameters(), lr=0.02),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=10,
+        epochs=4,
+        num_proc=3,
+        min_num_proc=2,
+        commit_every_steps=2,
+        parallelism="fsdp",
+        fsdp_wrap=["Linear"],
+        store=store,
+        use_gpu=False,
+        verbose=False,
+        callbacks=[fault],
+    ).fit(df)
+    assert (tmp_path / "killed").exists()
+    history = model.getHistory()
+    assert [h["num_proc"] for h in history] == [3, 2, 2, 2]
+    [resize] = model.getTrainingSummary()["resizes"]
+    assert (resize["from_procs"], resize["to_procs"], resize["resumed_epoch"]) == (3, 2, 1)
+    # 10 batches an epoch on 3 ranks, a commit every 2: killed in batch 3, after step 2
+    assert model.getTrainingSummary()["resumed_from_commit"] == {"epoch": 2, "step": 2}
+    held = [r["parameter_elements"] for r in model.getTrainingSummary()["rank_memory"]]
+    assert len(held) == 2 and sum(held) == 3 * 32 + 32 + 32 + 1
+    assert history[-1]["train"]["loss"] < history[0]["train"]["loss"] / 2

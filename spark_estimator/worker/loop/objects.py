@@ -15,6 +15,7 @@ scaled optimizer.
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -115,7 +116,9 @@ def model_and_optimizer(
         # a CPU mesh draws each shard's values from its rank's generator (no DTensor RNG
         # there): seeded per rank, else every shard would start with the same values
         torch.manual_seed(spec.seed * 1_000_003 + info.rank)
-        model_factory.materialize(model, device)
+        with warnings.catch_warnings():  # torch's warning of just that, on every rank
+            warnings.filterwarnings("ignore", message="DTensor random operators may not")
+            model_factory.materialize(model, device)
     model.to(device)
     if names is None:
         return model, called(optimizer, model)
