@@ -10,6 +10,7 @@ import torch
 
 from spark_estimator import TorchEstimator, TorchModel, TrainingError
 from spark_estimator.callbacks import BestModel
+from spark_estimator.shared.serialization import state_from_bytes
 from tests.faults import Fault
 
 
@@ -192,16 +193,22 @@ def test_gradients_clip_on_sharded_gradients_as_on_whole_ones(regression_df, sto
     assert max(norms["ddp"]) > 0.5  # clipping had work to do
 
 
-def test_bf16_with_accumulation_trains_sharded(regression_df, store):
+def test_mixed_precision_with_accumulation_trains_sharded(regression_df, store):
     plain = module_estimator(store, "fsdp").fit(regression_df)
-    mixed = module_estimator(
-        store, "fsdp", mixed_precision="bf16", backward_passes_per_step=2, batch_size=8
-    ).fit(regression_df)
-    summary = mixed.getTrainingSummary()
-    assert summary["mixed_precision"] == "bf16" and summary["backward_passes_per_step"] == 2
-    history = [h["validation"]["loss"] for h in mixed.getHistory()]
-    # the same optimizer steps (groups of 2 batches of 8), in bf16: close to float32's
     want = [h["validation"]["loss"] for h in plain.getHistory()]
-    assert history == pytest.approx(want, rel=0.05)
-    assert history != want  # bf16 did compute
-    assert mixed.getModel().state_dict()["0.weight"].dtype == torch.float32
+    for precision in ("bf16", "fp16"):
+        mixed = module_estimator(
+            store, "fsdp", mixed_precision=precision, backward_passes_per_step=2, batch_size=8
+        ).fit(regression_df)
+        summary = mixed.getTrainingSummary()
+        assert summary["mixed_precision"] == precision
+        assert summary["backward_passes_per_step"] == 2
+        history = [h["validation"]["loss"] for h in mixed.getHistory()]
+        assert history != want and history[-1] < history[0] / 2  # 16 bits, and it trains
+        if precision == "bf16":  # the same optimizer steps (2 batches of 8): close to fp32
+            assert history == pytest.approx(want, rel=0.05)
+        # (fp16's scaler skips the steps whose gradients overflow while it finds its scale)
+        assert mixed.getModel().state_dict()["0.weight"].dtype == torch.float32
+        run = store.run(mixed.getRunId())
+        checkpoint = state_from_bytes(store.read_bytes(run.checkpoint(3)))
+        assert ("scaler" in checkpoint) == (precision == "fp16")  # FSDP's sharded scaler
