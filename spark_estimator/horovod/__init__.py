@@ -21,6 +21,7 @@ from .basics import (
     gloo_built,
     gloo_enabled,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
@@ -55,11 +56,13 @@ from .collectives import (
 from .compression import Compression, Compressor
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
+from .timeline import start_timeline, stop_timeline
 
 __all__ = [
     "init",
     "shutdown",
     "is_initialized",
+    "is_homogeneous",
     "rank",
     "size",
     "local_rank",
@@ -94,6 +97,8 @@ __all__ = [
     "Compression",
     "Compressor",
     "DistributedOptimizer",
+    "start_timeline",
+    "stop_timeline",
     "broadcast_parameters",
     "broadcast_optimizer_state",
     "elastic",

@@ -86,6 +86,11 @@ def cross_size() -> int:
     return rank_info().cross_size
 
 
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of the job's ranks."""
+    return rank_info().homogeneous
+
+
 def nccl_built() -> int:
     """NCCL's version code (``major * 10000 + minor * 100 + patch``, Horovod's
     ``NCCL_VERSION_CODE``) where torch.distributed has the NCCL backend (used for GPU

@@ -2,12 +2,14 @@
 
 Tensors may be on the CPU or on the device the task pinned: each collective works on a
 copy on the pinned device (NCCL reduces CUDA tensors only) and returns its result on the
-input's device. ``name`` is accepted as Horovod's is, and only named in error messages:
-collectives are matched by the order in which the ranks call them, not by name.
+input's device. ``name`` is accepted as Horovod's is, and only named in error messages
+and a timeline's events (``timeline.py``): collectives are matched by the order in which
+the ranks call them, not by name.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from enum import IntEnum
 from typing import Any
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import distributed
+from . import timeline
 from .basics import rank_info
 from .compression import Compression, Compressor
 
@@ -103,6 +106,7 @@ class Reduction:
             return
         flat = torch.cat([t.detach().reshape(-1).to(info.device) for t in tensors])
         self._buffers, self._ctx = self._compressed([flat], prescale_factor)
+        self._started, self._name = time.perf_counter_ns(), name
         self._work = dist.all_reduce(self._buffers[0], op=_TORCH_OPS[op], async_op=True)
 
     def _compressed(self, buffers: list[torch.Tensor], prescale: float):
@@ -115,6 +119,7 @@ class Reduction:
         if self._work is not None:
             self._work.wait()
             self._work = None
+            timeline.add("allreduce (in flight)", self._name, self._started)
         out = [self._compression.decompress(b, self._ctx) for b in self._buffers]
         for b in out:
             _scale_(b, self._post)
@@ -123,6 +128,7 @@ class Reduction:
         return [b.view(s) for b, s in zip(out, self._shapes)]
 
 
+@timeline.traced("allreduce")
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -155,6 +161,7 @@ def allreduce_(
         return tensor.copy_(result)
 
 
+@timeline.traced("grouped_allreduce")
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -192,6 +199,7 @@ def grouped_allreduce(
     return results
 
 
+@timeline.traced("allgather")
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """The ranks' tensors concatenated along the first dimension, in rank order. Their first
     dimensions may differ; the others must agree (a 0-d tensor counts as one element)."""
@@ -226,6 +234,7 @@ def check_root(root_rank: int, name: str | None = None) -> None:
         )
 
 
+@timeline.traced("broadcast")
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor`` (the same shape and dtype on every
     rank)."""
@@ -257,12 +266,14 @@ def broadcast_tensors_(tensors: Sequence[torch.Tensor], root_rank: int) -> None:
                 t.copy_(part.view(t.shape))
 
 
+@timeline.traced("broadcast_object")
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """``root_rank``'s ``obj`` (any picklable object) on every rank."""
     check_root(root_rank, name)
     return distributed.broadcast_object(obj, root_rank)
 
 
+@timeline.traced("allgather_object")
 def allgather_object(obj: Any, name: str | None = None) -> list:
     """Every rank's ``obj`` (any picklable object), in rank order."""
     gathered = [None] * rank_info().world_size
@@ -270,12 +281,14 @@ def allgather_object(obj: Any, name: str | None = None) -> list:
     return gathered
 
 
+@timeline.traced("barrier")
 def barrier() -> None:
     """Wait until every rank has reached this call."""
     rank_info()
     distributed.barrier()
 
 
+@timeline.traced("join")
 def join() -> int:
     """Wait until every rank has called ``join()``; the rank that called it last.
 

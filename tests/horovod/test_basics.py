@@ -13,6 +13,7 @@ BEFORE_INIT = {
     "local_size": lambda: hvd.local_size(),
     "cross_rank": lambda: hvd.cross_rank(),
     "cross_size": lambda: hvd.cross_size(),
+    "is_homogeneous": lambda: hvd.is_homogeneous(),
     "allreduce": lambda: hvd.allreduce(torch.ones(2)),
     "allgather": lambda: hvd.allgather(torch.ones(2)),
     "broadcast": lambda: hvd.broadcast(torch.ones(2), 0),
@@ -38,6 +39,7 @@ def test_init_joins_the_tasks_group_until_shutdown_or_the_tasks_end(one_rank):
     assert hvd.is_initialized()
     assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
     assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    assert hvd.is_homogeneous() is True
     hvd.shutdown()
     assert not hvd.is_initialized() and dist.is_initialized()
     with pytest.raises(ValueError, match="not initialized"):

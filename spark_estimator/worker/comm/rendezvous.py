@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class RankInfo:
     device_note: str | None = None
     cross_rank: int = 0  # rank among the job's tasks with this local rank (hvd.cross_rank)
     cross_size: int = 1
+    homogeneous: bool = True  # every host runs as many of the job's ranks (hvd.is_homogeneous)
 
 
 _current: RankInfo | None = None
@@ -129,6 +131,11 @@ def cross_ranks(hosts: Sequence[str], rank: int) -> tuple[int, int]:
     mine = local_ranks(hosts, rank)[0]
     same = [r for r in range(len(hosts)) if local_ranks(hosts, r)[0] == mine]
     return same.index(rank), len(same)
+
+
+def homogeneous(hosts: Sequence[str]) -> bool:
+    """Whether every host runs as many of the ranks (``hosts``: the host of every rank)."""
+    return len(set(Counter(hosts).values())) == 1
 
 
 def cuda_ordinal(address: str, visible_devices: str | None) -> int:
@@ -280,7 +287,13 @@ def process_group(
         del store, server
         raise error from e
     _current = RankInfo(
-        rank, world_size, *local_ranks(hosts, rank), device, note, *cross_ranks(hosts, rank)
+        rank,
+        world_size,
+        *local_ranks(hosts, rank),
+        device,
+        note,
+        *cross_ranks(hosts, rank),
+        homogeneous=homogeneous(hosts),
     )
     torchrun = {
         "RANK": str(rank),

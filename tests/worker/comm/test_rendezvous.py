@@ -23,6 +23,7 @@ from spark_estimator.worker.comm.rendezvous import (
     cuda_ordinal,
     current_rank_info,
     gloo_interface,
+    homogeneous,
     interface_of,
     local_ranks,
     process_group,
@@ -90,6 +91,11 @@ def test_spark_gpu_address_maps_to_the_visible_device_index():
 def test_local_rank_counts_tasks_on_the_same_host():
     hosts = ["a", "b", "a", "a", "b"]
     assert [local_ranks(hosts, r) for r in range(5)] == [(0, 3), (0, 2), (1, 3), (2, 3), (1, 2)]
+
+
+def test_a_job_is_homogeneous_when_every_host_runs_as_many_ranks():
+    assert homogeneous(["a", "b", "a", "b"]) and homogeneous(["a"])
+    assert not homogeneous(["a", "a", "b"])
 
 
 def test_cross_rank_counts_tasks_with_the_same_local_rank():
