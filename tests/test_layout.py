@@ -91,7 +91,10 @@ def test_worker_code_never_imports_the_driver():
 
 
 def test_the_horovod_api_runs_on_the_ranks_and_never_imports_the_driver():
-    assert crossings("horovod", lambda t: in_folder(t, "driver") or t in DRIVER_FRONTS) == set()
+    # but hvd.run, Horovod's launcher (horovod.run), which runs on the driver, calls run()
+    launcher = {(f"{NAME}.horovod.launch", f"{NAME}.runner")}
+    found = crossings("horovod", lambda t: in_folder(t, "driver") or t in DRIVER_FRONTS)
+    assert found - launcher == set()
     assert f"{NAME}.worker.comm.rendezvous" in imports(f"{NAME}.horovod.basics")
 
 

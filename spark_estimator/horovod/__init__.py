@@ -55,6 +55,7 @@ from .collectives import (
 )
 from .compression import Compression, Compressor
 from .functions import broadcast_optimizer_state, broadcast_parameters
+from .launch import run
 from .optimizer import DistributedOptimizer
 from .timeline import start_timeline, stop_timeline
 
@@ -97,6 +98,7 @@ __all__ = [
     "Compression",
     "Compressor",
     "DistributedOptimizer",
+    "run",
     "start_timeline",
     "stop_timeline",
     "broadcast_parameters",
