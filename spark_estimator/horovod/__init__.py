@@ -57,6 +57,7 @@ from .compression import Compression, Compressor
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .launch import run
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline
 
 __all__ = [
@@ -98,6 +99,7 @@ __all__ = [
     "Compression",
     "Compressor",
     "DistributedOptimizer",
+    "SyncBatchNorm",
     "run",
     "start_timeline",
     "stop_timeline",

@@ -5,6 +5,12 @@ copy on the pinned device (NCCL reduces CUDA tensors only) and returns its resul
 input's device. ``name`` is accepted as Horovod's is, and only named in error messages
 and a timeline's events (``timeline.py``): collectives are matched by the order in which
 the ranks call them, not by name.
+
+``allreduce``, ``allgather`` and ``broadcast`` are differentiable, as Horovod's: on a
+tensor that requires grad (with grad enabled) the backward pass runs the collective's
+adjoint on every rank: an allreduce of the gradient with the same op and scales; for
+allgather the average of the gradient over the ranks, this rank's rows of it; for
+broadcast that average on the root rank and zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -142,8 +148,65 @@ def allreduce(
     (``op``: Average (default), Sum, Adasum, Min, Max, Product), sent compressed by
     ``compression``. ``tensor`` is left as it is."""
     op = reduce_op(op, average)
+    if _differentiable(tensor):
+        compressed, ctx = compression.compress(tensor)
+        reduced = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name)
+        return compression.decompress(reduced, ctx)
     reduction = Reduction([tensor], op, compression, prescale_factor, postscale_factor, name)
     return reduction.wait()[0].to(tensor.device)
+
+
+def _differentiable(tensor: torch.Tensor) -> bool:
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
+def _reduced(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name) -> torch.Tensor:
+    return Reduction([tensor], op, Compression.none, pre, post, name).wait()[0].to(tensor.device)
+
+
+class _Allreduce(torch.autograd.Function):
+    """allreduce in autograd: its backward is the same allreduce of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, prescale_factor, postscale_factor, name):
+        ctx.reduction = (op, prescale_factor, postscale_factor, name)
+        return _reduced(tensor, *ctx.reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduced(grad.contiguous(), *ctx.reduction), None, None, None, None
+
+
+class _Allgather(torch.autograd.Function):
+    """allgather in autograd: the ranks' average of the gradient, this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows, ctx.name = (tensor.shape[0] if tensor.dim() else 1), name
+        return _gathered(tensor, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = _reduced(grad.contiguous(), Average, 1.0, 1.0, ctx.name)
+        rows = _gathered(torch.tensor([ctx.rows]), ctx.name)
+        offset = int(rows[: rank_info().rank].sum())
+        return averaged.narrow(0, offset, ctx.rows), None
+
+
+class _Broadcast(torch.autograd.Function):
+    """broadcast in autograd: the ranks' average of the gradient on the root, else 0."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root, ctx.name = root_rank, name
+        return _broadcasted(tensor, root_rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = _reduced(grad.contiguous(), Average, 1.0, 1.0, ctx.name)
+        if rank_info().rank != ctx.root:
+            averaged.zero_()
+        return averaged, None, None
 
 
 def allreduce_(
@@ -203,6 +266,12 @@ def grouped_allreduce(
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """The ranks' tensors concatenated along the first dimension, in rank order. Their first
     dimensions may differ; the others must agree (a 0-d tensor counts as one element)."""
+    if _differentiable(tensor):
+        return _Allgather.apply(tensor, name)
+    return _gathered(tensor, name)
+
+
+def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     info = rank_info()
     work = tensor.detach().to(info.device).reshape(tensor.shape or (1,)).contiguous()
     if work.dim() > _MAX_DIMS:
@@ -239,6 +308,12 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
     """A new tensor holding ``root_rank``'s ``tensor`` (the same shape and dtype on every
     rank)."""
     check_root(root_rank, name)
+    if _differentiable(tensor):
+        return _Broadcast.apply(tensor, root_rank, name)
+    return _broadcasted(tensor, root_rank)
+
+
+def _broadcasted(tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
     work = tensor.detach().to(rank_info().device, copy=True).contiguous()
     dist.broadcast(work, src=root_rank)
     return work.to(tensor.device)

@@ -124,3 +124,43 @@ def test_ops_are_horovods_numbers(op):
     assert (
         int(op) == {"AVERAGE": 0, "SUM": 1, "ADASUM": 2, "MIN": 3, "MAX": 4, "PRODUCT": 5}[op.name]
     )
+
+
+def in_autograd():
+    import torch
+
+    import spark_estimator.horovod as hvd
+
+    hvd.init()
+    r = hvd.rank()
+    grads = {}
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum) * (r + 1)).sum().backward()
+    grads["allreduce"] = x.grad
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    (hvd.allreduce(x) * (r + 1)).sum().backward()  # Average
+    grads["average"] = x.grad
+    rows = torch.ones(r + 1, 2, requires_grad=True)  # 1 row on rank 0, 2 on rank 1
+    gathered = hvd.allgather(rows)
+    (gathered * torch.arange(6.0).view(3, 2) * (r + 1)).sum().backward()
+    grads["allgather"] = rows.grad
+    x = torch.tensor([3.0], requires_grad=True)
+    (hvd.broadcast(x, root_rank=1) * (r + 1)).sum().backward()
+    grads["broadcast"] = x.grad
+    return grads
+
+
+def test_allreduce_allgather_and_broadcast_backpropagate_as_horovods(spark):
+    """Rank r's loss weighs the collective's result by r + 1 (1 and 2)."""
+    ranks = run(in_autograd, num_proc=2, use_gpu=False, spark=spark)
+    for rank, grads in enumerate(ranks):
+        # Sum: d/dx_r of sum_s (s + 1) * sum(x) = 1 + 2
+        assert grads["allreduce"].tolist() == [3.0, 3.0]
+        # Average: the gradient allreduced with the same op, (1 + 2) / 2: also the gradient
+        # of the ranks' summed losses, sum_s (s + 1) / 2
+        assert grads["average"].tolist() == [1.5, 1.5]
+        # allgather: the ranks' average weight, 1.5 x rows [0..5], this rank's rows
+        weights = (torch.arange(6.0).view(3, 2) * 1.5)[[0] if rank == 0 else [1, 2]]
+        assert grads["allgather"].tolist() == weights.tolist()
+        # broadcast from rank 1: the average weight on the root, zeros elsewhere
+        assert grads["broadcast"].tolist() == ([1.5] if rank == 1 else [0.0])
