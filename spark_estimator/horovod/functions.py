@@ -41,10 +41,15 @@ class _Slot:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Give every rank ``root_rank``'s optimizer state and parameter-group settings (``lr``,
     momentum, ...), including state the optimizer creates on its first step: the other
-    ranks load the root's ``state_dict()``."""
+    ranks load the root's ``state_dict()``. An optimizer without state yet (none has
+    stepped) first takes one local step on zero gradients, which creates it, as Horovod's
+    does (the parameters' ``.grad`` stay zeros; a step on zeros still applies weight decay,
+    as Horovod's)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
     check_root(root_rank)
+    if not optimizer.state:
+        _create_state(optimizer)
     tensors: list[torch.Tensor] = []
 
     def strip(value):
@@ -78,3 +83,17 @@ def _fill(value, tensors: list[torch.Tensor]):
     if isinstance(value, (list, tuple)):
         return type(value)(_fill(v, tensors) for v in value)
     return value
+
+
+def _create_state(optimizer: torch.optim.Optimizer) -> None:
+    """One step of the user's optimizer on zero gradients, without any reduction (a
+    DistributedOptimizer's would be a collective the ranks do not all make here)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    local = next(
+        (k for k in type(optimizer).__mro__ if not k.__module__.startswith(__package__)),
+        type(optimizer),
+    )
+    local.step(optimizer)

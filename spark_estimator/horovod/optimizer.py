@@ -43,13 +43,24 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     backward_passes_per_step: int = 1,
     op=Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups=None,
+    sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
     """``optimizer`` whose ``step()`` first reduces the gradients across ranks (``op``:
     Average, Sum, Min, Max, Product; Adasum combines the updates instead).
 
     ``gradient_predivide_factor`` f splits Average's division: gradients are multiplied by
     1/f before the sum and by f/size() after it. ``backward_passes_per_step`` is how many
-    backward passes accumulate locally before the gradients are reduced."""
+    backward passes accumulate locally before the gradients are reduced.
+
+    ``groups`` sets which gradients travel together (one fused allreduce each): an int k
+    cuts the parameters into k groups of near-equal counts; a list of lists of parameters
+    makes each list a group, every other parameter its own; None (or 0) fuses by size
+    (``BUCKET_BYTES``). ``num_groups`` is Horovod's older name of an int ``groups``. A
+    group's tensors of different dtypes travel in one allreduce per dtype. Sparse
+    gradients are reduced as dense tensors whatever ``sparse_as_dense`` says (the same
+    values; ``.grad`` becomes dense)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
     op = reduce_op(op)
@@ -72,6 +83,11 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
             f"compression: expected hvd.Compression.none/fp16/bf16, got {compression!r}"
         )
     names = _parameter_names(optimizer, named_parameters)
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense: expected True or False, got {sparse_as_dense!r}")
+    fused = _groups(optimizer, groups if groups is not None else num_groups)
+    if fused is not None and op == Adasum:
+        raise ValueError("groups: Adasum combines each parameter's update on its own")
     mixin = _AdasumUpdates if op == Adasum else _GradientAllreduce
     cls = type(type(optimizer).__name__, (mixin, type(optimizer)), {})
     distributed = cls.__new__(cls)
@@ -82,9 +98,37 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     scheduled = state.pop("step", None)
     distributed.__dict__.update(state)
     distributed._setup(names, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    if fused is not None:
+        distributed._group(fused)
     if scheduled is not None:
         distributed._stepped_for = optimizer
     return distributed
+
+
+def _groups(optimizer, groups) -> list[list[torch.Tensor]] | None:
+    """The parameter groups ``groups`` asks to fuse (see DistributedOptimizer), or None."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    whole = isinstance(groups, int) and not isinstance(groups, bool)
+    if groups is None or (whole and groups == 0):
+        return None
+    if whole:
+        if groups < 0:
+            raise ValueError(f"groups: must be >= 0, got {groups}")
+        cut = [len(params) * i // groups for i in range(groups + 1)]
+        return [params[a:b] for a, b in zip(cut, cut[1:]) if b > a]
+    if not isinstance(groups, (list, tuple)) or not all(
+        isinstance(g, (list, tuple)) for g in groups
+    ):
+        raise TypeError(f"groups: expected an int or a list of lists of parameters, got {groups!r}")
+    known, placed = {id(p) for p in params}, set()
+    for group in groups:
+        for p in group:
+            if id(p) not in known:
+                raise ValueError("groups: a parameter that the optimizer does not train")
+            if id(p) in placed:
+                raise ValueError("groups: a parameter in two groups")
+            placed.add(id(p))
+    return [list(g) for g in groups if g] + [[p] for p in params if id(p) not in placed]
 
 
 def _parameter_names(optimizer, named_parameters) -> dict[int, str]:
@@ -198,6 +242,22 @@ class _GradientAllreduce(_Distributed):
             else:
                 last.append(p)
                 size_of[id(last[0])] += nbytes
+        self._index()
+
+    def _group(self, groups: list[list[torch.Tensor]]) -> None:
+        """Fuse ``groups`` (each split by dtype and device), in the order backward tends
+        to finish them (that of their last parameter, reversed)."""
+        position = {id(p): i for i, p in enumerate(self._params)}
+        buckets = []
+        for group in groups:
+            kinds: dict[tuple, list[torch.Tensor]] = {}
+            for p in group:
+                kinds.setdefault((p.dtype, p.device), []).append(p)
+            buckets.extend(kinds.values())
+        self._buckets = sorted(buckets, key=lambda b: -max(position[id(p)] for p in b))
+        self._index()
+
+    def _index(self) -> None:
         self._bucket_of = {id(p): b for b, bucket in enumerate(self._buckets) for p in bucket}
         self._ready_count = [0] * len(self._buckets)
         self._reductions: list[Reduction] = []

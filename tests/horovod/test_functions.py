@@ -44,6 +44,17 @@ def broadcasts():
     hvd.allreduce_(net[1].bias.grad)
     opt.step()
     out["after a step"] = [p.detach().clone() for p in net.parameters()]
+
+    # no rank has stepped: the state is made by a step on zero gradients, then broadcast
+    fresh = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    wrapped = hvd.DistributedOptimizer(
+        torch.optim.Adam(fresh.parameters(), lr=0.1 * (r + 1)),
+        named_parameters=fresh.named_parameters(),
+    )
+    hvd.broadcast_optimizer_state(wrapped, root_rank=0)
+    out["fresh"] = wrapped.state_dict()
+    out["fresh unchanged"] = all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
     return out
 
 
@@ -67,6 +78,11 @@ def test_broadcasts_give_every_rank_the_roots_weights_and_optimizer_state(spark)
     assert state1["param_groups"][0]["lr"] == 0.01  # the root's, not rank 1's 0.02
     assert state1["param_groups"][0]["betas"] == (0.8, 0.9)
     assert equal(r0["after a step"], r1["after a step"])
+    fresh0, fresh1 = r0["fresh"], r1["fresh"]
+    assert len(fresh0["state"]) == 2 and equal(fresh0, fresh1)  # created, then the root's
+    assert [s["step"].item() for s in fresh1["state"].values()] == [1.0, 1.0]
+    assert fresh1["param_groups"][0]["lr"] == 0.1
+    assert r0["fresh unchanged"] and r1["fresh unchanged"]  # Adam on zeros moves nothing
 
 
 def test_broadcasts_refuse_what_they_cannot_send(one_rank):

@@ -78,6 +78,33 @@ def distributed_training():
     net, opt = wrapped()
     out["class"] = (isinstance(opt, torch.optim.SGD), type(opt).__name__)
     out["sgd"] = train(net, opt)
+
+    def counted(net, opt):
+        """The weights ``train`` reaches, and rank 0's count of gradient allreduces."""
+        import json
+        import os
+        import tempfile
+
+        path = os.path.join(tempfile.mkdtemp(), "timeline.json")
+        hvd.start_timeline(path)
+        weights = train(net, opt)
+        hvd.stop_timeline()
+        if r != 0:
+            return weights, None
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        return weights, sum(e["name"].startswith("allreduce (in flight)") for e in events)
+
+    out["fused"] = counted(*wrapped())
+    out["groups=2"] = counted(*wrapped(groups=2))
+    out["num_groups=2"] = counted(*wrapped(num_groups=2, sparse_as_dense=True))
+    net = model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=net.named_parameters(),
+        groups=[[net.bias]],
+    )
+    out["groups listed"] = counted(net, opt)
     out["fp16"] = train(*wrapped(compression=hvd.Compression.fp16))
     out["predivide"] = train(*wrapped(gradient_predivide_factor=2.0))
     out["sum"] = train(*wrapped(op=hvd.Sum))  # the ranks' gradients added: lr 0.1 acts as 0.2
@@ -159,6 +186,18 @@ def test_two_ranks_train_to_the_weights_of_one_process_on_the_whole_batch(spark)
     for out in results:
         assert out["class"] == (True, "SGD")
         assert close(out["sgd"], whole, 1e-6)
+        # groups: the same training, in one fused allreduce a step or one per group
+        allreduces = {}
+        for case in ("fused", "groups=2", "num_groups=2", "groups listed"):
+            weights, allreduces[case] = out[case]
+            assert close(weights, whole, 1e-6), case
+        if out is results[0]:
+            assert allreduces == {
+                "fused": STEPS,
+                "groups=2": 2 * STEPS,
+                "num_groups=2": 2 * STEPS,
+                "groups listed": 2 * STEPS,  # the bias, and the weight on its own
+            }
         assert close(out["predivide"], whole, 1e-6)
         assert close(out["two passes"], whole, 1e-6)
         assert close(out["sum"], reference(lr=0.2), 1e-6)
@@ -230,6 +269,18 @@ def test_bad_arguments_are_refused_naming_them(one_rank):
         wrap(compression="fp16")
     with pytest.raises(TypeError, match="optimizer: expected a torch.optim.Optimizer"):
         hvd.DistributedOptimizer(net)
+    with pytest.raises(ValueError, match="groups: must be >= 0"):
+        wrap(groups=-1)
+    with pytest.raises(TypeError, match="groups: expected an int or a list of lists"):
+        wrap(groups="all")
+    with pytest.raises(ValueError, match="groups: a parameter that the optimizer does not"):
+        wrap(groups=[[torch.nn.Parameter(torch.ones(1))]])
+    with pytest.raises(ValueError, match="groups: a parameter in two groups"):
+        wrap(groups=[[net.bias], [net.bias]])
+    with pytest.raises(ValueError, match="groups: Adasum combines each parameter's update"):
+        wrap(groups=2, op=hvd.Adasum)
+    with pytest.raises(TypeError, match="sparse_as_dense: expected True or False"):
+        wrap(sparse_as_dense="yes")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         wrap(named_parameters=net.named_parameters())  # a generator is fine
