@@ -272,6 +272,13 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
 
 
 def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
+    work, finish = gather(tensor, name, async_op=False)
+    return finish()
+
+
+def gather(tensor: torch.Tensor, name: str | None, async_op: bool):
+    """Start an allgather: (its work, None when done already; a function giving the result
+    once it is). The ranks' shapes travel first, at once (a small collective)."""
     info = rank_info()
     work = tensor.detach().to(info.device).reshape(tensor.shape or (1,)).contiguous()
     if work.dim() > _MAX_DIMS:
@@ -291,8 +298,12 @@ def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
     padded = work.new_zeros((rows, *work.shape[1:]))
     padded[: work.shape[0]] = work
     gathered = [torch.empty_like(padded) for _ in range(info.world_size)]
-    dist.all_gather(gathered, padded)
-    return torch.cat([g[: s[0]] for g, s in zip(gathered, shapes)]).to(tensor.device)
+    work = dist.all_gather(gathered, padded, async_op=async_op)
+
+    def finish() -> torch.Tensor:
+        return torch.cat([g[: s[0]] for g, s in zip(gathered, shapes)]).to(tensor.device)
+
+    return work, finish
 
 
 def check_root(root_rank: int, name: str | None = None) -> None:

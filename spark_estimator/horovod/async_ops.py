@@ -1,0 +1,280 @@
+"""Executor: Horovod's asynchronous collectives, and alltoall and reducescatter.
+
+An ``*_async`` call starts its collective on torch.distributed's asynchronous work and
+returns a handle (an int) at once, while the ranks exchange the data; ``poll(handle)``
+says whether it has finished, without waiting, and ``synchronize(handle)`` waits for it
+and returns its result (the handle is then spent; an unknown handle gives None, as
+Horovod's). Where a collective needs the ranks' shapes first (allgather, alltoall), that
+small exchange happens before the call returns; the data travels after. ``alltoall``
+sends each rank its rows of ``tensor`` (``splits``, or as equal as they go, the first
+ranks one more) and returns what it received, with the received splits when ``splits``
+was given; it is differentiable, as Horovod's. ``reducescatter`` is the allreduce of which
+each rank keeps its rows (dim 0 cut as equally as it goes, the first ranks one more).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .basics import rank_info
+from .collectives import (
+    Average,
+    Reduction,
+    Sum,
+    _named,
+    check_root,
+    gather,
+    reduce_op,
+)
+from .compression import Compression
+
+_pending: dict[int, _Op] = {}
+_ids = itertools.count(1)
+
+
+class _Op:
+    """A collective in flight: torch's works and what makes the result once they end."""
+
+    def __init__(self, works: Sequence, finish: Callable):
+        self.works = [w for w in works if w is not None]
+        self.finish = finish
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def result(self):
+        for w in self.works:
+            w.wait()
+        return self.finish()
+
+
+def _handle(works: Sequence, finish: Callable) -> int:
+    handle = next(_ids)
+    _pending[handle] = _Op(works, finish)
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """Whether the collective of ``handle`` has finished (``synchronize`` will not wait)."""
+    if handle not in _pending:
+        raise ValueError(f"handle: {handle!r} is not a collective in flight")
+    return _pending[handle].done()
+
+
+def synchronize(handle: int):
+    """Wait for the collective of ``handle`` and return its result."""
+    op = _pending.pop(handle, None)
+    return None if op is None else op.result()
+
+
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
+    """``allreduce``, started: a handle."""
+    reduction = Reduction(
+        [tensor], reduce_op(op, average), Compression.none, prescale_factor, postscale_factor, name
+    )
+    return _handle([reduction._work], lambda: reduction.wait()[0].to(tensor.device))
+
+
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
+    """``allreduce_``, started: ``synchronize`` writes the result into ``tensor``."""
+    reduction = Reduction(
+        [tensor], reduce_op(op, average), Compression.none, prescale_factor, postscale_factor, name
+    )
+    return _handle([reduction._work], lambda: _into(tensor, reduction.wait()[0]))
+
+
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
+    """``grouped_allreduce``, started (one fused collective per dtype)."""
+    return _grouped(tensors, reduce_op(op, average), prescale_factor, postscale_factor, name, False)
+
+
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
+    """``grouped_allreduce`` in place, started."""
+    return _grouped(tensors, reduce_op(op, average), prescale_factor, postscale_factor, name, True)
+
+
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+) -> list:
+    """Each tensor's allreduce written into it; the tensors."""
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor)
+    )
+
+
+def _grouped(tensors, op, pre, post, name, in_place: bool) -> int:
+    tensors = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    parts = [
+        (idx, Reduction([tensors[i] for i in idx], op, Compression.none, pre, post, name))
+        for idx in by_dtype.values()
+    ]
+
+    def finish() -> list[torch.Tensor]:
+        out: list = [None] * len(tensors)
+        for idx, reduction in parts:
+            for i, result in zip(idx, reduction.wait()):
+                out[i] = _into(tensors[i], result) if in_place else result.to(tensors[i].device)
+        return out
+
+    return _handle([r._work for _, r in parts], finish)
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+    """``allgather``, started."""
+    work, finish = gather(tensor, name, async_op=True)
+    return _handle([work], finish)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
+    """``allgather`` of each tensor, started; ``synchronize`` gives a list."""
+    started = [gather(t, name, async_op=True) for t in tensors]
+    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list:
+    """``allgather`` of each tensor, as a list in the same order."""
+    return synchronize(grouped_allgather_async(tensors, name))
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """``broadcast``, started."""
+    check_root(root_rank, name)
+    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
+    started = dist.broadcast(work, src=root_rank, async_op=True)
+    return _handle([started], lambda: work.to(tensor.device))
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+    """``broadcast_``, started: ``synchronize`` writes the root's tensor into ``tensor``."""
+    check_root(root_rank, name)
+    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
+    started = dist.broadcast(work, src=root_rank, async_op=True)
+    return _handle([started], lambda: _into(tensor, work))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=None) -> int:
+    """The allreduce of a sparse tensor, started: every rank's indices and values gathered;
+    ``synchronize`` gives the sparse sum (divided by the ranks with Average), uncoalesced."""
+    op = reduce_op(op)
+    if op not in (Average, Sum):
+        raise ValueError(f"op{_named(name)}: a sparse allreduce sums or averages, not {op.name}")
+    sparse = tensor.coalesce()
+    indices = gather(sparse.indices().t().contiguous(), name, async_op=True)
+    values = gather(sparse.values(), name, async_op=True)
+    world = rank_info().world_size
+
+    def finish() -> torch.Tensor:
+        gathered = values[1]()
+        if op == Average:
+            gathered = gathered / world
+        return torch.sparse_coo_tensor(indices[1]().t(), gathered, tensor.shape)
+
+    return _handle([indices[0], values[0]], finish)
+
+
+def _into(tensor: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return tensor.copy_(result)
+
+
+# -- alltoall and reducescatter ---------------------------------------------------------
+def _splits(rows: int, splits, world: int, name) -> list[int]:
+    if splits is None:
+        return [rows // world + (r < rows % world) for r in range(world)]
+    counts = [int(s) for s in (splits.tolist() if torch.is_tensor(splits) else splits)]
+    if len(counts) != world or any(c < 0 for c in counts) or sum(counts) != rows:
+        raise ValueError(
+            f"splits{_named(name)}: {world} counts >= 0 adding up to the tensor's {rows} "
+            f"rows, got {counts}"
+        )
+    return counts
+
+
+def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> int:
+    """``alltoall``, started; ``synchronize`` gives (output, received splits)."""
+    info = rank_info()
+    rows = tensor.shape[0] if tensor.dim() else 1
+    work = tensor.detach().to(info.device).reshape(rows, -1).contiguous()
+    send = _splits(rows, splits, info.world_size, name)
+    counts = torch.tensor(send, dtype=torch.int64, device=info.device)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts)  # how many rows each rank sends here
+    recv = received.cpu().tolist()
+    output = work.new_empty((sum(recv), work.shape[1]))
+    started = dist.all_to_all_single(output, work, recv, send, async_op=True)
+
+    def finish():
+        shaped = output.reshape(sum(recv), *tensor.shape[1:]).to(tensor.device)
+        return shaped, torch.tensor(recv, dtype=torch.int32)
+
+    return _handle([started], finish)
+
+
+class _Alltoall(torch.autograd.Function):
+    """alltoall in autograd: the gradient goes back by the splits it came by."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        output, received = synchronize(alltoall_async(tensor, splits, name))
+        ctx.received, ctx.name = received, name
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, ctx.name))
+        return back, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
+    """Each rank's ``splits[r]`` rows of ``tensor`` sent to rank r (dim 0; without
+    ``splits`` as equal as they go); what this rank received, in rank order, and with
+    ``splits`` also the received counts (an int32 tensor), as Horovod's."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        output, received = _Alltoall.apply(tensor, splits, name)
+    else:
+        output, received = synchronize(alltoall_async(tensor, splits, name))
+    return output if splits is None else (output, received)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0
+) -> int:
+    """``reducescatter``, started."""
+    info = rank_info()
+    reduction = Reduction(
+        [tensor], reduce_op(op), Compression.none, prescale_factor, postscale_factor, name
+    )
+    rows = _splits(tensor.shape[0], None, info.world_size, name)
+    start = sum(rows[: info.rank])
+
+    def finish() -> torch.Tensor:
+        reduced = reduction.wait()[0].to(tensor.device)
+        return reduced.narrow(0, start, rows[info.rank]).clone()
+
+    return _handle([reduction._work], finish)
+
+
+def reducescatter(
+    tensor: torch.Tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0
+) -> torch.Tensor:
+    """The reduction (Average by default) of ``tensor`` over the ranks, of which this rank
+    keeps its rows (dim 0 cut as equally as it goes, the first ranks one more)."""
+    if tensor.dim() == 0:
+        raise ValueError(f"reducescatter{_named(name)}: needs at least one dimension")
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
