@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..worker.comm import rendezvous
 from ..worker.run_task import current_run
+from .elastic_sampler import ElasticSampler as ElasticSampler  # hvd.elastic.ElasticSampler
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -116,27 +117,45 @@ class State:
 
 
 class ObjectState(State):
-    """State of picklable attributes, read and written as ``state.<name>``."""
+    """State of picklable attributes, read and written as ``state.<name>``. An attribute
+    with ``state_dict()`` and ``load_state_dict()`` (an ``ElasticSampler``, as in
+    ``TorchState(model, optimizer, train_sampler=sampler)``) stays the same object: its
+    ``state_dict()`` is what is saved, committed and synchronised, and it takes saved state
+    back through ``load_state_dict`` (a sampler then re-cuts its epoch over the ranks)."""
 
     def __init__(self, **attributes):
         super().__init__()
         self._names = list(attributes)
         self.__dict__.update(attributes)
-        self._saved = copy.deepcopy(attributes)
+        self._saved = self._snapshot()
 
     def _attributes(self) -> dict:
         return {name: getattr(self, name) for name in self._names}
 
+    def _snapshot(self) -> dict:
+        return {
+            name: copy.deepcopy(value.state_dict() if _stateful(value) else value)
+            for name, value in self._attributes().items()
+        }
+
+    def _apply(self, values: dict) -> None:
+        for name, value in values.items():
+            current = getattr(self, name, None)
+            if _stateful(current):
+                current.load_state_dict(copy.deepcopy(value))
+            else:
+                setattr(self, name, copy.deepcopy(value))
+
     def save(self) -> None:
         """Keep a copy of the attributes in memory (what ``restore()`` returns to)."""
-        self._saved = copy.deepcopy(self._attributes())
+        self._saved = self._snapshot()
 
     def restore(self) -> None:
         """Put the attributes back as they were at the last ``save()`` / ``commit()``."""
-        self.__dict__.update(copy.deepcopy(self._saved))
+        self._apply(self._saved)
 
     def _sync(self) -> None:
-        self.__dict__.update(_broadcast_object(self._attributes()))
+        self._apply(_broadcast_object(self._snapshot()))
 
     def state_dict(self) -> dict:
         return {"attributes": self._saved}
@@ -191,6 +210,13 @@ class TorchState(ObjectState):
     def load_state_dict(self, saved: dict) -> None:
         self._saved_model, self._saved_optimizer = saved["model"], saved["optimizer"]
         super().load_state_dict(saved)
+
+
+def _stateful(value) -> bool:
+    """Whether ``value`` saves and loads its own state (not a plain picklable value)."""
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
 
 
 def _restore_commit(state: State) -> bool:
