@@ -90,7 +90,8 @@ class Meeting:
 @dataclass(frozen=True)
 class RankInfo:
     """Where this task sits in the job: its ranks, the device it pinned, and, when it fell
-    back to CPU although ``use_gpu`` asked for a GPU, why (``device_note``)."""
+    back to CPU although ``use_gpu`` asked for a GPU, why (``device_note``); the GPU
+    addresses Spark assigned the task (``gpu_addresses``: also where it fell back)."""
 
     rank: int
     world_size: int
@@ -100,6 +101,7 @@ class RankInfo:
     device_note: str | None = None
     cross_rank: int = 0  # rank among the job's tasks with this local rank (hvd.cross_rank)
     cross_size: int = 1
+    gpu_addresses: tuple[str, ...] = ()  # TaskContext.resources()["gpu"].addresses
 
 
 _current: RankInfo | None = None
@@ -280,7 +282,13 @@ def process_group(
         del store, server
         raise error from e
     _current = RankInfo(
-        rank, world_size, *local_ranks(hosts, rank), device, note, *cross_ranks(hosts, rank)
+        rank,
+        world_size,
+        *local_ranks(hosts, rank),
+        device,
+        note,
+        *cross_ranks(hosts, rank),
+        tuple(task_gpu_addresses(ctx.resources())),
     )
     torchrun = {
         "RANK": str(rank),
