@@ -24,6 +24,7 @@ import torch
 from spark_estimator import Store, TorchModel, run
 from spark_estimator.driver import launch
 from spark_estimator.driver.launch import takes_profile
+from spark_estimator.driver.stage_profile import task_profile
 from tests.clusters import StandaloneCluster
 from tests.conftest import linear_net, make_estimator, regression_rows
 
@@ -120,6 +121,8 @@ def test_the_training_job_alone_runs_one_rank_per_executor_with_its_gpu(gpu_clus
     stages = record.new_stages()
     train = training_stage(stages)
     assert train["resourceProfileId"] != 0 and at_once(train) == ALONE
+    # the session's one profile, made once for all its jobs
+    assert task_profile(gpu_cluster, True).profile.id == train["resourceProfileId"]
     etl = [s for s in stages if s is not train and s["numTasks"] > 1]  # the materialization's
     assert {s["resourceProfileId"] for s in etl} == {0}
     assert max(n for s in etl for n in at_once(s).values()) == 2  # 2 tasks per executor

@@ -31,6 +31,7 @@ from .launch import is_connect, is_local_master, takes_profile
 
 log = logging.getLogger(__name__)
 _logged: set[tuple[str, str]] = set()  # (session, line) already logged
+_built: dict[tuple[str, int], Any] = {}  # (session, cpus) -> its profile, made once
 
 
 @dataclass(frozen=True)
@@ -244,11 +245,13 @@ def task_profile(spark, enabled: bool, use_gpu: bool | str = "auto", job: str = 
     cluster = cluster_facts(spark)
     cpus, reason = decide(cluster, enabled, use_gpu, job)
     if cpus is not None:
+        key = (_session_key(spark), cpus)
         try:
-            profile = _build(spark, cpus)
+            profile = _built.get(key) or _build(spark, cpus)
         except Exception as e:  # Spark refused it: its reason, first line
             reason = f"Spark refused the task resource profile: {str(e).strip().splitlines()[0]}"
         else:
+            _built[key] = profile  # one profile (and id) for every job of the session
             _log_once(
                 spark,
                 f"stage-level scheduling: {job} tasks run with one GPU and {cpus} cores each "
