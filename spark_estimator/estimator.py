@@ -73,6 +73,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         random_seed=0,
         store=None,
         use_gpu="auto",
+        stage_level_scheduling=True,
         run_id=None,
         partitions_per_process=4,
         row_group_size_mb=32.0,

@@ -3,7 +3,8 @@
     spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
         [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
         [--min-np N] [--elastic-timeout S]
-        [--start-timeout S] [--gpu | --no-gpu] train.py [script args ...]
+        [--start-timeout S] [--gpu | --no-gpu] [--no-stage-level-scheduling]
+        train.py [script args ...]
 
 (also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
 ``--master`` (default ``local[<np>]``: this machine, one core per rank) and every
@@ -117,6 +118,14 @@ def parser() -> argparse.ArgumentParser:
         const=False,
         help="train on CPU even where Spark assigns GPUs",
     )
+    p.add_argument(
+        "--no-stage-level-scheduling",
+        dest="stage_level_scheduling",
+        action="store_false",
+        help="keep the cluster's task resources for the ranks, even where a task resource "
+        "profile would give each one GPU and all of its executor's cores (on a cluster "
+        "whose tasks get a fractional spark.task.resource.gpu.amount; docs/gpu.md)",
+    )
     p.add_argument("script", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
     return p
@@ -157,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_restarts=options.max_restarts,
                 min_num_proc=options.min_num_proc,
                 elastic_timeout=options.elastic_timeout,
+                stage_level_scheduling=options.stage_level_scheduling,
                 **timeout,
             )
         for warning in caught:

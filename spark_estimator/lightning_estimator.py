@@ -63,6 +63,7 @@ class LightningEstimator(StoreEstimator, LightningParams):
         random_seed=0,
         store=None,
         use_gpu="auto",
+        stage_level_scheduling=True,
         run_id=None,
         callbacks=None,
         trainer_args=None,

@@ -3,8 +3,10 @@
 ``transform`` adds one column per model output through ``mapInArrow`` (whole Arrow batches,
 the model shipped once per task, never one row at a time): a double column for outputs of
 shape [B] or [B, 1], an array<float> column otherwise; an output must have one row per
-input row. The features are cast to ``dtype``, the one the model was trained with (``fit``
-sets it; a stage saved without it loads as float32). Input columns are kept unchanged.
+input row. On a GPU cluster whose tasks get a share of a GPU or none, its tasks run one per
+executor with the executor's GPU (``stage_level_scheduling``, docs/gpu.md). The features
+are cast to ``dtype``, the one the model was trained with (``fit`` sets it; a stage saved
+without it loads as float32). Input columns are kept unchanged.
 With ``classification`` the one output is read as class logits and becomes Spark ML's
 classifier columns: ``rawPredictionCol`` and ``probabilityCol`` (ML vectors, converted from
 arrays after ``mapInArrow`` with ``array_to_vector``) and the class index.
@@ -30,6 +32,7 @@ from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, Str
 from .driver import validate
 from .driver.params import ModelParams, spark_ml_keywords
 from .driver.persistence import ObjectParamsReadWrite
+from .driver.stage_profile import task_profile
 from .driver.task_python import use_task_python
 from .shared.serialization import dumps
 from .shared.spec import FLOAT_DTYPES
@@ -58,6 +61,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         input_shapes=None,
         dtype="float32",
         output_cols=None,
+        stage_level_scheduling=True,
         classification=False,
         probabilityCol="probability",
         rawPredictionCol="rawPrediction",
@@ -164,7 +168,11 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         return out.withColumns({c: array_to_vector(_col(c)) for c in (raw, prob)})
 
     def _map_batches(self, dataset: DataFrame, features, fields, **options) -> DataFrame:
-        """``dataset`` with the columns ``fields`` appended by ``predict_batches``."""
+        """``dataset`` with the columns ``fields`` appended by ``predict_batches``; on a
+        GPU cluster whose tasks get less than a whole GPU, with a task resource profile of
+        one GPU and an executor's cores (``stage_level_scheduling``)."""
+        stage = task_profile(dataset.sparkSession, self.getStageLevelScheduling(), job="transform")
+        profile = {} if stage.profile is None else {"profile": stage.profile}
         predict = functools.partial(
             predict_batches,
             model_bytes=dumps(self.getModel(), "model"),
@@ -173,7 +181,8 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
             output_cols=[f.name for f in fields],
             **options,
         )
-        return dataset.mapInArrow(predict, StructType(list(dataset.schema.fields) + fields))
+        schema = StructType(list(dataset.schema.fields) + fields)
+        return dataset.mapInArrow(predict, schema, **profile)
 
     # -- persistence (ObjectParamsReadWrite) -----------------------------------------------
     def _objects(self) -> dict:

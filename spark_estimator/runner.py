@@ -39,6 +39,7 @@ from .driver.launch import (
 )
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
 from .driver.params import to_use_gpu
+from .driver.stage_profile import task_profile
 from .driver.task_python import check_task_python
 from .driver.validate import check_min_num_proc, check_num_proc, check_positive, check_use_gpu
 from .shared.failures import TrainingError, carried_failure, read_failure
@@ -156,6 +157,7 @@ def run(
     max_restarts: int = MAX_RESTARTS,
     min_num_proc: int | None = None,
     elastic_timeout: float = ELASTIC_TIMEOUT_S,
+    stage_level_scheduling: bool = True,
 ) -> list | Any:
     """Run ``fn(*args, **kwargs)``, or the script ``fn`` with ``args``, on ``num_proc``
     Spark barrier tasks, one rank each.
@@ -175,7 +177,13 @@ def run(
     ``"auto"`` (the default) each rank pins the GPU Spark assigned to its task, and runs on
     the CPU where the cluster has no GPUs configured (where it has, a rank that got none is
     reported by one warning on the driver); True requires a GPU for every rank (a
-    ValueError before any job where Spark gives tasks none); False is the CPU. ``env`` sets
+    ValueError before any job where Spark gives tasks none); False is the CPU. On a cluster
+    whose executors have one GPU and whose tasks get less than a whole one (a fractional
+    ``spark.task.resource.gpu.amount``, or none), the job runs with a task resource profile
+    of one GPU and all of an executor's cores per rank (stage-level scheduling: one rank per
+    executor, with its GPU; ``num_proc`` then counts GPU slots), where Spark allows it, else
+    with the cluster's task resources and one log line saying why (docs/gpu.md);
+    ``stage_level_scheduling=False`` keeps the cluster's task resources. ``env`` sets
     environment variables on every rank before ``fn`` runs.
     Returns the ranks' return values ordered by rank, or only rank 0's with ``rank0_only``
     (the other ranks then send nothing back); a script returns None. Return values go
@@ -232,6 +240,10 @@ def run(
     if min_num_proc is not None:
         _check_count("min_num_proc", min_num_proc, 1)
     elastic_timeout = _check_seconds("elastic_timeout", elastic_timeout)
+    if not isinstance(stage_level_scheduling, bool):
+        raise TypeError(
+            f"stage_level_scheduling: expected True or False, got {stage_level_scheduling!r}"
+        )
     if run_id is not None and (not isinstance(run_id, str) or not run_id or "/" in run_id):
         raise ValueError(f"run_id: expected a folder name (no '/'), got {run_id!r}")
     if script:
@@ -244,19 +256,22 @@ def run(
         raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
     use_gpu = to_use_gpu(use_gpu)
     spark = spark if spark is not None else SparkSession.active()
-    use_gpu = check_use_gpu(spark, use_gpu)
-    slots = available_slots(spark, num_proc, start_timeout)
+    stage = task_profile(spark, stage_level_scheduling, use_gpu)
+    use_gpu = check_use_gpu(spark, use_gpu, stage)
+    slots = available_slots(spark, num_proc, start_timeout, stage.profile)
     check_task_python(spark)
     num_proc = slots if num_proc is None else num_proc
+    slots_of = stage.slots_note()
     if min_num_proc is None:
-        check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s")
+        check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s", slots_of=slots_of)
     size = ElasticSize(
         spark,
         num_proc,
         min_num_proc,
-        check_min_num_proc(min_num_proc, num_proc, slots),
+        check_min_num_proc(min_num_proc, num_proc, slots, slots_of),
         max_restarts,
         elastic_timeout,
+        stage.profile,
     )
 
     run_id = run_id or f"run-{uuid.uuid4().hex[:12]}"
@@ -278,7 +293,7 @@ def run(
                 not tasks_print_here(spark),
             )
             try:
-                summaries = _launch(spark, spec, size.procs, name, show)
+                summaries = _launch(spark, spec, size.procs, name, show, stage.profile)
                 break
             except _LostRank as lost:
                 size.after_loss(lost.__cause__)
@@ -311,8 +326,9 @@ def run(
     return [_decode_result(s["result"]) for s in summaries]
 
 
-def _launch(spark, spec: RunSpec, num_proc: int, name: str, show) -> list[dict]:
-    """One launch of the job, its ranks' lines shown as they arrive. Raises a
+def _launch(spark, spec: RunSpec, num_proc: int, name: str, show, profile=None) -> list[dict]:
+    """One launch of the job, with the task resource ``profile`` of stage-level scheduling
+    (None: the cluster's task resources), its ranks' lines shown as they arrive. Raises a
     ``TrainingError`` for an error of the training code, ``_LostRank`` (from Spark's
     error) for another failure of a launch that entered ``hvd.elastic.run``."""
     store, run = spec.store, spec.store.run(spec.run_id)
@@ -327,6 +343,7 @@ def _launch(spark, spec: RunSpec, num_proc: int, name: str, show) -> list[dict]:
                 functools.partial(run_task, spec),
                 f"spark-estimator run {name} on {num_proc} tasks",
                 tag=tag,
+                profile=profile,
             )
     except Exception as e:
         record = read_failure(run.failure(spec.launch_id), store)

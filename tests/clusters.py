@@ -6,6 +6,11 @@ installed pyspark (``SPARK_HOME`` = the pyspark package) instead:
 
 - ``StandaloneCluster(workers=3)``: a Master and ``workers`` Worker processes on
   127.0.0.1, one core and 1 GiB each (so one one-core executor per Worker);
+  ``cores=2`` gives each Worker two, and ``gpus=True`` one fake GPU each: the Worker's
+  discovery script (``spark.worker.resource.gpu.discoveryScript``) prints
+  ``{"name": "gpu", "addresses": ["<i>"]}``, the Worker's index as its address, so every
+  executor that asks ``spark.executor.resource.gpu.amount=1`` holds a GPU address of its
+  own (no CUDA behind it: a rank falls back to the CPU with that address recorded);
 - ``NetnsCluster(workers=3)``: the same, but each Worker is a host of its own: it runs in
   a Linux network namespace with its own IP address, joined by a veth pair to a bridge in
   this namespace that carries the driver's and the Master's address. Inside a namespace the
@@ -68,7 +73,6 @@ from pathlib import Path
 import pyspark
 import pytest
 
-from spark_estimator.driver.launch import available_slots
 from tests.conftest import spark_session, stop_session
 
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -130,13 +134,21 @@ class NotThisMaster(RuntimeError):
 
 
 class StandaloneCluster:
-    """A Spark standalone Master and ``workers`` one-core Workers on this machine."""
+    """A Spark standalone Master and ``workers`` Workers of ``cores`` cores (and, with
+    ``gpus``, one fake GPU each) on this machine."""
 
     host = "127.0.0.1"  # the driver's and the Master's address
 
-    def __init__(self, workers: int = 3, master_conf: dict[str, str] | None = None):
+    def __init__(
+        self,
+        workers: int = 3,
+        master_conf: dict[str, str] | None = None,
+        cores: int = 1,
+        gpus: bool = False,
+    ):
         self.workers_at_start = workers
         self.master_conf = master_conf or {}  # e.g. {"spark.worker.timeout": "5"}
+        self.cores, self.gpus = cores, gpus
         self.id = f"{os.getpid()}-{time.monotonic_ns()}"
         self._procs: list[subprocess.Popen] = []
         self._workers: list[dict] = []  # per index: marker, pid and, on NetnsCluster, host
@@ -246,7 +258,8 @@ class StandaloneCluster:
     def session(self, **conf: str):
         """A SparkSession on this cluster (one-core executors of 512 MiB, one cpu per
         task), returned once every ALIVE worker's executor has registered; ``conf`` adds or
-        overrides Spark settings (``**{"spark.network.timeout": "10s"}``)."""
+        overrides Spark settings (``**{"spark.network.timeout": "10s"}``; with
+        ``spark.executor.cores`` 2 on Workers of 2 cores, one two-core executor each)."""
         settings = {
             "spark.executor.cores": "1",
             "spark.task.cpus": "1",
@@ -258,11 +271,14 @@ class StandaloneCluster:
         }
         spark = spark_session(self.url, **settings)
         wanted = len(self.alive_workers())
-        slots = available_slots(spark, wanted=wanted, wait_s=START_S)
-        if slots < wanted:
-            raise RuntimeError(
-                f"{slots} of {wanted} executors registered within {START_S:g} s; logs in {self.dir}"
-            )
+        deadline = time.monotonic() + START_S
+        while (registered := spark.sparkContext._jsc.sc().getExecutorIds().size()) < wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{registered} of {wanted} executors registered within {START_S:g} s; "
+                    f"logs in {self.dir}"
+                )
+            time.sleep(0.2)
         return spark
 
     # ----- internals (NetnsCluster overrides the network ones)
@@ -326,14 +342,29 @@ class StandaloneCluster:
         proc = self._spawn(
             f"worker-{index}",
             "org.apache.spark.deploy.worker.Worker",
-            ["--host", host, "--cores", "1", "--memory", "1g"]
+            ["--host", host, "--cores", str(self.cores), "--memory", "1g"]
             + ["--work-dir", str(work_dir), "--webui-port", "0", self.url],
-            env={"SPARK_LOCAL_IP": host},
+            env={"SPARK_LOCAL_IP": host, **self._gpu_options(index)},
             prefix=prefix,
             marker=marker,
         )
         self._workers.append({"marker": marker, "pid": proc.pid, "host": host})
         return index
+
+    def _gpu_options(self, index: int) -> dict[str, str]:
+        """The Worker's environment for one fake GPU whose address is ``index`` (none
+        without ``gpus``): its discovery script, written here, and the settings naming it."""
+        if not self.gpus:
+            return {}
+        script = self.dir / f"gpu-{index}.sh"
+        line = json.dumps({"name": "gpu", "addresses": [str(index)]})
+        script.write_text(f"#!/bin/sh\necho '{line}'\n")
+        script.chmod(0o755)
+        options = {
+            "spark.worker.resource.gpu.amount": "1",
+            "spark.worker.resource.gpu.discoveryScript": str(script),
+        }
+        return {"SPARK_WORKER_OPTS": " ".join(f"-D{k}={v}" for k, v in options.items())}
 
     def _spawn(self, name, main_class, args, env, prefix=(), marker=None) -> subprocess.Popen:
         environ = dict(

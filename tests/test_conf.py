@@ -39,6 +39,47 @@ def test_gpu_conf_names_the_shipped_discovery_script_and_one_gpu_per_task():
     )
 
 
+def _facts(name: str, master: str, version: str):
+    """The stage-level decision's facts of a conf file's settings on ``master``."""
+    from spark_estimator.driver.stage_profile import ClusterFacts
+
+    settings = conf_settings(CONF / name)
+    return ClusterFacts(
+        version=version,
+        master=master,
+        local=False,
+        connect=False,
+        takes_profile=True,
+        executor_gpus=float(settings["spark.executor.resource.gpu.amount"]),
+        task_gpus=float(settings["spark.task.resource.gpu.amount"]),
+        executor_cores=int(settings["spark.executor.cores"]),
+        task_cpus=int(settings["spark.task.cpus"]),
+        dynamic_allocation=settings["spark.dynamicAllocation.enabled"] == "true",
+    )
+
+
+@pytest.mark.parametrize(
+    "master, version", [("spark://h:7077", "3.4.0"), ("yarn", "3.5.1"), ("k8s://h", "4.0.0")]
+)
+def test_the_fractional_gpu_conf_gives_training_one_gpu_and_the_executors_cores(master, version):
+    from spark_estimator.driver.stage_profile import decide
+
+    facts = _facts("spark-defaults.gpu-fractional.conf", master, version)
+    assert facts.task_gpus * facts.executor_cores == 1  # ETL: a task per core
+    assert decide(facts, True, "auto", "training") == (facts.executor_cores, None)
+    assert decide(facts, True, "auto", "transform") == (facts.executor_cores, None)
+
+
+def test_the_whole_gpu_conf_needs_no_profile():
+    from spark_estimator.driver.stage_profile import decide
+
+    facts = _facts("spark-defaults.gpu.conf", "spark://h:7077", "4.0.0")
+    assert decide(facts, True, "auto", "training") == (
+        None,
+        "each task already gets a whole GPU (spark.task.resource.gpu.amount=1)",
+    )
+
+
 # A job that sets nothing itself: it reports the settings it runs with and logs one INFO
 # and one WARN line through a Spark logger; with --run it also forms a 2-process group with
 # run(fn), which the local settings (loopback driver address, 4 slots) must allow.

@@ -668,6 +668,11 @@ def _bad_inputs():
             ValueError,
             "collective_timeout: must be > 0",
         ),
+        "use_gpu True without a GPU per task": (
+            dict(use_gpu=True),
+            ValueError,
+            "use_gpu: True requires a GPU for every task, but Spark gives tasks none",
+        ),
         "fewer model outputs than label columns": (
             dict(label_cols=["y", "id"], input_shapes=[[-1, 3]]),
             ValueError,

@@ -22,9 +22,22 @@ pytestmark = [
 DISCOVERY = Path(__file__).parent.parent / "conf" / "get_gpus_resources.sh"
 
 
-def run_on_gpu_spark(tmp_path, body: str) -> dict:
-    """Run ``body`` with ``spark`` (one executor, one GPU per task) and ``store`` defined;
-    it must print one JSON line last, which is returned."""
+# executors of 2 cores and one GPU, tasks of half a GPU: the training job and transform
+# get the whole GPU and both cores through a task resource profile (stage-level scheduling)
+STAGE_LEVEL = {"spark.executor.cores": "2", "spark.task.resource.gpu.amount": "0.5"}
+
+
+def run_on_gpu_spark(tmp_path, body: str, conf: dict[str, str] | None = None) -> dict:
+    """Run ``body`` with ``spark`` (one executor, one GPU per task, unless ``conf`` says
+    otherwise) and ``store`` defined; it must print one JSON line last, which is returned."""
+    settings = {
+        "spark.worker.resource.gpu.amount": "1",
+        "spark.worker.resource.gpu.discoveryScript": str(DISCOVERY),
+        "spark.executor.resource.gpu.amount": "1",
+        "spark.task.resource.gpu.amount": "1",
+        **(conf or {}),
+    }
+    configs = "".join(f"\n                 .config({k!r}, {v!r})" for k, v in settings.items())
     script = (
         textwrap.dedent(
             f"""
@@ -32,12 +45,8 @@ def run_on_gpu_spark(tmp_path, body: str) -> dict:
         os.environ["PYSPARK_PYTHON"] = sys.executable
         import torch
         from pyspark.sql import SparkSession
-        from spark_estimator import Store, TorchEstimator
-        spark = (SparkSession.builder.master("local-cluster[1,2,4096]")
-                 .config("spark.worker.resource.gpu.amount", "1")
-                 .config("spark.worker.resource.gpu.discoveryScript", {str(DISCOVERY)!r})
-                 .config("spark.executor.resource.gpu.amount", "1")
-                 .config("spark.task.resource.gpu.amount", "1")
+        from spark_estimator import Store, TorchEstimator, TorchModel
+        spark = (SparkSession.builder.master("local-cluster[1,2,4096]"){configs}
                  .getOrCreate())
         store = Store.create({str(tmp_path / "store")!r})
         rows = [([float(i % 7), 1.0], float(i % 7)) for i in range(256)]
@@ -194,6 +203,65 @@ def test_a_lightning_module_trains_on_the_assigned_gpu_over_nccl(tmp_path):
         "precision": "bf16-mixed",
         "improved": True,
         "rows": 256,
+    }
+
+
+def test_stage_level_fit_and_transform_give_one_process_the_whole_gpu_and_both_cores(tmp_path):
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        net = torch.nn.Linear(2, 1)
+        est = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+                             loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
+                             epochs=2, store=store, use_gpu=True)  # num_proc: the GPU slots
+        model = est.fit(df)
+        summary = model.getTrainingSummary()
+        ranks = store.read_json(store.run(model.getRunId()).ranks)
+
+        class Where(torch.nn.Module):  # per row: 10 x the task's cpus + 1 on the GPU
+            def forward(self, x):
+                from pyspark import TaskContext
+                return torch.full((x.shape[0],), 10.0 * TaskContext.get().cpus() + x.is_cuda)
+
+        where = TorchModel(model=Where(), feature_cols=["x"], output_shapes=[[]]).transform(df)
+        print(json.dumps({"world": summary["world_size"], "resources": summary["task_resources"],
+                          "device": ranks[0]["device"], "gpus": ranks[0]["gpu_addresses"],
+                          "transform": sorted({r.prediction for r in where.collect()})}))
+        """,
+        conf=STAGE_LEVEL,
+    )
+    assert result == {
+        "world": 1,  # one GPU slot, though the executor runs 2 tasks of half a GPU at once
+        "resources": {
+            "stage_level_scheduling": True,
+            "task_cpus": 2,
+            "task_gpus": 1.0,
+            "reason": None,
+        },
+        "device": "cuda:0",
+        "gpus": ["0"],
+        "transform": [21.0],  # 2 cpus, on the GPU
+    }
+
+
+def test_stage_level_run_pins_the_gpu_with_the_executors_cores(tmp_path):
+    result = run_on_gpu_spark(
+        tmp_path,
+        """
+        from pyspark import TaskContext
+        from spark_estimator import distributed as sd, run
+        def fn():
+            ctx = TaskContext.get()
+            return {"device": str(sd.device()), "cpus": ctx.cpus(),
+                    "gpus": list(ctx.resources()["gpu"].addresses),
+                    "threads": torch.get_num_threads(),
+                    "sum": sd.allreduce(torch.ones(2, device=sd.device()), average=False).tolist()}
+        print(json.dumps({"ranks": run(fn, use_gpu=True)}))
+        """,
+        conf=STAGE_LEVEL,
+    )
+    assert result == {
+        "ranks": [{"device": "cuda:0", "cpus": 2, "gpus": ["0"], "threads": 2, "sum": [1.0, 1.0]}]
     }
 
 

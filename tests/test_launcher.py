@@ -73,7 +73,13 @@ def test_setup_declares_the_console_script():
 
 
 def test_the_gpu_flag_requires_a_gpu_per_rank_and_exits_2_naming_it(tmp_path):
-    done = launch(tmp_path, "-np", "2", "--master", "local[2]", "--gpu", "train.py")
+    done = launch(
+        tmp_path, "-np", "2", "--master", "local[2]", "--gpu",
+        "--conf", "spark.executor.resource.gpu.amount=1", "--no-stage-level-scheduling",
+        "train.py",
+    )  # fmt: skip
     assert done.returncode == 2
     assert "spark-estimator-run: use_gpu: True " in done.stderr
+    # executors with GPUs, tasks without: the profile that would give them one is off
+    assert "does not apply here: switched off by stage_level_scheduling=False" in done.stderr
     assert "[rank" not in done.stderr  # refused before the job

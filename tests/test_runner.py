@@ -274,6 +274,11 @@ def _bad_inputs():
             TypeError,
             "collective_timeout: expected seconds",
         ),
+        "stage_level_scheduling not a bool": (
+            dict(stage_level_scheduling="off"),
+            TypeError,
+            "stage_level_scheduling: expected True or False, got 'off'",
+        ),
         "num_proc above slots": (
             dict(num_proc=5, start_timeout=0.5),
             ValueError,

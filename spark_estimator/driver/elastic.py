@@ -51,17 +51,19 @@ def lost_reason(error: BaseException) -> str:
     return (lines or [type(error).__name__])[0][:300]
 
 
-def slots_now(spark: SparkSession) -> int | None:
-    """Task slots the cluster offers now: the scheduler's count; on Spark Connect the
-    server's configuration's, None where it does not tell."""
+def slots_now(spark: SparkSession, profile=None) -> int | None:
+    """Task slots the cluster offers now (for the tasks of a task resource ``profile``,
+    when given): the scheduler's count; on Spark Connect the server's configuration's, None
+    where it does not tell."""
     if is_connect(spark):
-        return connect_slots(spark)
-    counted = scheduler_slots(spark)
-    return master_slots(spark) if counted is None else counted
+        return connect_slots(spark, profile)
+    counted = scheduler_slots(spark, profile)
+    return master_slots(spark, profile) if counted is None else counted
 
 
 class ElasticSize:
-    """The size of each launch of one fit (see the module)."""
+    """The size of each launch of one fit (see the module); its slots are those of the
+    training job's task resource ``profile`` where it has one (``stage_profile``)."""
 
     def __init__(
         self,
@@ -71,8 +73,9 @@ class ElasticSize:
         start_procs: int,
         max_restarts: int,
         timeout_s: float,
+        profile=None,
     ):
-        self.spark, self.num_proc = spark, num_proc
+        self.spark, self.num_proc, self.profile = spark, num_proc, profile
         self.min_num_proc = num_proc if min_num_proc is None else min_num_proc
         self.max_restarts, self.timeout_s = max_restarts, timeout_s
         self.procs, self.restarts = start_procs, 0
@@ -101,12 +104,12 @@ class ElasticSize:
         """A larger size the cluster can run now, while this one is below ``num_proc``."""
         if not self.elastic or self.procs >= self.num_proc:
             return None
-        slots = slots_now(self.spark)
+        slots = slots_now(self.spark, self.profile)
         return min(slots, self.num_proc) if slots is not None and slots > self.procs else None
 
     def after_growth_request(self, resumed_epoch: int) -> int:
         """The size of the next launch after the ranks stopped to grow at an epoch's end."""
-        procs = max(self.procs, min(slots_now(self.spark) or 0, self.num_proc))
+        procs = max(self.procs, min(slots_now(self.spark, self.profile) or 0, self.num_proc))
         self._resize(procs, "slots returned", resumed_epoch)
         return procs
 
@@ -124,7 +127,7 @@ class ElasticSize:
         began = time.monotonic()
         seen: list[tuple[float, int]] = []
         while True:
-            slots = slots_now(self.spark)
+            slots = slots_now(self.spark, self.profile)
             if slots is None:
                 return self.procs
             if not seen or seen[-1][1] != slots:

@@ -47,6 +47,7 @@ from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
+from .stage_profile import TaskProfile, task_profile
 from .task_python import check_task_python
 
 
@@ -80,6 +81,7 @@ class _Checked(NamedTuple):
     loader: LoaderSpec
     probed: bool  # whether the loss was tried on a probe batch (else: once the data is known)
     use_gpu: bool | str  # what the tasks are told (validate.tasks_use_gpu)
+    stage: TaskProfile  # the training job's task resources (stage-level scheduling)
 
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,15 @@ def log_placements(summaries: list[RankSummary]) -> None:
     for placement, which in ranks.items():
         listed = ", ".join(map(str, which))
         logger.info("rank%s %s: data %s", "s" if len(which) > 1 else "", listed, placement)
+
+
+def rank_devices(summaries: list[RankSummary]) -> list[dict]:
+    """Per rank: its host, the device it trained on and the GPU addresses Spark assigned
+    its task (also where it fell back to the CPU), for the training summary."""
+    return [
+        {"rank": s.rank, "host": s.host, "device": s.device, "gpu_addresses": s.gpu_addresses}
+        for s in sorted(summaries, key=lambda s: s.rank)
+    ]
 
 
 def rank_memory(summaries: list[RankSummary]) -> list[dict]:
@@ -299,7 +310,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             echo=not tasks_print_here(spark),
         )
         with clock("job"):
-            summaries, resizes = self._launch(spark, spec, checked.num_proc, checked.start_procs)
+            summaries, resizes = self._launch(spark, spec, checked)
         store.write_json(store.run(run_id).ranks, [asdict(s) for s in summaries])
         digests = {s.weights_digest for s in summaries}
         if len(digests) != 1:
@@ -320,6 +331,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             input_shapes=self.getInputShapes(),
             dtype=self.getDtype(),
             output_cols=self.getOutputCols(),
+            stage_level_scheduling=self.getStageLevelScheduling(),
             classification=self.getClassification(),
             probabilityCol=self.getProbabilityCol(),
             rawPredictionCol=self.getRawPredictionCol(),
@@ -331,6 +343,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 "dataset_reused": data.reused,
                 "resizes": resizes,
                 "fit_seconds": clock.report(summaries),
+                "task_resources": checked.stage.summary(),
+                "rank_devices": rank_devices(summaries),
                 "rank_memory": rank_memory(summaries),
             },
         )
@@ -339,7 +353,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         return fitted
 
     def _launch(
-        self, spark: SparkSession, spec: TrainSpec, num_proc: int, start_procs: int
+        self, spark: SparkSession, spec: TrainSpec, checked: _Checked
     ) -> tuple[list[RankSummary], list[dict]]:
         """Run the training job, starting it again after lost processes, resized when the
         fit is elastic (``driver/elastic.py``); the ranks' summaries and the resizes.
@@ -347,11 +361,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         last output lines."""
         size = ElasticSize(
             spark,
-            num_proc,
+            checked.num_proc,
             self.getMinNumProc(),
-            start_procs,
+            checked.start_procs,
             self.getMaxRestarts(),
             self.getElasticTimeout(),
+            profile=checked.stage.profile,
         )
         store, run = spec.store, spec.store.run(spec.run_id)
         monitor = FitMonitor(store, spec.run_id, spec.launch_id, self.getVerbose())
@@ -359,7 +374,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             if store.exists(run.grow):
                 store.remove(run.grow)
             try:
-                summaries = self._launch_once(spark, spec, size, monitor)
+                summaries = self._launch_once(spark, spec, size, monitor, checked.stage.profile)
             except _LostProcesses as lost:
                 resumed = (store.checkpoint_epochs(spec.run_id) or [0])[-1]
                 size.after_loss(lost.__cause__, resumed)
@@ -386,12 +401,18 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             )
 
     def _launch_once(
-        self, spark: SparkSession, spec: TrainSpec, size: ElasticSize, monitor: FitMonitor
+        self,
+        spark: SparkSession,
+        spec: TrainSpec,
+        size: ElasticSize,
+        monitor: FitMonitor,
+        profile=None,
     ) -> list[dict]:
         """One launch of the training job, followed from the driver by ``monitor``
-        (driver/monitor.py). Raises a TrainingError for an error of the training code,
-        ``_LostProcesses`` for any other failure; asks the ranks to grow when slots return
-        (``ElasticSize``)."""
+        (driver/monitor.py), with the task resource ``profile`` of stage-level scheduling
+        (None: the cluster's task resources). Raises a TrainingError for an error of the
+        training code, ``_LostProcesses`` for any other failure; asks the ranks to grow
+        when slots return (``ElasticSize``)."""
         store, run_id = spec.store, spec.run_id
         failure = store.run(run_id).failure(spec.launch_id)
         tag = f"spark-estimator-{spec.launch_id}"
@@ -408,6 +429,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                     functools.partial(training_task, replace(spec, secret=launch_secret())),
                     f"spark-estimator {run_id}",
                     tag=tag,
+                    profile=profile,
                 )
         except Exception as e:
             if (record := read_failure(failure, store)) is not None:
@@ -474,14 +496,17 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         features, labels, sample_weight = self._check_columns(dataset)
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         validate.check_no_dynamic_allocation(spark)
-        use_gpu = validate.check_use_gpu(spark, self.getUseGpu())
+        stage = task_profile(spark, self.getStageLevelScheduling(), self.getUseGpu())
+        use_gpu = validate.check_use_gpu(spark, self.getUseGpu(), stage)
         if self.getMlflowLogging():
             mlflow_log.check_installed()
-        slots = available_slots(spark, self.getNumProc())
+        slots = available_slots(spark, self.getNumProc(), profile=stage.profile)
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         if self.getMinNumProc() is None:
-            validate.check_num_proc(num_proc, slots)
-        start_procs = validate.check_min_num_proc(self.getMinNumProc(), num_proc, slots)
+            validate.check_num_proc(num_proc, slots, slots_of=stage.slots_note())
+        start_procs = validate.check_min_num_proc(
+            self.getMinNumProc(), num_proc, slots, stage.slots_note()
+        )
         training = self._training(num_proc)
         if training.first_log and log_first:
             logger.info(training.first_log)
@@ -517,6 +542,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             loader,
             probed,
             use_gpu,
+            stage,
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:

@@ -12,11 +12,17 @@ task the whole job fails, and the driver decides whether to start it again
 On Spark Connect there is no SparkContext on this side: slots are counted from the
 server's configuration alone (see ``connect_slots``), and the job is labelled with a job
 tag (``spark.addTag``) instead of a job description.
+
+A job may run with a task resource ``profile`` (stage-level scheduling,
+``driver/stage_profile.py``): its slots are then counted under it (the profile's cpus per
+task), and the job is ``mapInPandas(..., profile=...)``, or on pyspark 3.5, which has no
+such argument, the same tasks as an RDD ``withResources(profile)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -26,9 +32,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
-from ..worker.job import barrier_job
+from ..worker.job import barrier_job, barrier_rdd_job
 
 _LOCAL = re.compile(r"local\[(\*|\d+)(?:,\s*\d+)?\]")
 _LOCAL_CLUSTER = re.compile(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]")
@@ -63,6 +69,26 @@ def _local_cores(master: str) -> int | None:
     return None
 
 
+def is_local_master(master: str) -> bool:
+    """Whether ``master`` runs every task in the driver's JVM (``local``, ``local[N]``; not
+    ``local-cluster``, whose executors are processes of their own)."""
+    return master == "local" or bool(_LOCAL.fullmatch(master))
+
+
+def takes_profile() -> bool:
+    """Whether DataFrames take a task resource profile in ``mapInPandas`` and
+    ``mapInArrow`` (pyspark 4, classic and Connect alike)."""
+    return "profile" in inspect.signature(DataFrame.mapInPandas).parameters
+
+
+def profile_cpus(profile) -> int | None:
+    """The cpus per task of a task resource ``profile`` (None: no profile, or none said)."""
+    if profile is None:
+        return None
+    cpus = profile.taskResources.get("cpus")
+    return None if cpus is None else int(cpus.amount)
+
+
 def tasks_print_here(spark: SparkSession) -> bool:
     """Whether the tasks' own stdout and stderr are this driver's (a ``local`` master: the
     executor is the driver's JVM); not so on Spark Connect or any cluster."""
@@ -72,29 +98,30 @@ def tasks_print_here(spark: SparkSession) -> bool:
     return master == "local" or master.startswith("local[")
 
 
-def master_slots(spark: SparkSession) -> int:
-    """Task slots implied by the master URL and ``spark.task.cpus`` (cores / task cpus)."""
+def master_slots(spark: SparkSession, profile=None) -> int:
+    """Task slots implied by the master URL and ``spark.task.cpus`` (cores / task cpus), or
+    the cpus per task of a task resource ``profile``."""
     if is_connect(spark):
-        slots = connect_slots(spark)
+        slots = connect_slots(spark, profile)
         return 0 if slots is None else slots
     sc = spark.sparkContext
-    task_cpus = int(sc.getConf().get("spark.task.cpus", "1"))
+    task_cpus = profile_cpus(profile) or int(sc.getConf().get("spark.task.cpus", "1"))
     cores = _local_cores(sc.master)
     return max(0, (sc.defaultParallelism if cores is None else cores) // task_cpus)
 
 
-def connect_slots(spark: SparkSession) -> int | None:
+def connect_slots(spark: SparkSession, profile=None) -> int | None:
     """Slots of a Spark Connect server, from its configuration: the cores of a local master
     URL (``local[*]``: this machine's), else ``spark.default.parallelism``, else
     ``spark.executor.instances`` x ``spark.executor.cores``; each divided by
-    ``spark.task.cpus``. None where the configuration does not say (executors that come
-    and go, a cluster manager's defaults)."""
+    ``spark.task.cpus`` (or a task resource ``profile``'s cpus per task). None where the
+    configuration does not say (executors that come and go, a cluster manager's defaults)."""
 
     def conf(key: str) -> str | None:
         value = spark.conf.get(key, None)
         return None if value in (None, "") else value
 
-    task_cpus = int(conf("spark.task.cpus") or 1)
+    task_cpus = profile_cpus(profile) or int(conf("spark.task.cpus") or 1)
     cores = _local_cores(conf("spark.master") or "")
     if cores is None and conf("spark.default.parallelism"):
         cores = int(conf("spark.default.parallelism"))
@@ -103,23 +130,30 @@ def connect_slots(spark: SparkSession) -> int | None:
     return None if cores is None else max(0, cores // task_cpus)
 
 
-def scheduler_slots(spark: SparkSession) -> int | None:
+def scheduler_slots(spark: SparkSession, profile=None) -> int | None:
     """The scheduler's own count of tasks that can run at once on the executors registered
     now: the count Spark checks barrier stages against, so it also knows task resources such
-    as ``spark.task.resource.gpu.amount``. None where it cannot be asked (Spark Connect)."""
+    as ``spark.task.resource.gpu.amount``; under a task resource ``profile`` (registered
+    with Spark: ``stage_profile``), the tasks of that profile. None where it cannot be asked
+    (Spark Connect)."""
     if is_connect(spark):
         return None
     try:
         sc = spark.sparkContext._jsc.sc()
-        return int(sc.maxNumConcurrentTasks(sc.resourceProfileManager().defaultResourceProfile()))
+        if profile is None:
+            profile_in_jvm = sc.resourceProfileManager().defaultResourceProfile()
+        else:
+            profile_in_jvm = profile._java_resource_profile
+        return int(sc.maxNumConcurrentTasks(profile_in_jvm))
     except Exception:
         return None
 
 
 def available_slots(
-    spark: SparkSession, wanted: int | None = None, wait_s: float | None = None
+    spark: SparkSession, wanted: int | None = None, wait_s: float | None = None, profile=None
 ) -> int:
-    """How many tasks the cluster can run at once.
+    """How many tasks the cluster can run at once (of a task resource ``profile``'s, when
+    given).
 
     Executors of a cluster register after the session starts, so while the scheduler
     counts fewer than ``wanted`` (or than the master URL implies) it is asked again, for
@@ -131,7 +165,7 @@ def available_slots(
     larger than the cluster) and, without it, ``num_proc`` is required.
     """
     if is_connect(spark):
-        slots = connect_slots(spark)
+        slots = connect_slots(spark, profile)
         if slots is not None:
             return slots
         if wanted is None:
@@ -143,13 +177,13 @@ def available_slots(
                 "number of training processes"
             )
         return wanted
-    expected = master_slots(spark)
+    expected = master_slots(spark, profile)
     master = spark.sparkContext.master
     local = master.startswith("local") and not master.startswith("local-cluster")
     wait_s = SLOT_WAIT_S if wait_s is None else wait_s
     deadline = time.monotonic() + (0 if local else wait_s)
     while True:
-        counted = scheduler_slots(spark)
+        counted = scheduler_slots(spark, profile)
         if counted is None:
             return expected
         if counted >= (wanted or expected) or time.monotonic() >= deadline:
@@ -203,16 +237,23 @@ def run_barrier_job(
     task: Callable[[], dict],
     description: str,
     tag: str | None = None,
+    profile=None,
 ) -> list[dict]:
     """Run ``task`` on ``num_proc`` barrier tasks at once; return their summaries by rank.
-    With ``tag``, ``cancel_jobs(spark, tag)`` cancels the job. Spark's log lines of its
-    failed tasks are silenced while it runs (``quiet_task_errors``)."""
+    With ``tag``, ``cancel_jobs(spark, tag)`` cancels the job; with ``profile`` (a pyspark
+    ResourceProfile, ``stage_profile``) its tasks get the profile's resources. Spark's log
+    lines of its failed tasks are silenced while it runs (``quiet_task_errors``)."""
     with labelled_jobs(spark, description, tag), quiet_task_errors(spark):
-        summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
-            barrier_job(task), "summary string", barrier=True
-        )
-        rows = summaries.collect()
-    return sorted((json.loads(r.summary) for r in rows), key=lambda s: s["rank"])
+        if profile is not None and not takes_profile():  # pyspark 3.5: an RDD's stage
+            rdd = spark.sparkContext.parallelize(range(num_proc), num_proc).barrier()
+            texts = rdd.mapPartitions(barrier_rdd_job(task)).withResources(profile).collect()
+        else:
+            with_profile = {} if profile is None else {"profile": profile}
+            summaries = spark.range(num_proc, numPartitions=num_proc).mapInPandas(
+                barrier_job(task), "summary string", barrier=True, **with_profile
+            )
+            texts = [r.summary for r in summaries.collect()]
+    return sorted((json.loads(text) for text in texts), key=lambda s: s["rank"])
 
 
 class _Quiet:

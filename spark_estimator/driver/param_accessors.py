@@ -92,6 +92,7 @@ class FitParamsAccessors(Params):
     random_seed: Param[int]
     store: Param[Any]
     use_gpu: Param[bool | str]
+    stage_level_scheduling: Param[bool]
     run_id: Param[str | None]
     collective_timeout: Param[float]
     verbose: Param[bool]
@@ -262,6 +263,30 @@ class FitParamsAccessors(Params):
         got none); True: require a GPU for every task (an error without one); False: the CPU
         """
         return self._set(use_gpu=value)
+
+    def getStageLevelScheduling(self) -> bool:
+        """Gets the value of `stage_level_scheduling`: on a cluster whose executors have one GPU
+        each and whose tasks get less than a whole GPU (a fractional
+        spark.task.resource.gpu.amount, so that ETL runs a task per core, or none), run the
+        training job alone with a task resource profile of one GPU and all of an executor's
+        cores per task: one training process per GPU. Needs Spark 3.4 or later on standalone
+        (YARN and Kubernetes from 3.5.1), not a local master; where it does not apply the job
+        keeps the cluster's task resources and the driver logs why, once (docs/gpu.md).
+        False: the cluster's task resources always
+        """
+        return self.getOrDefault(self.stage_level_scheduling)
+
+    def setStageLevelScheduling(self: _P, value: bool) -> _P:
+        """Sets the value of `stage_level_scheduling`: on a cluster whose executors have one GPU
+        each and whose tasks get less than a whole GPU (a fractional
+        spark.task.resource.gpu.amount, so that ETL runs a task per core, or none), run the
+        training job alone with a task resource profile of one GPU and all of an executor's
+        cores per task: one training process per GPU. Needs Spark 3.4 or later on standalone
+        (YARN and Kubernetes from 3.5.1), not a local master; where it does not apply the job
+        keeps the cluster's task resources and the driver logs why, once (docs/gpu.md).
+        False: the cluster's task resources always
+        """
+        return self._set(stage_level_scheduling=value)
 
     def getRunId(self) -> str | None:
         """Gets the value of `run_id`: name of this run's folder in the store; generated when
@@ -932,6 +957,7 @@ class LightningParamsAccessors(Params):
 class ModelParamsAccessors(Params):
     model: Param[Any]
     dtype: Param[str]
+    stage_level_scheduling: Param[bool]
 
     def getModel(self) -> Any:
         """Gets the value of `model`: the trained torch.nn.Module"""
@@ -952,3 +978,23 @@ class ModelParamsAccessors(Params):
         or float64 (the estimator's dtype, set by fit)
         """
         return self._set(dtype=value)
+
+    def getStageLevelScheduling(self) -> bool:
+        """Gets the value of `stage_level_scheduling`: run transform's tasks with a task
+        resource profile of one GPU and all of an executor's cores each, where the
+        estimator's training job would get one (see the estimator's stage_level_scheduling;
+        fit hands its value on): one model per GPU, fed Arrow batches of
+        spark.sql.execution.arrow.maxRecordsPerBatch rows. False: the cluster's task
+        resources, where a task gets a share of a GPU or none
+        """
+        return self.getOrDefault(self.stage_level_scheduling)
+
+    def setStageLevelScheduling(self: _P, value: bool) -> _P:
+        """Sets the value of `stage_level_scheduling`: run transform's tasks with a task
+        resource profile of one GPU and all of an executor's cores each, where the
+        estimator's training job would get one (see the estimator's stage_level_scheduling;
+        fit hands its value on): one model per GPU, fed Arrow batches of
+        spark.sql.execution.arrow.maxRecordsPerBatch rows. False: the cluster's task
+        resources, where a task gets a share of a GPU or none
+        """
+        return self._set(stage_level_scheduling=value)

@@ -348,6 +348,19 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             default="auto",
         ),
         ParamSpec(
+            "stage_level_scheduling",
+            "on a cluster whose executors have one GPU each and whose tasks get less than a "
+            "whole GPU (a fractional spark.task.resource.gpu.amount, so that ETL runs a task "
+            "per core, or none), run the training job alone with a task resource profile of "
+            "one GPU and all of an executor's cores per task: one training process per GPU. "
+            "Needs Spark 3.4 or later on standalone (YARN and Kubernetes from 3.5.1), not a "
+            "local master; where it does not apply the job keeps the cluster's task resources "
+            "and the driver logs why, once (docs/gpu.md). False: the cluster's task resources "
+            "always",
+            TypeConverters.toBoolean,
+            default=True,
+        ),
+        ParamSpec(
             "run_id",
             "name of this run's folder in the store; generated when not set. A fit with the "
             "run_id of an unfinished run resumes from its last checkpoint; of a finished run, "
@@ -689,6 +702,13 @@ class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
         _FIT["dtype"].with_doc(
             "float type the features are cast to for the model: float32 or float64 (the "
             "estimator's dtype, set by fit)"
+        ),
+        _FIT["stage_level_scheduling"].with_doc(
+            "run transform's tasks with a task resource profile of one GPU and all of an "
+            "executor's cores each, where the estimator's training job would get one (see "
+            "the estimator's stage_level_scheduling; fit hands its value on): one model per "
+            "GPU, fed Arrow batches of spark.sql.execution.arrow.maxRecordsPerBatch rows. "
+            "False: the cluster's task resources, where a task gets a share of a GPU or none"
         ),
     )
 

@@ -185,10 +185,12 @@ def check_transformation_fn(fn) -> bytes | None:
     return dumps(fn, "transformation_fn")
 
 
-def check_min_num_proc(min_num_proc: int | None, num_proc: int, slots: int) -> int:
+def check_min_num_proc(
+    min_num_proc: int | None, num_proc: int, slots: int, slots_of: str | None = None
+) -> int:
     """The number of processes an elastic fit starts with: as many of ``num_proc`` as the
     cluster's ``slots`` allow, at least ``min_num_proc``; ``num_proc`` itself when the fit
-    is not elastic (``min_num_proc`` None)."""
+    is not elastic (``min_num_proc`` None). ``slots_of`` as for ``check_num_proc``."""
     if min_num_proc is None:
         return num_proc
     if min_num_proc > num_proc:
@@ -196,31 +198,50 @@ def check_min_num_proc(min_num_proc: int | None, num_proc: int, slots: int) -> i
             f"min_num_proc: {min_num_proc} is more than num_proc={num_proc}; an elastic fit "
             "runs between min_num_proc and num_proc processes"
         )
-    check_num_proc(min_num_proc, slots, name="min_num_proc")
+    check_num_proc(min_num_proc, slots, name="min_num_proc", slots_of=slots_of)
     return min(num_proc, slots)
 
 
-def check_num_proc(num_proc: int, slots: int, waited: str = "", name: str = "num_proc") -> None:
+def check_num_proc(
+    num_proc: int,
+    slots: int,
+    waited: str = "",
+    name: str = "num_proc",
+    slots_of: str | None = None,
+) -> None:
     """``num_proc`` against the cluster's ``slots``; ``waited`` says how long the slots were
-    waited for (e.g. "start_timeout=30 s"), for the message."""
+    waited for (e.g. "start_timeout=30 s"), for the message; ``slots_of`` what a slot is
+    when they are GPU slots of a task resource profile (``TaskProfile.slots_note``)."""
     check_positive(name, num_proc)
-    if num_proc > slots:
-        within = f" (counted within {waited})" if waited else ""
+    if num_proc <= slots:
+        return
+    within = f" (counted within {waited})" if waited else ""
+    if slots_of:
         raise ValueError(
-            f"{name}: {num_proc} training processes requested but the cluster can run only "
-            f"{slots} tasks at once{within}; a barrier job needs all of them at the same time. "
-            "Lower num_proc or add executor cores."
+            f"{name}: {num_proc} training processes requested but the cluster has only "
+            f"{slots} GPU slots{within}: {slots_of}; a barrier job needs all of them at the "
+            f"same time. Lower {name}, add executors with a GPU, or set "
+            "stage_level_scheduling=False to run the training tasks with the cluster's own "
+            "task resources (spark.task.cpus, spark.task.resource.gpu.amount)"
         )
+    raise ValueError(
+        f"{name}: {num_proc} training processes requested but the cluster can run only "
+        f"{slots} tasks at once{within}; a barrier job needs all of them at the same time. "
+        "Lower num_proc or add executor cores."
+    )
 
 
 GPU_AMOUNTS = ("spark.task.resource.gpu.amount", "spark.executor.resource.gpu.amount")
 
 
-def tasks_use_gpu(use_gpu: bool | str, conf: Callable[[str], str | None]) -> bool | str:
+def tasks_use_gpu(use_gpu: bool | str, conf: Callable[[str], str | None], stage=None) -> bool | str:
     """What the tasks are told of ``use_gpu``, given the cluster's settings (``conf(key)``:
-    a value or None): ``"auto"`` where GPUs are configured (per task or per executor; a task
-    that gets none warns), False where none are (the CPU, silently); True only where every
-    task gets a GPU (``spark.task.resource.gpu.amount`` > 0), else a ValueError."""
+    a value or None) and the job's task resources (``stage``, a
+    ``stage_profile.TaskProfile``; None: the cluster's own): ``"auto"`` where GPUs are
+    configured (per task or per executor; a task that gets none warns), False where none
+    are (the CPU, silently); True only where every task gets a GPU
+    (``spark.task.resource.gpu.amount`` > 0, or a profile of one), else a ValueError that
+    says, where the cluster has GPUs, why stage-level scheduling gives the tasks none."""
 
     def amount(key: str) -> float:
         try:
@@ -228,19 +249,27 @@ def tasks_use_gpu(use_gpu: bool | str, conf: Callable[[str], str | None]) -> boo
         except ValueError:
             return 0.0
 
-    if use_gpu is True and amount(GPU_AMOUNTS[0]) <= 0:
+    profiled = stage is not None and stage.profile is not None
+    if use_gpu is True and amount(GPU_AMOUNTS[0]) <= 0 and not profiled:
+        why = getattr(stage, "reason", None)
         raise ValueError(
             "use_gpu: True requires a GPU for every task, but Spark gives tasks none: "
-            "spark.task.resource.gpu.amount is not set (see docs/gpu.md). Set it on a GPU "
-            "cluster, or leave use_gpu at 'auto' (the default) to train on the CPU where "
-            "there is no GPU"
+            "spark.task.resource.gpu.amount is not set (see docs/gpu.md)"
+            + (
+                f", and stage-level scheduling, which would give the training tasks one, does "
+                f"not apply here: {why}"
+                if why
+                else ""
+            )
+            + ". Set it on a GPU cluster, or leave use_gpu at 'auto' (the default) to train "
+            "on the CPU where there is no GPU"
         )
     if use_gpu == "auto":
         return "auto" if any(amount(key) > 0 for key in GPU_AMOUNTS) else False
     return use_gpu
 
 
-def check_use_gpu(spark, use_gpu: bool | str) -> bool | str:
+def check_use_gpu(spark, use_gpu: bool | str, stage=None) -> bool | str:
     """``tasks_use_gpu`` with ``spark``'s settings; raises before any job."""
 
     def conf(key: str) -> str | None:
@@ -249,7 +278,7 @@ def check_use_gpu(spark, use_gpu: bool | str) -> bool | str:
         except Exception:  # a session that cannot tell
             return None
 
-    return tasks_use_gpu(use_gpu, conf)
+    return tasks_use_gpu(use_gpu, conf, stage)
 
 
 def check_no_dynamic_allocation(spark) -> None:

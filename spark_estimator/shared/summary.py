@@ -8,7 +8,7 @@ keys), which becomes the model's ``getTrainingSummary()``. No torch or Spark imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class RankSummary:
     parameter_elements: int = 0  # the model's parameter elements this rank held (FSDP: shards)
     peak_memory_bytes: int = 0  # the process's peak memory at its end, as peak_memory_kind says
     peak_memory_kind: str = ""  # "cuda max allocated" or "cpu peak rss"
+    # the GPU addresses Spark assigned the task: also where it fell back to the CPU
+    gpu_addresses: list[str] = field(default_factory=list)
 
 
 def training_summary(

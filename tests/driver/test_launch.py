@@ -179,6 +179,25 @@ def test_connect_slots_come_from_the_servers_conf(conf, slots):
     assert available_slots(spark, wanted=1) == slots  # known: wanted does not change it
 
 
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"spark_master": "local-cluster[3,8,1024]"},
+        {"spark_master": "yarn", "spark_executor_instances": "3", "spark_executor_cores": "8"},
+    ],
+)
+def test_under_a_task_profile_of_an_executors_cores_each_executor_is_one_slot(conf):
+    from pyspark.resource import TaskResourceRequest
+
+    class Profile:  # what the slot count reads of a pyspark ResourceProfile
+        taskResources = {"cpus": TaskResourceRequest("cpus", 8)}
+
+    spark = FakeConnectSession(**conf)
+    assert connect_slots(spark) == 24
+    assert connect_slots(spark, Profile()) == 3
+    assert available_slots(spark, profile=Profile()) == 3
+
+
 def test_connect_slots_unknown_trust_num_proc_or_ask_for_it():
     spark = FakeConnectSession(spark_master="yarn", spark_executor_cores="4")
     assert connect_slots(spark) is None

@@ -107,6 +107,14 @@ def test_use_gpu_defaults_to_auto(stage):
     assert stage().getUseGpu() == "auto"
 
 
+@pytest.mark.parametrize("stage", [TorchEstimator, LightningEstimator, TorchModel])
+def test_stage_level_scheduling_is_on_by_default_and_switched_off_by_keyword(stage):
+    assert stage().getStageLevelScheduling() is True
+    assert stage(stage_level_scheduling=False).getStageLevelScheduling() is False
+    with pytest.raises(TypeError, match="stage_level_scheduling"):
+        stage(stage_level_scheduling="no")
+
+
 @pytest.mark.parametrize("value", ["auto", True, False])
 def test_use_gpu_takes_auto_true_or_false(value, tmp_path):
     est = make(use_gpu=value)

@@ -91,7 +91,8 @@ class Meeting:
 @dataclass(frozen=True)
 class RankInfo:
     """Where this task sits in the job: its ranks, the device it pinned, and, when it fell
-    back to CPU although ``use_gpu`` asked for a GPU, why (``device_note``)."""
+    back to CPU although ``use_gpu`` asked for a GPU, why (``device_note``); the GPU
+    addresses Spark assigned the task (``gpu_addresses``: also where it fell back)."""
 
     rank: int
     world_size: int
@@ -101,6 +102,7 @@ class RankInfo:
     device_note: str | None = None
     cross_rank: int = 0  # rank among the job's tasks with this local rank (hvd.cross_rank)
     cross_size: int = 1
+    gpu_addresses: tuple[str, ...] = ()  # TaskContext.resources()["gpu"].addresses
     homogeneous: bool = True  # every host runs as many of the job's ranks (hvd.is_homogeneous)
 
 
@@ -293,6 +295,7 @@ def process_group(
         device,
         note,
         *cross_ranks(hosts, rank),
+        tuple(task_gpu_addresses(ctx.resources())),
         homogeneous=homogeneous(hosts),
     )
     torchrun = {

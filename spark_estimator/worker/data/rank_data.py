@@ -116,6 +116,7 @@ def rank_summary(
         host=socket.gethostname(),
         device=str(info.device),
         device_note=info.device_note,
+        gpu_addresses=list(info.gpu_addresses),
         gradient_path=gradient_path(hook),
         communicated_dtypes=communicated_dtypes(hook),
         gradient_allreduces=hook.calls if hook else None,

@@ -116,8 +116,8 @@ class FakeTaskInfo:
 class FakeBarrierContext:
     """The parts of BarrierTaskContext that process_group uses, for one process."""
 
-    def __init__(self, rank, world_size):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank, world_size, gpus=()):
+        self.rank, self.world_size, self.gpus = rank, world_size, list(gpus)
 
     def getTaskInfos(self):
         return [FakeTaskInfo("127.0.0.1:7077")] * self.world_size
@@ -129,7 +129,7 @@ class FakeBarrierContext:
         return 3
 
     def resources(self):
-        return {}
+        return {"gpu": FakeResource(self.gpus)} if self.gpus else {}
 
     def cpus(self):
         return 1
@@ -161,6 +161,16 @@ def test_the_rendezvous_port_is_closed_and_its_address_removed_afterwards(tmp_pa
     assert not meeting.store.exists(meeting.address_file(ctx))  # removed with the group
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", address["port"]), timeout=2).close()
+
+
+def test_the_rank_records_the_gpu_address_spark_assigned_also_on_a_cpu_fallback(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ctx = FakeBarrierContext(0, 1, gpus=["3"])
+    with process_group(ctx, meeting_in(tmp_path), use_gpu="auto", timeout_s=5) as info:
+        assert info.device == torch.device("cpu") and info.gpu_addresses == ("3",)
+        assert "Spark assigned GPU 3, but torch has no CUDA support here" in info.device_note
 
 
 def _join_and_sum_after_stranger(folder: str):
