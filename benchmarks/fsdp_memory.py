@@ -76,7 +76,8 @@ DDP's per-rank memory does not depend on N), then FSDP at the largest N. Results
 printed and written to ``benchmarks/results/fsdp_memory.md`` (a run smaller than the full
 size writes to a temporary folder; ``--no-record``: nothing).
 
-Run from the repository root (about 15 minutes at full size on a 2-core machine)::
+Run from the repository root (full size: about 25 minutes on a 2-core machine, and about
+17 GiB of free memory for DDP's 2 ranks; DDP's 4 ranks need about 29 GiB)::
 
     .venv/bin/python benchmarks/fsdp_memory.py
     .venv/bin/python benchmarks/fsdp_memory.py --width 64 --layers 2 --no-limit --no-record  # quick
