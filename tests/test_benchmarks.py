@@ -68,3 +68,70 @@ def test_the_table_gives_each_checks_headline():
         "| gpu-tests | 0 | 174 | 7 passed |",
         "| fit-large | 1 | 60 | no figures printed |",
     ]
+
+
+# -- benchmarks/fsdp_memory.py: its sizes and its arithmetic, without Spark --------------------
+def fsdp_memory():
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_memory", ROOT / "benchmarks" / "fsdp_memory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fsdp_memory"] = module  # its dataclass looks its module up while made
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fsdp_memory_full_size_is_over_300m_parameters_with_a_block_per_layer_built_on_meta():
+    module = fsdp_memory()
+    assert module.parameters(module.FULL) >= 300_000_000
+    model = module.model_function(module.FULL)()
+    assert all(p.is_meta for p in model.parameters())
+    assert sum(isinstance(m, module.Block) for m in model.modules()) == module.FULL.layers
+    small = module.Config(width=32, layers=2, heads=4)
+    deeper = module.Config(width=32, layers=4, heads=4)
+    assert 0 < module.activation_bytes(small) < module.activation_bytes(deeper)
+
+
+def test_fsdp_memory_per_rank_measures_targets_and_limit():
+    module = fsdp_memory()
+    mib = 2**20
+    history = [
+        {
+            "seconds": {"train": [4.0, 6.0]},
+            "train": {"loss": 1.0},
+            "bench_memory": [
+                {
+                    "rank": r,
+                    "baseline_rss": 400 * mib,
+                    "peak_rss": (400 + 3000 + r) * mib,
+                    "vm_peak": 9000 * mib,
+                    "vm_hwm": 7000 * mib,
+                    "rlimit_as": -1,
+                }
+                for r in (1, 0)
+            ],
+        },
+        {"seconds": {"train": [3.0, 2.0]}, "train": {"loss": 0.5}},
+    ]
+    summary = {
+        "rank_memory": [
+            {"rank": r, "parameter_elements": 50, "peak_memory_mib": 5000.0} for r in (0, 1)
+        ]
+    }
+    ranks = [{"rank": 0, "batches_per_epoch": [2, 3]}, {"rank": 1, "batches_per_epoch": [2, 2]}]
+    got = module.measures(history, summary, ranks)
+    assert got["step_s"] == [3.0, 1.0]  # the slowest rank's seconds per batch, per epoch
+    assert [r["train_mib"] for r in got["per_rank"]] == [3000, 3001]
+    assert got["per_rank"][0]["virtual_overhead_mib"] == 2000
+    assert module.train_mib(got) == 3001 and module.train_mib(got, "min") == 3000
+
+    assert module.memory_target(1900, 6000, 4, 50)["met"]  # bound 1.3 x 1500 + 50
+    assert not module.memory_target(2100, 6000, 4, 50)["met"]
+    assert module.time_target(6.0, 4.0) == {"ratio": 1.5, "met": True}
+    assert not module.time_target(6.1, 4.0)["met"]
+    assert module.limit_between(4000, 7000) == 5376  # halfway, in steps of 256 MiB
+    assert module.limit_between(4000, 4400) is None  # less than 0.5 GiB apart
+    params, base = 300_000_000, 0.5 * 2**30
+    ddp2, fsdp4 = (module.needed_bytes(params, n, p, base) for n, p in ((2, "ddp"), (4, "fsdp")))
+    assert ddp2 == 2 * (base + 20 * params) + 12 * params
+    assert fsdp4 == 4 * (base + 4 * params) + 8 * params
