@@ -24,11 +24,11 @@ When training resumes from a checkpoint (after a failure, or a new fit with the 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 MODES = ("min", "max")
 
@@ -186,6 +186,7 @@ class BestModel(_Monitor):
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of a weight; a sharded one (FSDP's DTensor) stays a shard where it is."""
-    if isinstance(tensor, DTensor):
+    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded where there are any
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
         return tensor.detach().clone()
     return tensor.detach().to("cpu", copy=True)

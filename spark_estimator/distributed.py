@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .worker.comm import fsdp
 from .worker.comm.rendezvous import RankInfo, current_rank_info
 
 _mesh: tuple[RankInfo, DeviceMesh] | None = None  # the running task's, made on first use
@@ -62,6 +61,8 @@ def device_mesh() -> DeviceMesh:
     if _mesh is None or _mesh[0] is not info:
         name = [f"job-{uuid.uuid4().hex[:12]}"]
         dist.broadcast_object_list(name, src=0)
+        from .worker.comm import fsdp  # torch's FSDP: imported where it is used
+
         _mesh = info, fsdp.mesh(info, name[0])
     return _mesh[1]
 

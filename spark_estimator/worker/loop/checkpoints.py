@@ -13,6 +13,8 @@ from __future__ import annotations
 from ...shared.serialization import state_to_bytes
 from ...store import Store
 
+SHARDS = "shards"  # the key of a checkpoint or commit naming its shards' folder (sharded.py)
+
 
 class Checkpoints:
     def __init__(self, store: Store, run_id: str, keep: int | None):

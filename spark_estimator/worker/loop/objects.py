@@ -24,7 +24,6 @@ import torch
 from ...shared import model_factory
 from ...shared.serialization import loads
 from ...shared.spec import TrainSpec
-from ..comm.fsdp import shard_model
 from ..comm.rendezvous import RankInfo
 from .loss import BatchLoss
 
@@ -110,6 +109,8 @@ def model_and_optimizer(
     if spec.loop.sharded:
         if not meta:
             model.to(device)
+        from ..comm.fsdp import shard_model  # torch's FSDP: imported by sharded fits only
+
         job = "job-" + hashlib.sha256(spec.secret.encode()).hexdigest()[:12]
         shard_model(model, info, spec.loop.fsdp_wrap, spec.loop.mixed_precision, job)
     if meta:

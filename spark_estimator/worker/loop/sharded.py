@@ -3,8 +3,10 @@
 With ``parallelism="fsdp"`` no rank holds the whole model, so an epoch's checkpoint and a
 commit keep the model and optimizer out of rank 0's file: every rank writes its shard with
 ``torch.distributed.checkpoint`` (DCP) into ``runs/<run_id>/shards/<name>/`` (the store's
-filesystem, through fsspec), and rank 0's file names the folder (``SHARDS``) and is
-written after it, so a checkpoint or commit that exists has its shards. The optimizer's
+filesystem, through fsspec), and rank 0's file names the folder (``checkpoints.SHARDS``) and is
+written after it, so a checkpoint or commit that exists has its shards. This module and
+``comm/fsdp.py`` are imported only by sharded fits (torch's FSDP and DCP take about a
+second to import). The optimizer's
 state is keyed by parameter name, and DCP re-shards on load: a launch with another number
 of processes (an elastic fit started again resized) reads the same folder.
 """
@@ -21,8 +23,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ...store import Store
-
-SHARDS = "shards"  # the key of a checkpoint or commit naming its shards' folder
 
 
 def save(store: Store, folder: str, model: torch.nn.Module, optimizer) -> None:

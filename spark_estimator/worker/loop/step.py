@@ -23,10 +23,8 @@ import contextlib
 import functools
 
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from ...shared.spec import PRECISION_DTYPES, LoopSpec, torch_dtype
-from ..comm import fsdp
 from ..data.batch import Batch
 from .loss import as_outputs
 from .objects import TrainingObjects
@@ -61,6 +59,10 @@ class Stepper:
         self.autocast_dtype = torch_dtype(precision) if precision else None
         self.scaler = torch.amp.GradScaler(device.type) if loop.mixed_precision == "fp16" else None
         if loop.sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            from ..comm import fsdp
+
             self.no_sync = functools.partial(fsdp.no_sync, ddp)
             self.autocast_dtype = None  # FSDP's policy casts
             if self.scaler is not None:

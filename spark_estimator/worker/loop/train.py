@@ -37,7 +37,6 @@ from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_valu
 from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import COMMIT_AUTO, TrainSpec, compile_backend, metric_keys
 from ...shared.summary import RankSummary, seconds_per_rank, training_summary
-from ..comm import fsdp
 from ..comm.ddp import wrap_model
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
@@ -49,8 +48,8 @@ from ..data.rank_data import RankData, rank_summary
 from ..data.remainder import own_runs
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
-from . import commits, sharded
-from .checkpoints import Checkpoints
+from . import commits
+from .checkpoints import SHARDS, Checkpoints
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums, non_finite_loss_error
 from .objects import build_objects, rescale_restored
@@ -162,8 +161,10 @@ class _TrainingLoop:
         next epoch (commits.py), which holds the same keys and the epoch's position."""
         epoch = saved["epoch"]
         objects, store = self.objects, self.spec.store
-        if sharded.SHARDS in saved:
-            folder = store.run(self.spec.run_id).shards(saved[sharded.SHARDS])
+        if SHARDS in saved:
+            from . import sharded
+
+            folder = store.run(self.spec.run_id).shards(saved[SHARDS])
             sharded.load(store, folder, objects.model, objects.optimizer)
         else:
             objects.model.load_state_dict(saved["model"])
@@ -172,7 +173,9 @@ class _TrainingLoop:
         restore_callbacks(objects.callbacks, saved["callbacks"])
         if self.best is not None and self.best.best_epoch is not None:
             best = self.best.best_epoch
-            if sharded.SHARDS in saved:  # the best epoch's checkpoint is never pruned
+            if SHARDS in saved:  # the best epoch's checkpoint is never pruned
+                from . import sharded
+
                 folder = self.checkpoints.shards(best)
                 self.best.best_state = sharded.model_state(store, folder, objects.model)
             else:
@@ -470,7 +473,7 @@ class _TrainingLoop:
                 "optimizer": self.objects.optimizer.state_dict(),
             }
         else:
-            weights = {sharded.SHARDS: shards}
+            weights = {SHARDS: shards}
         return {
             **weights,
             "history": self.state.history,
@@ -486,6 +489,8 @@ class _TrainingLoop:
         """Rank 0 writes the epoch's checkpoint; with FSDP every rank its shard first."""
         shards = None
         if self.sharded:
+            from . import sharded
+
             shards = f"epoch-{epoch:04d}"
             sharded.save(
                 self.spec.store,
@@ -506,6 +511,8 @@ class _TrainingLoop:
         dist.broadcast_object_list(name, src=0)
         store = self.spec.store
         folder = store.run(self.spec.run_id).shards(name[0])
+        from . import sharded
+
         sharded.save(store, folder, self.objects.model, self.objects.optimizer)
         return name[0]
 
@@ -535,7 +542,11 @@ class _TrainingLoop:
         """Rank 0 writes the result; every rank returns its summary."""
         model = self.objects.model
         selection = self.best.selection() if self.best else None
+        elements = sum(p.numel() for p in model.parameters())
         if self.sharded:
+            from ..comm import fsdp
+
+            elements = fsdp.local_elements(model)
             if selection:  # every rank's shard of the best epoch
                 model.load_state_dict(self.best.best_state)
             weights = fsdp.full_state_dict(model)  # on rank 0; gathered by every rank
@@ -561,7 +572,7 @@ class _TrainingLoop:
             self.data,
             self.hook,
             digest[0],
-            fsdp.local_elements(model),
+            elements,
             self.batches_run,
             self.optimizer_steps_run,
             self.started,
