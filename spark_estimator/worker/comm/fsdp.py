@@ -12,6 +12,9 @@ passes of a group skip the gradients' reduce-scatter (``no_sync``).
 The fitted model's weights are gathered to rank 0's CPU one parameter at a time
 (``full_state_dict``): never the whole model on a GPU, but the whole of it in rank 0's
 memory, which is refused up front when it would not fit.
+
+Imported only where a fit is sharded (or ``sd.device_mesh()`` is called): torch's FSDP
+and checkpoint modules take about a second to import on every rank.
 """
 
 from __future__ import annotations
