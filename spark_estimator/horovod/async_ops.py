@@ -29,6 +29,7 @@ from .collectives import (
     check_root,
     gather,
     reduce_op,
+    reductions_by_dtype,
 )
 from .compression import Compression
 
@@ -116,13 +117,7 @@ def grouped_allreduce_(
 
 def _grouped(tensors, op, pre, post, name, in_place: bool) -> int:
     tensors = list(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    parts = [
-        (idx, Reduction([tensors[i] for i in idx], op, Compression.none, pre, post, name))
-        for idx in by_dtype.values()
-    ]
+    parts = reductions_by_dtype(tensors, op, Compression.none, pre, post, name)
 
     def finish() -> list[torch.Tensor]:
         out: list = [None] * len(tensors)

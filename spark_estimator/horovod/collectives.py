@@ -238,28 +238,27 @@ def grouped_allreduce(
     per dtype among them."""
     op = reduce_op(op, average)
     tensors = list(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    reductions = [
-        (
-            indices,
-            Reduction(
-                [tensors[i] for i in indices],
-                op,
-                compression,
-                prescale_factor,
-                postscale_factor,
-                name,
-            ),
-        )
-        for indices in by_dtype.values()
-    ]
+    started = reductions_by_dtype(tensors, op, compression, prescale_factor, postscale_factor, name)
     results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
-    for indices, reduction in reductions:
+    for indices, reduction in started:
         for i, result in zip(indices, reduction.wait()):
             results[i] = result.to(tensors[i].device)
     return results
+
+
+def reductions_by_dtype(
+    tensors: Sequence[torch.Tensor], op: ReduceOp, compression, pre: float, post: float, name
+) -> list[tuple[list[int], Reduction]]:
+    """One fused Reduction started per dtype among ``tensors``, with the positions of its
+    tensors (``grouped_allreduce``, and its asynchronous forms)."""
+    tensors = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    return [
+        (idx, Reduction([tensors[i] for i in idx], op, compression, pre, post, name))
+        for idx in by_dtype.values()
+    ]
 
 
 @timeline.traced("allgather")
