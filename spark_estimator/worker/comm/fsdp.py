@@ -13,6 +13,12 @@ The fitted model's weights are gathered to rank 0's CPU one parameter at a time
 (``full_state_dict``): never the whole model on a GPU, but the whole of it in rank 0's
 memory, which is refused up front when it would not fit.
 
+On CPU ranks the process's allocator (glibc) is told to give every block of 1 MiB or more its
+own mapping (``return_freed_blocks``): FSDP frees each unit's gathered parameters and
+unsharded gradients after use, and glibc's default, a threshold that rises to 32 MiB as
+large blocks are freed, keeps such blocks in its heap, where the next unit's land beside
+them instead of reusing them; the resident set then grows well past what the rank holds.
+
 Imported only where a fit is sharded (or ``sd.device_mesh()`` is called): torch's FSDP
 and checkpoint modules take about a second to import on every rank.
 """
@@ -20,6 +26,8 @@ and checkpoint modules take about a second to import on every rank.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -69,12 +77,35 @@ def shard_model(
             f"fsdp_wrap: the model has no submodule of class {missing}; its classes are "
             f"{sorted(classes)}"
         )
+    if info.device.type == "cpu":
+        return_freed_blocks()
     ranks = mesh(info, job)
     units = [m for m in model.modules() if m is not model and type(m).__name__ in wrap]
     for unit in reversed(units):  # modules() lists parents first: shard children first
         fully_shard(unit, mesh=ranks, mp_policy=policy(mixed_precision, root=False))
     fully_shard(model, mesh=ranks, mp_policy=policy(mixed_precision, root=True))
     return model
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt option (malloc.h)
+MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_blocks() -> bool:
+    """Have glibc's malloc map each block of ``MMAP_THRESHOLD`` bytes or more on its own,
+    so that freeing it returns it to the system at once (see the module); whether it was
+    set (False where the C library is not glibc). For the rest of the process's life: a
+    Python worker Spark reuses keeps it, which costs later tasks only a page fault per
+    large block."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return False
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None or not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
 
 @contextlib.contextmanager

@@ -36,3 +36,56 @@ def test_mixed_precision_computes_in_bf16_and_returns_float32(process_group):
     assert net(torch.ones(3, 2)).dtype == torch.float32
     assert fsdp.policy("bf16", root=False).param_dtype == torch.bfloat16
     assert fsdp.policy("bf16", root=False).reduce_dtype == torch.float32
+
+
+MAPPED_BLOCKS = """
+import ctypes, sys, torch
+from spark_estimator.worker.comm import fsdp
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+        "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+
+def mapped_by(nbytes):
+    # how many mappings of their own one block of nbytes got, while it is held
+    before = libc.mallinfo2().hblks
+    block = torch.empty(nbytes, dtype=torch.uint8)
+    return libc.mallinfo2().hblks - before
+
+big = torch.empty(16 << 20, dtype=torch.uint8)
+del big  # a mapped block freed: glibc's threshold rises to 16 MiB
+if sys.argv[1] == "shard":  # a CPU rank's model sharded (a one-process group)
+    from spark_estimator.worker.comm.rendezvous import RankInfo
+    torch.distributed.init_process_group(
+        "gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+    fsdp.shard_model(torch.nn.Linear(2, 2), RankInfo(0, 1, 0, 1, torch.device("cpu")), (), "none")
+print(mapped_by(2 << 20), mapped_by(512 << 10))
+"""
+
+
+def test_cpu_ranks_have_glibc_map_freed_blocks_of_1_mib_or_more_on_their_own(tmp_path):
+    # what FSDP frees after each unit (its gathered parameters) goes back to the system
+    # instead of spreading glibc's heap: the 4-rank memory of benchmarks/fsdp_memory.py
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+    script = tmp_path / "mapped.py"
+    script.write_text(MAPPED_BLOCKS)
+
+    def mapped(mode: str) -> list[str]:
+        argv = [sys.executable, str(script), mode, str(tmp_path / f"{mode}.group")]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    # 2 MiB blocks: in the heap under glibc's risen threshold, mapped once a CPU rank's
+    # model is sharded; 512 KiB blocks stay in the heap
+    assert mapped("plain") == ["0", "0"]
+    assert mapped("shard") == ["1", "0"]
