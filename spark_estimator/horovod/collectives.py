@@ -139,7 +139,7 @@ class Reduction:
     def wait(self) -> list[torch.Tensor]:
         if self._work is not None:
             if self._control is not None:
-                self._control.joined()
+                self._control.wait()
             self._work.wait()
             self._work = None
             timeline.add("allreduce (in flight)", self._name, self._started)
@@ -364,17 +364,14 @@ def check_root(
     root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> None:
     """``root_rank`` is a global rank (as Horovod's) in ``process_set``."""
-    if process_set is None or process_set.process_set_id == 0:
-        world = rank_info().world_size
-        if not isinstance(root_rank, int) or not 0 <= root_rank < world:
-            raise ValueError(
-                f"root_rank{_named(name)}: must be a rank in [0, {world}), got {root_rank!r}"
-            )
-    elif not isinstance(root_rank, int) or root_rank not in (process_set.ranks or []):
-        raise ValueError(
-            f"root_rank{_named(name)}: must be one of the process set's (global) ranks "
-            f"{process_set.ranks}, got {root_rank!r}"
+    ranks = scope(process_set, "broadcast").ranks
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in ranks:
+        where = (
+            f"a rank in [0, {len(ranks)})"
+            if process_set is None or process_set.process_set_id == 0
+            else f"one of the process set's (global) ranks {ranks}"
         )
+        raise ValueError(f"root_rank{_named(name)}: must be {where}, got {root_rank!r}")
 
 
 @timeline.traced("broadcast")

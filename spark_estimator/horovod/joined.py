@@ -74,11 +74,14 @@ class Control:
         self._vector = self._vector.to(info.device)
         self._work = dist.all_reduce(self._vector, async_op=True)
 
-    def joined(self) -> list[int]:
-        """The ranks that had joined at this round (waits for it)."""
+    def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
+
+    def joined(self) -> list[int]:
+        """The ranks that had joined at this round (waits for it)."""
+        self.wait()
         arrivals = self._vector[_ARRIVALS:].cpu()
         return [r for r, a in enumerate(arrivals.tolist()) if a > 0]
 
