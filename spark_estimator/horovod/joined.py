@@ -68,6 +68,9 @@ class Control:
     def __init__(self, kind: str, op: int = 0, dtype: torch.dtype | None = None, numel: int = 0):
         info = rank_info()
         self.kind, self.op = kind, op
+        if dtype is not None and dtype not in DTYPES:
+            names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+            raise TypeError(f"{kind}: tensors of dtype {dtype} are not reduced (only {names})")
         code = DTYPES.index(dtype) + 1 if dtype is not None else 0
         self._vector = torch.zeros(_ARRIVALS + info.world_size, dtype=torch.int64)
         self._vector[:_ARRIVALS] = torch.tensor([1, KINDS.index(kind) + 1, op + 1, code, numel])
