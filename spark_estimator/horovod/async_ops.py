@@ -10,6 +10,8 @@ sends each rank its rows of ``tensor`` (``splits``, or as equal as they go, the 
 ranks one more) and returns what it received, with the received splits when ``splits``
 was given; it is differentiable, as Horovod's. ``reducescatter`` is the allreduce of which
 each rank keeps its rows (dim 0 cut as equally as it goes, the first ranks one more).
+Each takes ``process_set`` as ``collectives.py``'s do (the ranks, the sizes and splits are
+the set's).
 """
 
 from __future__ import annotations
