@@ -76,6 +76,7 @@ from .compression import Compression, Compressor
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .launch import run
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline
 
@@ -115,6 +116,10 @@ __all__ = [
     "allgather_object",
     "barrier",
     "join",
+    "ProcessSet",
+    "add_process_set",
+    "remove_process_set",
+    "global_process_set",
     "Compression",
     "Compressor",
     "DistributedOptimizer",

@@ -10,6 +10,8 @@ sends each rank its rows of ``tensor`` (``splits``, or as equal as they go, the 
 ranks one more) and returns what it received, with the received splits when ``splits``
 was given; it is differentiable, as Horovod's. ``reducescatter`` is the allreduce of which
 each rank keeps its rows (dim 0 cut as equally as it goes, the first ranks one more).
+Each takes ``process_set`` as ``collectives.py``'s do (the ranks, the sizes and splits are
+the set's).
 """
 
 from __future__ import annotations
@@ -27,11 +29,15 @@ from .collectives import (
     Sum,
     _named,
     check_root,
+    checked,
     gather,
     reduce_op,
     reductions_by_dtype,
 )
 from .compression import Compression
+from .process_sets import ProcessSet, global_process_set, scope
+
+_GLOBAL = global_process_set
 
 _pending: dict[int, _Op] = {}
 _ids = itertools.count(1)
@@ -73,51 +79,97 @@ def synchronize(handle: int):
 
 
 def allreduce_async(
-    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+    tensor,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> int:
     """``allreduce``, started: a handle."""
     reduction = Reduction(
-        [tensor], reduce_op(op, average), Compression.none, prescale_factor, postscale_factor, name
+        [tensor],
+        reduce_op(op, average),
+        Compression.none,
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
     )
     return _handle([reduction._work], lambda: reduction.wait()[0].to(tensor.device))
 
 
 def allreduce_async_(
-    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+    tensor,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> int:
     """``allreduce_``, started: ``synchronize`` writes the result into ``tensor``."""
     reduction = Reduction(
-        [tensor], reduce_op(op, average), Compression.none, prescale_factor, postscale_factor, name
+        [tensor],
+        reduce_op(op, average),
+        Compression.none,
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
     )
     return _handle([reduction._work], lambda: _into(tensor, reduction.wait()[0]))
 
 
 def grouped_allreduce_async(
-    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+    tensors,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> int:
     """``grouped_allreduce``, started (one fused collective per dtype)."""
-    return _grouped(tensors, reduce_op(op, average), prescale_factor, postscale_factor, name, False)
+    op = reduce_op(op, average)
+    return _grouped(tensors, op, prescale_factor, postscale_factor, name, False, process_set)
 
 
 def grouped_allreduce_async_(
-    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+    tensors,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> int:
     """``grouped_allreduce`` in place, started."""
-    return _grouped(tensors, reduce_op(op, average), prescale_factor, postscale_factor, name, True)
+    op = reduce_op(op, average)
+    return _grouped(tensors, op, prescale_factor, postscale_factor, name, True, process_set)
 
 
 def grouped_allreduce_(
-    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
+    tensors,
+    average=None,
+    name=None,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> list:
     """Each tensor's allreduce written into it; the tensors."""
     return synchronize(
-        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor)
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
     )
 
 
-def _grouped(tensors, op, pre, post, name, in_place: bool) -> int:
+def _grouped(tensors, op, pre, post, name, in_place: bool, process_set) -> int:
     tensors = list(tensors)
-    parts = reductions_by_dtype(tensors, op, Compression.none, pre, post, name)
+    parts = reductions_by_dtype(tensors, op, Compression.none, pre, post, name, process_set)
 
     def finish() -> list[torch.Tensor]:
         out: list = [None] * len(tensors)
@@ -129,49 +181,69 @@ def _grouped(tensors, op, pre, post, name, in_place: bool) -> int:
     return _handle([r._work for _, r in parts], finish)
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = _GLOBAL
+) -> int:
     """``allgather``, started."""
-    work, finish = gather(tensor, name, async_op=True)
+    work, finish = gather(tensor, name, async_op=True, process_set=process_set)
     return _handle([work], finish)
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = _GLOBAL
+) -> int:
     """``allgather`` of each tensor, started; ``synchronize`` gives a list."""
-    started = [gather(t, name, async_op=True) for t in tensors]
+    started = [gather(t, name, async_op=True, process_set=process_set) for t in tensors]
     return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list:
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = _GLOBAL
+) -> list:
     """``allgather`` of each tensor, as a list in the same order."""
-    return synchronize(grouped_allgather_async(tensors, name))
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = _GLOBAL,
+) -> int:
     """``broadcast``, started."""
-    check_root(root_rank, name)
+    check_root(root_rank, name, process_set)
+    on = checked(process_set, "broadcast", name)
     work = tensor.detach().to(rank_info().device, copy=True).contiguous()
-    started = dist.broadcast(work, src=root_rank, async_op=True)
+    started = dist.broadcast(work, src=root_rank, group=on.group, async_op=True)
     return _handle([started], lambda: work.to(tensor.device))
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = _GLOBAL,
+) -> int:
     """``broadcast_``, started: ``synchronize`` writes the root's tensor into ``tensor``."""
-    check_root(root_rank, name)
+    check_root(root_rank, name, process_set)
+    on = checked(process_set, "broadcast", name)
     work = tensor.detach().to(rank_info().device, copy=True).contiguous()
-    started = dist.broadcast(work, src=root_rank, async_op=True)
+    started = dist.broadcast(work, src=root_rank, group=on.group, async_op=True)
     return _handle([started], lambda: _into(tensor, work))
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=None) -> int:
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str | None = None, op=None, process_set: ProcessSet = _GLOBAL
+) -> int:
     """The allreduce of a sparse tensor, started: every rank's indices and values gathered;
     ``synchronize`` gives the sparse sum (divided by the ranks with Average), uncoalesced."""
     op = reduce_op(op)
     if op not in (Average, Sum):
         raise ValueError(f"op{_named(name)}: a sparse allreduce sums or averages, not {op.name}")
     sparse = tensor.coalesce()
-    indices = gather(sparse.indices().t().contiguous(), name, async_op=True)
-    values = gather(sparse.values(), name, async_op=True)
-    world = rank_info().world_size
+    world = scope(process_set, "sparse_allreduce").size
+    indices = gather(sparse.indices().t().contiguous(), name, True, process_set, "sparse_allreduce")
+    values = gather(sparse.values(), name, True, process_set, "sparse_allreduce")
 
     def finish() -> torch.Tensor:
         gathered = values[1]()
@@ -200,18 +272,21 @@ def _splits(rows: int, splits, world: int, name) -> list[int]:
     return counts
 
 
-def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> int:
+def alltoall_async(
+    tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = _GLOBAL
+) -> int:
     """``alltoall``, started; ``synchronize`` gives (output, received splits)."""
     info = rank_info()
     rows = tensor.shape[0] if tensor.dim() else 1
     work = tensor.detach().to(info.device).reshape(rows, -1).contiguous()
-    send = _splits(rows, splits, info.world_size, name)
+    send = _splits(rows, splits, scope(process_set, "alltoall").size, name)
+    on = checked(process_set, "alltoall", name)
     counts = torch.tensor(send, dtype=torch.int64, device=info.device)
     received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts)  # how many rows each rank sends here
+    dist.all_to_all_single(received, counts, group=on.group)  # rows each rank sends here
     recv = received.cpu().tolist()
     output = work.new_empty((sum(recv), work.shape[1]))
-    started = dist.all_to_all_single(output, work, recv, send, async_op=True)
+    started = dist.all_to_all_single(output, work, recv, send, group=on.group, async_op=True)
 
     def finish():
         shaped = output.reshape(sum(recv), *tensor.shape[1:]).to(tensor.device)
@@ -224,52 +299,74 @@ class _Alltoall(torch.autograd.Function):
     """alltoall in autograd: the gradient goes back by the splits it came by."""
 
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        output, received = synchronize(alltoall_async(tensor, splits, name))
-        ctx.received, ctx.name = received, name
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.name, ctx.process_set = received, name, process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx, grad, _):
-        back, _ = synchronize(alltoall_async(grad.contiguous(), ctx.received, ctx.name))
-        return back, None, None
+        back, _ = synchronize(
+            alltoall_async(grad.contiguous(), ctx.received, ctx.name, ctx.process_set)
+        )
+        return back, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
+def alltoall(
+    tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = _GLOBAL
+):
     """Each rank's ``splits[r]`` rows of ``tensor`` sent to rank r (dim 0; without
     ``splits`` as equal as they go); what this rank received, in rank order, and with
     ``splits`` also the received counts (an int32 tensor), as Horovod's."""
     if tensor.requires_grad and torch.is_grad_enabled():
-        output, received = _Alltoall.apply(tensor, splits, name)
+        output, received = _Alltoall.apply(tensor, splits, name, process_set)
     else:
-        output, received = synchronize(alltoall_async(tensor, splits, name))
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
     return output if splits is None else (output, received)
 
 
 def reducescatter_async(
-    tensor: torch.Tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0
+    tensor: torch.Tensor,
+    name=None,
+    op=Average,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> int:
     """``reducescatter``, started."""
-    info = rank_info()
+    on = scope(process_set, "reducescatter")
     reduction = Reduction(
-        [tensor], reduce_op(op), Compression.none, prescale_factor, postscale_factor, name
+        [tensor],
+        reduce_op(op),
+        Compression.none,
+        prescale_factor,
+        postscale_factor,
+        name,
+        process_set,
     )
-    rows = _splits(tensor.shape[0], None, info.world_size, name)
-    start = sum(rows[: info.rank])
+    rows = _splits(tensor.shape[0], None, on.size, name)
+    start = sum(rows[: on.rank])
 
     def finish() -> torch.Tensor:
         reduced = reduction.wait()[0].to(tensor.device)
-        return reduced.narrow(0, start, rows[info.rank]).clone()
+        return reduced.narrow(0, start, rows[on.rank]).clone()
 
     return _handle([reduction._work], finish)
 
 
 def reducescatter(
-    tensor: torch.Tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0
+    tensor: torch.Tensor,
+    name=None,
+    op=Average,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
 ) -> torch.Tensor:
     """The reduction (Average by default) of ``tensor`` over the ranks, of which this rank
     keeps its rows (dim 0 cut as equally as it goes, the first ranks one more)."""
     if tensor.dim() == 0:
         raise ValueError(f"reducescatter{_named(name)}: needs at least one dimension")
-    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+    return synchronize(
+        reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set)
+    )

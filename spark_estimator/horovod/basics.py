@@ -18,13 +18,17 @@ from ..worker.comm.rendezvous import RankInfo
 _initialized_for: RankInfo | None = None
 
 
-def init() -> None:
+def init(process_sets=None) -> None:
     """Join the job: a no-op where the task already formed the process group (``run(fn)``),
-    else the default group is formed first."""
+    else the default group is formed first. ``process_sets``: a list of ``hvd.ProcessSet``
+    to add, as ``add_process_set`` would (every rank passes the same list)."""
     global _initialized_for
     if not dist.is_initialized():
         rendezvous.init_default_group()
     _initialized_for = rendezvous.current_rank_info()
+    from . import process_sets as sets  # it builds on this module
+
+    sets.setup(process_sets)
 
 
 def shutdown() -> None:

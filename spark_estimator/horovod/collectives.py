@@ -1,5 +1,11 @@
 """Executor: Horovod's collectives on the job's torch.distributed group.
 
+Each takes Horovod's ``process_set`` keyword (default ``global_process_set``, the whole
+job; ``process_sets.py``): the collective runs on that set's subgroup, an Average divides
+by the set's size, and ``root_rank`` is a global rank, as Horovod's. On the whole job each
+first starts the small control round that lets ranks waiting in ``hvd.join()`` take part
+(``joined.py``).
+
 Tensors may be on the CPU or on the device the task pinned: each collective works on a
 copy on the pinned device (NCCL reduces CUDA tensors only) and returns its result on the
 input's device. ``name`` is accepted as Horovod's is, and only named in error messages
@@ -23,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import distributed
-from . import timeline
+from . import joined, timeline
 from .basics import rank_info
 from .compression import Compression, Compressor
+from .process_sets import ProcessSet, Scope, global_process_set, scope
 
 
 class ReduceOp(IntEnum):
@@ -94,26 +100,35 @@ class Reduction:
         prescale_factor: float = 1.0,
         postscale_factor: float = 1.0,
         name: str | None = None,
+        process_set: ProcessSet = global_process_set,
     ):
         info = rank_info()
+        on = scope(process_set, "allreduce")
         if len({t.dtype for t in tensors}) > 1:
             raise TypeError(f"allreduce{_named(name)}: the tensors of one group share a dtype")
         self._shapes = [t.shape for t in tensors]
         self._compression = compression
-        self._post = postscale_factor / (info.world_size if op == Average else 1)
-        self._work = None
+        self._post = postscale_factor / (on.size if op == Average else 1)
+        self._work = self._control = None
         if op == Adasum:
             from ..worker.comm.adasum import adasum_allreduce_
 
+            if on.group is None:  # joined ranks cannot take part
+                joined.require_all_active("allreduce", name, op=int(Adasum))
             self._buffers, self._ctx = self._compressed(
                 [t.detach().to(info.device, copy=True) for t in tensors], prescale_factor
             )
-            adasum_allreduce_(self._buffers)
+            adasum_allreduce_(self._buffers, group=on.group)
             return
         flat = torch.cat([t.detach().reshape(-1).to(info.device) for t in tensors])
         self._buffers, self._ctx = self._compressed([flat], prescale_factor)
         self._started, self._name = time.perf_counter_ns(), name
-        self._work = dist.all_reduce(self._buffers[0], op=_TORCH_OPS[op], async_op=True)
+        if on.group is None:  # joined ranks read it, and contribute to the data allreduce
+            wire = self._buffers[0]
+            self._control = joined.announce("allreduce", int(op), wire.dtype, wire.numel())
+        self._work = dist.all_reduce(
+            self._buffers[0], op=_TORCH_OPS[op], group=on.group, async_op=True
+        )
 
     def _compressed(self, buffers: list[torch.Tensor], prescale: float):
         for b in buffers:
@@ -123,6 +138,8 @@ class Reduction:
 
     def wait(self) -> list[torch.Tensor]:
         if self._work is not None:
+            if self._control is not None:
+                self._control.wait()
             self._work.wait()
             self._work = None
             timeline.add("allreduce (in flight)", self._name, self._started)
@@ -143,16 +160,21 @@ def allreduce(
     op=None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """A new tensor: ``postscale_factor * reduce(prescale_factor * tensor)`` over the ranks
-    (``op``: Average (default), Sum, Adasum, Min, Max, Product), sent compressed by
-    ``compression``. ``tensor`` is left as it is."""
+    of ``process_set`` (``op``: Average (default, divided by the set's size), Sum, Adasum,
+    Min, Max, Product), sent compressed by ``compression``. ``tensor`` is left as it is."""
     op = reduce_op(op, average)
     if _differentiable(tensor):
         compressed, ctx = compression.compress(tensor)
-        reduced = _Allreduce.apply(compressed, op, prescale_factor, postscale_factor, name)
+        reduced = _Allreduce.apply(
+            compressed, op, prescale_factor, postscale_factor, name, process_set
+        )
         return compression.decompress(reduced, ctx)
-    reduction = Reduction([tensor], op, compression, prescale_factor, postscale_factor, name)
+    reduction = Reduction(
+        [tensor], op, compression, prescale_factor, postscale_factor, name, process_set
+    )
     return reduction.wait()[0].to(tensor.device)
 
 
@@ -160,53 +182,55 @@ def _differentiable(tensor: torch.Tensor) -> bool:
     return tensor.requires_grad and torch.is_grad_enabled()
 
 
-def _reduced(tensor: torch.Tensor, op: ReduceOp, pre: float, post: float, name) -> torch.Tensor:
-    return Reduction([tensor], op, Compression.none, pre, post, name).wait()[0].to(tensor.device)
+def _reduced(tensor: torch.Tensor, op, pre: float, post: float, name, process_set):
+    reduction = Reduction([tensor], op, Compression.none, pre, post, name, process_set)
+    return reduction.wait()[0].to(tensor.device)
 
 
 class _Allreduce(torch.autograd.Function):
     """allreduce in autograd: its backward is the same allreduce of the gradient."""
 
     @staticmethod
-    def forward(ctx, tensor, op, prescale_factor, postscale_factor, name):
-        ctx.reduction = (op, prescale_factor, postscale_factor, name)
+    def forward(ctx, tensor, op, prescale_factor, postscale_factor, name, process_set):
+        ctx.reduction = (op, prescale_factor, postscale_factor, name, process_set)
         return _reduced(tensor, *ctx.reduction)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduced(grad.contiguous(), *ctx.reduction), None, None, None, None
+        return _reduced(grad.contiguous(), *ctx.reduction), None, None, None, None, None
 
 
 class _Allgather(torch.autograd.Function):
-    """allgather in autograd: the ranks' average of the gradient, this rank's rows."""
+    """allgather in autograd: the set's average of the gradient, this rank's rows."""
 
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows, ctx.name = (tensor.shape[0] if tensor.dim() else 1), name
-        return _gathered(tensor, name)
+    def forward(ctx, tensor, name, process_set):
+        ctx.rows = tensor.shape[0] if tensor.dim() else 1
+        ctx.name, ctx.process_set = name, process_set
+        return _gathered(tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        averaged = _reduced(grad.contiguous(), Average, 1.0, 1.0, ctx.name)
-        rows = _gathered(torch.tensor([ctx.rows]), ctx.name)
-        offset = int(rows[: rank_info().rank].sum())
-        return averaged.narrow(0, offset, ctx.rows), None
+        averaged = _reduced(grad.contiguous(), Average, 1.0, 1.0, ctx.name, ctx.process_set)
+        rows = _gathered(torch.tensor([ctx.rows]), ctx.name, ctx.process_set)
+        offset = int(rows[: scope(ctx.process_set, "allgather").rank].sum())
+        return averaged.narrow(0, offset, ctx.rows), None, None
 
 
 class _Broadcast(torch.autograd.Function):
-    """broadcast in autograd: the ranks' average of the gradient on the root, else 0."""
+    """broadcast in autograd: the set's average of the gradient on the root, else 0."""
 
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
-        ctx.root, ctx.name = root_rank, name
-        return _broadcasted(tensor, root_rank)
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root, ctx.name, ctx.process_set = root_rank, name, process_set
+        return _broadcasted(tensor, root_rank, process_set)
 
     @staticmethod
     def backward(ctx, grad):
-        averaged = _reduced(grad.contiguous(), Average, 1.0, 1.0, ctx.name)
+        averaged = _reduced(grad.contiguous(), Average, 1.0, 1.0, ctx.name, ctx.process_set)
         if rank_info().rank != ctx.root:
             averaged.zero_()
-        return averaged, None, None
+        return averaged, None, None, None
 
 
 def allreduce_(
@@ -217,9 +241,12 @@ def allreduce_(
     op=None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """``allreduce`` written into ``tensor``, which is returned."""
-    result = allreduce(tensor, average, name, compression, op, prescale_factor, postscale_factor)
+    result = allreduce(
+        tensor, average, name, compression, op, prescale_factor, postscale_factor, process_set
+    )
     with torch.no_grad():
         return tensor.copy_(result)
 
@@ -233,12 +260,15 @@ def grouped_allreduce(
     op=None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """``allreduce`` of each tensor, as new tensors in the same order: one fused collective
     per dtype among them."""
     op = reduce_op(op, average)
     tensors = list(tensors)
-    started = reductions_by_dtype(tensors, op, compression, prescale_factor, postscale_factor, name)
+    started = reductions_by_dtype(
+        tensors, op, compression, prescale_factor, postscale_factor, name, process_set
+    )
     results: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
     for indices, reduction in started:
         for i, result in zip(indices, reduction.wait()):
@@ -247,7 +277,13 @@ def grouped_allreduce(
 
 
 def reductions_by_dtype(
-    tensors: Sequence[torch.Tensor], op: ReduceOp, compression, pre: float, post: float, name
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp,
+    compression,
+    pre: float,
+    post: float,
+    name,
+    process_set: ProcessSet = global_process_set,
 ) -> list[tuple[list[int], Reduction]]:
     """One fused Reduction started per dtype among ``tensors``, with the positions of its
     tensors (``grouped_allreduce``, and its asynchronous forms)."""
@@ -256,37 +292,56 @@ def reductions_by_dtype(
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     return [
-        (idx, Reduction([tensors[i] for i in idx], op, compression, pre, post, name))
+        (idx, Reduction([tensors[i] for i in idx], op, compression, pre, post, name, process_set))
         for idx in by_dtype.values()
     ]
 
 
+def checked(process_set: ProcessSet, kind: str, name: str | None = None) -> Scope:
+    """The scope of a collective that joined ranks cannot take part in (not an allreduce):
+    on the whole job its control round first, which raises where ranks have joined."""
+    on = scope(process_set, kind)
+    if on.group is None:
+        joined.require_all_active(kind, name)
+    return on
+
+
 @timeline.traced("allgather")
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
-    """The ranks' tensors concatenated along the first dimension, in rank order. Their first
-    dimensions may differ; the others must agree (a 0-d tensor counts as one element)."""
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
+    """The tensors of ``process_set``'s ranks concatenated along the first dimension, in
+    rank order. Their first dimensions may differ; the others must agree (a 0-d tensor
+    counts as one element)."""
     if _differentiable(tensor):
-        return _Allgather.apply(tensor, name)
-    return _gathered(tensor, name)
+        return _Allgather.apply(tensor, name, process_set)
+    return _gathered(tensor, name, process_set)
 
 
-def _gathered(tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-    work, finish = gather(tensor, name, async_op=False)
+def _gathered(tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+    work, finish = gather(tensor, name, async_op=False, process_set=process_set)
     return finish()
 
 
-def gather(tensor: torch.Tensor, name: str | None, async_op: bool):
+def gather(
+    tensor: torch.Tensor,
+    name: str | None,
+    async_op: bool,
+    process_set: ProcessSet = global_process_set,
+    kind: str = "allgather",
+):
     """Start an allgather: (its work, None when done already; a function giving the result
     once it is). The ranks' shapes travel first, at once (a small collective)."""
     info = rank_info()
+    on = checked(process_set, kind, name)
     work = tensor.detach().to(info.device).reshape(tensor.shape or (1,)).contiguous()
     if work.dim() > _MAX_DIMS:
         raise ValueError(f"allgather{_named(name)}: at most {_MAX_DIMS} dimensions")
     meta = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64, device=info.device)
     meta[0] = work.dim()
     meta[1 : work.dim() + 1] = torch.tensor(work.shape, dtype=torch.int64)
-    metas = [torch.empty_like(meta) for _ in range(info.world_size)]
-    dist.all_gather(metas, meta)
+    metas = [torch.empty_like(meta) for _ in range(on.size)]
+    dist.all_gather(metas, meta, group=on.group)
     shapes = [tuple(m[1 : int(m[0]) + 1].tolist()) for m in (m.cpu() for m in metas)]
     if any(s[1:] != shapes[0][1:] for s in shapes):
         raise ValueError(
@@ -296,8 +351,8 @@ def gather(tensor: torch.Tensor, name: str | None, async_op: bool):
     rows = max(s[0] for s in shapes)
     padded = work.new_zeros((rows, *work.shape[1:]))
     padded[: work.shape[0]] = work
-    gathered = [torch.empty_like(padded) for _ in range(info.world_size)]
-    work = dist.all_gather(gathered, padded, async_op=async_op)
+    gathered = [torch.empty_like(padded) for _ in range(on.size)]
+    work = dist.all_gather(gathered, padded, group=on.group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         return torch.cat([g[: s[0]] for g, s in zip(gathered, shapes)]).to(tensor.device)
@@ -305,84 +360,113 @@ def gather(tensor: torch.Tensor, name: str | None, async_op: bool):
     return work, finish
 
 
-def check_root(root_rank: int, name: str | None = None) -> None:
-    world = rank_info().world_size
-    if not isinstance(root_rank, int) or not 0 <= root_rank < world:
-        raise ValueError(
-            f"root_rank{_named(name)}: must be a rank in [0, {world}), got {root_rank!r}"
+def check_root(
+    root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> None:
+    """``root_rank`` is a global rank (as Horovod's) in ``process_set``."""
+    ranks = scope(process_set, "broadcast").ranks
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in ranks:
+        where = (
+            f"a rank in [0, {len(ranks)})"
+            if process_set is None or process_set.process_set_id == 0
+            else f"one of the process set's (global) ranks {ranks}"
         )
+        raise ValueError(f"root_rank{_named(name)}: must be {where}, got {root_rank!r}")
 
 
 @timeline.traced("broadcast")
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor`` (the same shape and dtype on every
-    rank)."""
-    check_root(root_rank, name)
+    rank of ``process_set``; ``root_rank`` is a global rank, as Horovod's)."""
+    check_root(root_rank, name, process_set)
     if _differentiable(tensor):
-        return _Broadcast.apply(tensor, root_rank, name)
-    return _broadcasted(tensor, root_rank)
+        return _Broadcast.apply(tensor, root_rank, name, process_set)
+    return _broadcasted(tensor, root_rank, process_set)
 
 
-def _broadcasted(tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
+def _broadcasted(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) -> torch.Tensor:
+    on = checked(process_set, "broadcast")
     work = tensor.detach().to(rank_info().device, copy=True).contiguous()
-    dist.broadcast(work, src=root_rank)
+    dist.broadcast(work, src=root_rank, group=on.group)
     return work.to(tensor.device)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """``root_rank``'s ``tensor`` written into ``tensor``, which is returned."""
-    result = broadcast(tensor, root_rank, name)
+    result = broadcast(tensor, root_rank, name, process_set)
     with torch.no_grad():
         return tensor.copy_(result)
 
 
-def broadcast_tensors_(tensors: Sequence[torch.Tensor], root_rank: int) -> None:
+def broadcast_tensors_(
+    tensors: Sequence[torch.Tensor], root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
     """``broadcast_`` of each tensor, with one collective per dtype among them."""
-    check_root(root_rank)
+    check_root(root_rank, None, process_set)
+    on = checked(process_set, "broadcast")
     device = rank_info().device
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
         flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
-        dist.broadcast(flat, src=root_rank)
+        dist.broadcast(flat, src=root_rank, group=on.group)
         with torch.no_grad():
             for t, part in zip(group, flat.split([t.numel() for t in group])):
                 t.copy_(part.view(t.shape))
 
 
 @timeline.traced("broadcast_object")
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """``root_rank``'s ``obj`` (any picklable object) on every rank."""
-    check_root(root_rank, name)
-    return distributed.broadcast_object(obj, root_rank)
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """``root_rank``'s ``obj`` (any picklable object) on every rank of ``process_set``."""
+    check_root(root_rank, name, process_set)
+    info = rank_info()
+    on = checked(process_set, "broadcast_object", name)
+    holder = [obj if info.rank == root_rank else None]
+    dist.broadcast_object_list(holder, src=root_rank, group=on.group, device=info.device)
+    return holder[0]
 
 
 @timeline.traced("allgather_object")
-def allgather_object(obj: Any, name: str | None = None) -> list:
-    """Every rank's ``obj`` (any picklable object), in rank order."""
-    gathered = [None] * rank_info().world_size
-    dist.all_gather_object(gathered, obj)
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list:
+    """Every ``process_set`` rank's ``obj`` (any picklable object), in rank order."""
+    on = checked(process_set, "allgather_object", name)
+    gathered = [None] * on.size
+    dist.all_gather_object(gathered, obj, group=on.group)
     return gathered
 
 
 @timeline.traced("barrier")
-def barrier() -> None:
-    """Wait until every rank has reached this call."""
-    rank_info()
-    distributed.barrier()
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank of ``process_set`` has reached this call."""
+    info = rank_info()
+    on = checked(process_set, "barrier")
+    if info.device.type == "cuda":
+        dist.barrier(group=on.group, device_ids=[info.device.index])
+    else:
+        dist.barrier(group=on.group)
 
 
 @timeline.traced("join")
 def join() -> int:
-    """Wait until every rank has called ``join()``; the rank that called it last.
-
-    Unlike Horovod's, a rank waiting here takes no part in the others' collectives (it does
-    not contribute zeros to their allreduces): every rank must make the same collective
-    calls before it joins."""
-    info = rank_info()
-    store = dist.distributed_c10d._get_default_store()
-    call = store.add(f"spark_estimator.horovod/join/calls/{info.rank}", 1)
-    arrival = store.add(f"spark_estimator.horovod/join/{call}", 1)
-    arrivals = allgather(torch.tensor([arrival]))
-    return int(arrivals.argmax())
+    """Wait until every rank has called ``join()``, meanwhile taking part in the other
+    ranks' allreduces (contributing zeros, as Horovod's: see ``joined.py``); the rank
+    that called it last."""
+    return joined.join()

@@ -10,11 +10,15 @@ import torch
 
 from .basics import rank
 from .collectives import broadcast_object, broadcast_tensors_, check_root
+from .process_sets import ProcessSet, global_process_set
 
 
-def broadcast_parameters(params: Mapping | Iterable, root_rank: int) -> None:
-    """Overwrite ``params`` with ``root_rank``'s: a ``state_dict()`` (its tensors share the
-    model's storage), ``named_parameters()`` or a list of tensors."""
+def broadcast_parameters(
+    params: Mapping | Iterable, root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
+    """Overwrite ``params`` with ``root_rank``'s (a global rank) on the ranks of
+    ``process_set``: a ``state_dict()`` (its tensors share the model's storage),
+    ``named_parameters()`` or a list of tensors."""
     if isinstance(params, Mapping):
         items = sorted(params.items())
     elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
@@ -26,7 +30,7 @@ def broadcast_parameters(params: Mapping | Iterable, root_rank: int) -> None:
     for name, value in items:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"params: {name!r} is of type {type(value).__name__}, not a tensor")
-    broadcast_tensors_([value for _, value in items], root_rank)
+    broadcast_tensors_([value for _, value in items], root_rank, process_set)
 
 
 @dataclass(frozen=True)
@@ -38,16 +42,18 @@ class _Slot:
     dtype: torch.dtype
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Give every rank ``root_rank``'s optimizer state and parameter-group settings (``lr``,
-    momentum, ...), including state the optimizer creates on its first step: the other
-    ranks load the root's ``state_dict()``. An optimizer without state yet (none has
-    stepped) first takes one local step on zero gradients, which creates it, as Horovod's
-    does (the parameters' ``.grad`` stay zeros; a step on zeros still applies weight decay,
-    as Horovod's)."""
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
+    """Give every rank of ``process_set`` ``root_rank``'s optimizer state and
+    parameter-group settings (``lr``, momentum, ...), including state the optimizer
+    creates on its first step: the other ranks load the root's ``state_dict()``. An
+    optimizer without state yet (none has stepped) first takes one local step on zero
+    gradients, which creates it, as Horovod's does (the parameters' ``.grad`` stay zeros;
+    a step on zeros still applies weight decay, as Horovod's)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
-    check_root(root_rank)
+    check_root(root_rank, None, process_set)
     if not optimizer.state:
         _create_state(optimizer)
     tensors: list[torch.Tensor] = []
@@ -63,11 +69,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         return value
 
     is_root = rank() == root_rank
-    skeleton = broadcast_object(strip(optimizer.state_dict()) if is_root else None, root_rank)
+    skeleton = broadcast_object(
+        strip(optimizer.state_dict()) if is_root else None, root_rank, process_set=process_set
+    )
     if not is_root:
         tensors.clear()
         state = _fill(skeleton, tensors)
-    broadcast_tensors_(tensors, root_rank)
+    broadcast_tensors_(tensors, root_rank, process_set)
     if not is_root:
         optimizer.load_state_dict(state)
 

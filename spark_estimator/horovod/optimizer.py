@@ -29,9 +29,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .basics import size
 from .collectives import Adasum, Average, Reduction, grouped_allreduce, reduce_op
 from .compression import Compression, Compressor
+from .process_sets import ProcessSet, global_process_set, scope
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -46,6 +46,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     num_groups: int = 0,
     groups=None,
     sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
     """``optimizer`` whose ``step()`` first reduces the gradients across ranks (``op``:
     Average, Sum, Min, Max, Product; Adasum combines the updates instead).
@@ -60,7 +61,10 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     (``BUCKET_BYTES``). ``num_groups`` is Horovod's older name of an int ``groups``. A
     group's tensors of different dtypes travel in one allreduce per dtype. Sparse
     gradients are reduced as dense tensors whatever ``sparse_as_dense`` says (the same
-    values; ``.grad`` becomes dense)."""
+    values; ``.grad`` becomes dense).
+
+    ``process_set``: the ranks the gradients are reduced over (an Average divides by its
+    size); a rank outside it is refused here, as its first reduction would be."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
     op = reduce_op(op)
@@ -82,6 +86,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         raise TypeError(
             f"compression: expected hvd.Compression.none/fp16/bf16, got {compression!r}"
         )
+    world = scope(process_set, "DistributedOptimizer").size  # raises outside the set
     names = _parameter_names(optimizer, named_parameters)
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense: expected True or False, got {sparse_as_dense!r}")
@@ -97,7 +102,15 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     # the reduction; the class's step is ours, and it tells that scheduler of each step
     scheduled = state.pop("step", None)
     distributed.__dict__.update(state)
-    distributed._setup(names, compression, backward_passes_per_step, op, gradient_predivide_factor)
+    distributed._setup(
+        names,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        process_set,
+        world,
+    )
     if fused is not None:
         distributed._group(fused)
     if scheduled is not None:
@@ -163,8 +176,9 @@ def _parameter_names(optimizer, named_parameters) -> dict[int, str]:
 class _Distributed:
     """What both kinds share: the backward-pass count per parameter, and its checks."""
 
-    def _setup(self, names, compression, backward_passes_per_step, op, predivide):
+    def _setup(self, names, compression, backward_passes_per_step, op, predivide, pset, world):
         self._names = names
+        self.process_set = pset
         self._compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
@@ -174,7 +188,7 @@ class _Distributed:
         self._stepped_for = None  # the user's optimizer, when a scheduler watches its steps
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         self._passes = {id(p): 0 for p in self._params}
-        self._world = size()
+        self._world = world
         if self._world > 1:
             for p in self._params:
                 p.register_post_accumulate_grad_hook(self._accumulated)
@@ -283,7 +297,9 @@ class _GradientAllreduce(_Distributed):
                 p.grad = p.grad.to_dense()
             grads.append(p.grad)
         name = self._names[id(self._buckets[b][0])]
-        self._reductions.append(Reduction(grads, self.op, self._compression, *self._scales, name))
+        self._reductions.append(
+            Reduction(grads, self.op, self._compression, *self._scales, name, self.process_set)
+        )
 
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting those not started yet) and write the
@@ -332,7 +348,9 @@ class _AdasumUpdates(_Distributed):
         loss = super().step(closure)
         with torch.no_grad():
             deltas = [p.detach() - start for p, start in zip(self._params, starts)]
-            combined = grouped_allreduce(deltas, op=Adasum, compression=self._compression)
+            combined = grouped_allreduce(
+                deltas, op=Adasum, compression=self._compression, process_set=self.process_set
+            )
             for p, start, delta in zip(self._params, starts, combined):
                 p.copy_(start.add_(delta))
         self._reset_passes()

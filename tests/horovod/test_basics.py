@@ -21,6 +21,8 @@ BEFORE_INIT = {
     "allgather_object": lambda: hvd.allgather_object(1),
     "barrier": lambda: hvd.barrier(),
     "join": lambda: hvd.join(),
+    "add_process_set": lambda: hvd.add_process_set([0]),
+    "allreduce in a set": lambda: hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0])),
     "DistributedOptimizer": lambda: hvd.DistributedOptimizer(
         torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
     ),
