@@ -32,6 +32,7 @@ from .collectives import (
     reductions_by_dtype,
 )
 from .compression import Compression
+from .errors import peer_errors
 
 _pending: dict[int, _Op] = {}
 _ids = itertools.count(1)
@@ -59,6 +60,7 @@ def _handle(works: Sequence, finish: Callable) -> int:
     return handle
 
 
+@peer_errors
 def poll(handle: int) -> bool:
     """Whether the collective of ``handle`` has finished (``synchronize`` will not wait)."""
     if handle not in _pending:
@@ -66,12 +68,14 @@ def poll(handle: int) -> bool:
     return _pending[handle].done()
 
 
+@peer_errors
 def synchronize(handle: int):
     """Wait for the collective of ``handle`` and return its result."""
     op = _pending.pop(handle, None)
     return None if op is None else op.result()
 
 
+@peer_errors
 def allreduce_async(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
 ) -> int:
@@ -82,6 +86,7 @@ def allreduce_async(
     return _handle([reduction._work], lambda: reduction.wait()[0].to(tensor.device))
 
 
+@peer_errors
 def allreduce_async_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
 ) -> int:
@@ -92,6 +97,7 @@ def allreduce_async_(
     return _handle([reduction._work], lambda: _into(tensor, reduction.wait()[0]))
 
 
+@peer_errors
 def grouped_allreduce_async(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
 ) -> int:
@@ -99,6 +105,7 @@ def grouped_allreduce_async(
     return _grouped(tensors, reduce_op(op, average), prescale_factor, postscale_factor, name, False)
 
 
+@peer_errors
 def grouped_allreduce_async_(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
 ) -> int:
@@ -106,6 +113,7 @@ def grouped_allreduce_async_(
     return _grouped(tensors, reduce_op(op, average), prescale_factor, postscale_factor, name, True)
 
 
+@peer_errors
 def grouped_allreduce_(
     tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0
 ) -> list:
@@ -129,23 +137,27 @@ def _grouped(tensors, op, pre, post, name, in_place: bool) -> int:
     return _handle([r._work for _, r in parts], finish)
 
 
+@peer_errors
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
     """``allgather``, started."""
     work, finish = gather(tensor, name, async_op=True)
     return _handle([work], finish)
 
 
+@peer_errors
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None) -> int:
     """``allgather`` of each tensor, started; ``synchronize`` gives a list."""
     started = [gather(t, name, async_op=True) for t in tensors]
     return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
 
 
+@peer_errors
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None) -> list:
     """``allgather`` of each tensor, as a list in the same order."""
     return synchronize(grouped_allgather_async(tensors, name))
 
 
+@peer_errors
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """``broadcast``, started."""
     check_root(root_rank, name)
@@ -154,6 +166,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
     return _handle([started], lambda: work.to(tensor.device))
 
 
+@peer_errors
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """``broadcast_``, started: ``synchronize`` writes the root's tensor into ``tensor``."""
     check_root(root_rank, name)
@@ -162,6 +175,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
     return _handle([started], lambda: _into(tensor, work))
 
 
+@peer_errors
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op=None) -> int:
     """The allreduce of a sparse tensor, started: every rank's indices and values gathered;
     ``synchronize`` gives the sparse sum (divided by the ranks with Average), uncoalesced."""
@@ -200,6 +214,7 @@ def _splits(rows: int, splits, world: int, name) -> list[int]:
     return counts
 
 
+@peer_errors
 def alltoall_async(tensor: torch.Tensor, splits=None, name: str | None = None) -> int:
     """``alltoall``, started; ``synchronize`` gives (output, received splits)."""
     info = rank_info()
@@ -236,6 +251,7 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None
 
 
+@peer_errors
 def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
     """Each rank's ``splits[r]`` rows of ``tensor`` sent to rank r (dim 0; without
     ``splits`` as equal as they go); what this rank received, in rank order, and with
@@ -247,6 +263,7 @@ def alltoall(tensor: torch.Tensor, splits=None, name: str | None = None):
     return output if splits is None else (output, received)
 
 
+@peer_errors
 def reducescatter_async(
     tensor: torch.Tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0
 ) -> int:
@@ -265,6 +282,7 @@ def reducescatter_async(
     return _handle([reduction._work], finish)
 
 
+@peer_errors
 def reducescatter(
     tensor: torch.Tensor, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0
 ) -> torch.Tensor:

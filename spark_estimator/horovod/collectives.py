@@ -27,6 +27,7 @@ from .. import distributed
 from . import timeline
 from .basics import rank_info
 from .compression import Compression, Compressor
+from .errors import peer_errors
 
 
 class ReduceOp(IntEnum):
@@ -135,6 +136,7 @@ class Reduction:
 
 
 @timeline.traced("allreduce")
+@peer_errors
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -209,6 +211,7 @@ class _Broadcast(torch.autograd.Function):
         return averaged, None, None
 
 
+@peer_errors
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -225,6 +228,7 @@ def allreduce_(
 
 
 @timeline.traced("grouped_allreduce")
+@peer_errors
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -262,6 +266,7 @@ def reductions_by_dtype(
 
 
 @timeline.traced("allgather")
+@peer_errors
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     """The ranks' tensors concatenated along the first dimension, in rank order. Their first
     dimensions may differ; the others must agree (a 0-d tensor counts as one element)."""
@@ -314,6 +319,7 @@ def check_root(root_rank: int, name: str | None = None) -> None:
 
 
 @timeline.traced("broadcast")
+@peer_errors
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """A new tensor holding ``root_rank``'s ``tensor`` (the same shape and dtype on every
     rank)."""
@@ -329,6 +335,7 @@ def _broadcasted(tensor: torch.Tensor, root_rank: int) -> torch.Tensor:
     return work.to(tensor.device)
 
 
+@peer_errors
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """``root_rank``'s ``tensor`` written into ``tensor``, which is returned."""
     result = broadcast(tensor, root_rank, name)
@@ -352,6 +359,7 @@ def broadcast_tensors_(tensors: Sequence[torch.Tensor], root_rank: int) -> None:
 
 
 @timeline.traced("broadcast_object")
+@peer_errors
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """``root_rank``'s ``obj`` (any picklable object) on every rank."""
     check_root(root_rank, name)
@@ -359,6 +367,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
 
 
 @timeline.traced("allgather_object")
+@peer_errors
 def allgather_object(obj: Any, name: str | None = None) -> list:
     """Every rank's ``obj`` (any picklable object), in rank order."""
     gathered = [None] * rank_info().world_size
@@ -367,6 +376,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list:
 
 
 @timeline.traced("barrier")
+@peer_errors
 def barrier() -> None:
     """Wait until every rank has reached this call."""
     rank_info()
@@ -374,6 +384,7 @@ def barrier() -> None:
 
 
 @timeline.traced("join")
+@peer_errors
 def join() -> int:
     """Wait until every rank has called ``join()``; the rank that called it last.
 

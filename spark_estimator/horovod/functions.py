@@ -10,8 +10,10 @@ import torch
 
 from .basics import rank
 from .collectives import broadcast_object, broadcast_tensors_, check_root
+from .errors import peer_errors
 
 
+@peer_errors
 def broadcast_parameters(params: Mapping | Iterable, root_rank: int) -> None:
     """Overwrite ``params`` with ``root_rank``'s: a ``state_dict()`` (its tensors share the
     model's storage), ``named_parameters()`` or a list of tensors."""
@@ -38,6 +40,7 @@ class _Slot:
     dtype: torch.dtype
 
 
+@peer_errors
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Give every rank ``root_rank``'s optimizer state and parameter-group settings (``lr``,
     momentum, ...), including state the optimizer creates on its first step: the other

@@ -32,6 +32,7 @@ import torch
 from .basics import size
 from .collectives import Adasum, Average, Reduction, grouped_allreduce, reduce_op
 from .compression import Compression, Compressor
+from .errors import peer_errors
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -285,6 +286,7 @@ class _GradientAllreduce(_Distributed):
         name = self._names[id(self._buckets[b][0])]
         self._reductions.append(Reduction(grads, self.op, self._compression, *self._scales, name))
 
+    @peer_errors
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting those not started yet) and write the
         results into ``.grad``."""
@@ -300,6 +302,7 @@ class _GradientAllreduce(_Distributed):
             self._reset_passes()
         self._synchronized = True
 
+    @peer_errors
     def step(self, closure=None):
         self._stepping()
         if self._should_synchronize:
@@ -319,10 +322,12 @@ class _GradientAllreduce(_Distributed):
 
 
 class _AdasumUpdates(_Distributed):
+    @peer_errors
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the updates are combined in ``step()``."""
         self._synchronized = True
 
+    @peer_errors
     def step(self, closure=None):
         self._stepping()
         if self._world == 1:
