@@ -187,7 +187,8 @@ def train(state):
         # Gradient is applied across all ranks
         optimizer.step()
 
-    if verbose:
+    # an epoch resumed after its last batch (the job grew at the commit below) has none here
+    if verbose and train_loss.n > 0:
         print(f'Train Epoch #{epoch + 1}: size {hvd.size()}, loss {train_loss.avg.item():.4f}, '
               f'accuracy {100. * train_accuracy.avg.item():.2f}%', flush=True)
 
