@@ -90,7 +90,8 @@ class State:
 
     def commit(self) -> None:
         """Save the state in memory and (rank 0, in a ``run`` task) in the run's store,
-        atomically; then ``check_host_updates()``."""
+        atomically; then check for a growth request as ``check_host_updates()`` does
+        (without committing again)."""
         self.save()
         self._write_commit()
         if _growth_requested():
