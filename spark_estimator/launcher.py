@@ -2,7 +2,7 @@
 
     spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
         [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
-        [--min-np N] [--elastic-timeout S]
+        [--min-np N] [--max-np N] [--elastic-timeout S]
         [--start-timeout S] [--gpu | --no-gpu] [--no-stage-level-scheduling]
         train.py [script args ...]
 
@@ -12,13 +12,19 @@
 and prints each rank's lines as they arrive, ``[rank <r>] <line>``: the ranks' stdout on
 its stdout, their stderr and logging on its stderr. It exits 0 when every rank finished;
 1 when a rank failed, with that rank's error and traceback on stderr; 2 for bad arguments.
+As Horovod's ``horovodrun``, ``-np`` is the number of ranks an ``hvd.elastic`` script starts
+with, ``--min-np`` the fewest it goes on with after losing some, ``--max-np`` the most it
+grows to when the cluster offers more slots; each resize is one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
 from .runner import run
@@ -43,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
         dest="num_proc",
         type=int,
         required=True,
-        help="number of training processes (ranks)",
+        help="number of training processes (ranks) to start with",
     )
     p.add_argument("--master", help="Spark master URL (default: local[<np>])")
     p.add_argument(
@@ -88,6 +94,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="an hvd.elastic script goes on with at least this many ranks after losing some "
         "(default: -np)",
+    )
+    p.add_argument(
+        "--max-np",
+        "--max-num-proc",
+        dest="max_num_proc",
+        type=int,
+        default=None,
+        help="an hvd.elastic script grows to at most this many ranks while the cluster offers "
+        "more task slots (default: -np)",
     )
     p.add_argument(
         "--elastic-timeout",
@@ -139,6 +154,25 @@ def _defaults(conf: dict[str, str]) -> dict[str, str]:
     return {"spark.ui.showConsoleProgress": "false", **conf}
 
 
+@contextmanager
+def _resizes_shown() -> Iterator[None]:
+    """``run``'s line about each restart or growth, on stderr as the launcher's own, while
+    the block runs."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("spark-estimator-run: %(message)s"))
+    log = logging.getLogger("spark_estimator.runner")
+    level, propagate = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        log.propagate = propagate
+
+
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     from pyspark.sql import SparkSession
@@ -150,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     spark = builder.getOrCreate()
     timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}
     try:
-        with warnings.catch_warnings(record=True) as caught:  # as lines, not Python's warnings
+        # warnings as lines, not Python's warnings
+        with _resizes_shown(), warnings.catch_warnings(record=True) as caught:
             run(
                 options.script,
                 args=options.args,
@@ -165,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_id=options.run_id,
                 max_restarts=options.max_restarts,
                 min_num_proc=options.min_num_proc,
+                max_num_proc=options.max_num_proc,
                 elastic_timeout=options.elastic_timeout,
                 stage_level_scheduling=options.stage_level_scheduling,
                 **timeout,

@@ -7,8 +7,9 @@ already pinned; inside it, ``spark_estimator.distributed`` gives rank, size,
 device and collectives. A script runs as ``__main__`` with torchrun's variables set, and
 forms the group itself (``hvd.init()`` or ``init_process_group``). The ranks' output
 comes back through the run's folder in a store while they run (``driver/monitor.py``);
-a launch whose ranks entered ``hvd.elastic.run`` is started again after a lost rank
-(``horovod/elastic.py``). Every input is checked before any Spark job starts.
+a launch whose ranks entered ``hvd.elastic.run`` is started again after a lost rank, and
+with more ranks when the cluster offers more slots (``horovod/elastic.py``). Every input is
+checked before any Spark job starts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ import cloudpickle
 import torch
 from pyspark.sql import SparkSession
 
-from .driver.elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS, ElasticSize, lost_reason
+from .driver.elastic import (
+    ELASTIC_TIMEOUT_S,
+    MAX_RESTARTS,
+    ElasticSize,
+    lost_reason,
+    request_growth,
+)
 from .driver.launch import (
     SLOT_WAIT_S,
     available_slots,
@@ -158,6 +165,7 @@ def run(
     min_num_proc: int | None = None,
     elastic_timeout: float = ELASTIC_TIMEOUT_S,
     stage_level_scheduling: bool = True,
+    max_num_proc: int | None = None,
 ) -> list | Any:
     """Run ``fn(*args, **kwargs)``, or the script ``fn`` with ``args``, on ``num_proc``
     Spark barrier tasks, one rank each.
@@ -210,9 +218,18 @@ def run(
     times, and resumes from the last ``state.commit()`` in ``runs/<run_id>/elastic/``.
     ``run_id`` names that folder (by default a new one); a ``run_id`` with a commit
     resumes from it. It starts again with as many ranks as the cluster can run then: with
-    ``min_num_proc``, any number from ``min_num_proc`` to ``num_proc`` (the script's reset
-    callbacks see the new size), else ``num_proc``; it waits at most ``elastic_timeout``
-    seconds for those slots (see ``driver/elastic.py``).
+    ``min_num_proc``, any number from ``min_num_proc`` to the largest size (the script's
+    reset callbacks see the new size), else at least ``num_proc``; it waits at most
+    ``elastic_timeout`` seconds for those slots (see ``driver/elastic.py``).
+
+    ``num_proc`` is the size the job starts with and ``max_num_proc`` (default
+    ``num_proc``) the largest (Horovod's ``-np`` and ``--max-np``). While a launch that
+    entered ``hvd.elastic.run`` runs with fewer ranks than the largest size (after losing
+    some, or from the start) and the cluster offers more slots, the ranks stop at their
+    next ``state.commit()`` or ``state.check_host_updates()``, and the job starts again
+    with as many ranks as the cluster then runs, up to ``max_num_proc``, from that commit.
+    Growing is no restart: it does not count against ``max_restarts``. Each resize is one
+    log line on the ``spark_estimator.runner`` logger (a loss: WARNING; a growth: INFO).
 
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
@@ -239,6 +256,17 @@ def run(
     max_restarts = _check_count("max_restarts", max_restarts, 0)
     if min_num_proc is not None:
         _check_count("min_num_proc", min_num_proc, 1)
+    if max_num_proc is not None:
+        _check_count("max_num_proc", max_num_proc, 1)
+        if num_proc is not None and max_num_proc < num_proc:
+            raise ValueError(
+                f"max_num_proc: {max_num_proc} is less than num_proc={num_proc}; a run starts "
+                "with num_proc ranks and grows to at most max_num_proc"
+            )
+        if min_num_proc is not None and min_num_proc > max_num_proc:
+            raise ValueError(
+                f"min_num_proc: {min_num_proc} is more than max_num_proc={max_num_proc}"
+            )
     elastic_timeout = _check_seconds("elastic_timeout", elastic_timeout)
     if not isinstance(stage_level_scheduling, bool):
         raise TypeError(
@@ -260,14 +288,15 @@ def run(
     use_gpu = check_use_gpu(spark, use_gpu, stage)
     slots = available_slots(spark, num_proc, start_timeout, stage.profile)
     check_task_python(spark)
-    num_proc = slots if num_proc is None else num_proc
+    if num_proc is None:
+        num_proc = slots if max_num_proc is None else min(slots, max_num_proc)
     slots_of = stage.slots_note()
     if min_num_proc is None:
         check_num_proc(num_proc, slots, f"start_timeout={start_timeout:g} s", slots_of=slots_of)
     size = ElasticSize(
         spark,
-        num_proc,
-        min_num_proc,
+        num_proc if max_num_proc is None else max_num_proc,
+        num_proc if min_num_proc is None else min_num_proc,
         check_min_num_proc(min_num_proc, num_proc, slots, slots_of),
         max_restarts,
         elastic_timeout,
@@ -279,6 +308,8 @@ def run(
     store, temporary = _run_store(store)  # a default one is removed in the finally below
     try:
         while True:
+            if store.exists(store.run(run_id).grow):  # a request of an earlier launch
+                store.remove(store.run(run_id).grow)
             spec = RunSpec(
                 payload,
                 shipped,
@@ -293,8 +324,7 @@ def run(
                 not tasks_print_here(spark),
             )
             try:
-                summaries = _launch(spark, spec, size.procs, name, show, stage.profile)
-                break
+                summaries = _launch(spark, spec, size, name, show, stage.profile)
             except _LostRank as lost:
                 size.after_loss(lost.__cause__)
                 log.warning(
@@ -306,6 +336,18 @@ def run(
                     size.restarts,
                     max_restarts,
                 )
+                continue
+            if not any(s["paused"] for s in summaries):
+                break
+            before = size.procs
+            size.after_growth_request(None)
+            log.info(
+                "run '%s': the cluster offers more task slots; starting the job again with "
+                "%d ranks (was %d) from the last hvd.elastic commit (a growth, not a restart)",
+                run_id,
+                size.procs,
+                before,
+            )
     finally:
         if temporary is not None:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -326,15 +368,25 @@ def run(
     return [_decode_result(s["result"]) for s in summaries]
 
 
-def _launch(spark, spec: RunSpec, num_proc: int, name: str, show, profile=None) -> list[dict]:
-    """One launch of the job, with the task resource ``profile`` of stage-level scheduling
-    (None: the cluster's task resources), its ranks' lines shown as they arrive. Raises a
-    ``TrainingError`` for an error of the training code, ``_LostRank`` (from Spark's
-    error) for another failure of a launch that entered ``hvd.elastic.run``."""
+def _launch(spark, spec: RunSpec, size: ElasticSize, name: str, show, profile=None) -> list[dict]:
+    """One launch of the job, of ``size.procs`` ranks, with the task resource ``profile``
+    of stage-level scheduling (None: the cluster's task resources), its ranks' lines shown
+    as they arrive; once it entered ``hvd.elastic.run``, it is asked to grow when the
+    cluster offers more slots (``request_growth``). Raises a ``TrainingError`` for an error
+    of the training code, ``_LostRank`` (from Spark's error) for another failure of a
+    launch that entered ``hvd.elastic.run``."""
     store, run = spec.store, spec.store.run(spec.run_id)
     tag = f"spark-estimator-{spec.launch_id}"
     cancel = functools.partial(cancel_jobs, spark, tag)
-    monitor = FitMonitor(store, spec.run_id, spec.launch_id, False, show=show, cancel=cancel)
+
+    def watch() -> None:
+        if store.exists(run.elastic_launch(spec.launch_id)):
+            request_growth(store, run, size)
+
+    monitor = FitMonitor(
+        store, spec.run_id, spec.launch_id, False, show=show, cancel=cancel, watch=watch
+    )
+    num_proc = size.procs
     try:
         with monitor:
             return run_barrier_job(

@@ -22,8 +22,8 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     runs/<run_id>/processes/rank-<r>.json                    run(): rank r's host, pid, attempt
     runs/<run_id>/elastic/launches/<launch>                  run(): the launch entered hvd.elastic
     runs/<run_id>/elastic/commit.pt                          run(): the last hvd.elastic commit
-    runs/<run_id>/elastic/grow.json                          a fit: ranks stop at the epoch's end
-                                                             so the job can grow
+    runs/<run_id>/elastic/grow.json                          a fit, an hvd.elastic run(): the ranks
+                                                             stop so the job can grow
     runs/<run_id>/rendezvous/<launch>/<stage>.json           rank 0's TCPStore host and port
                                                              while the job's group forms
 
@@ -132,7 +132,9 @@ class RunFolder:
     processes = _child("processes", "run(): where each rank runs, written at its start")
     elastic = _child("elastic", "run(): hvd.elastic's launches and last commit")
     commit = _child("elastic/commit.pt", "run(): the last hvd.elastic commit (rank 0's)")
-    grow = _child("elastic/grow.json", "an elastic fit: stop at the epoch's end to grow")
+    grow = _child(
+        "elastic/grow.json", "a fit, an hvd.elastic run: the ranks stop so the job can grow"
+    )
     rendezvous = _child("rendezvous", "rank 0's TCPStore address while a job's group forms")
 
     def meeting(self, launch_id: str, stage: int | str) -> str:

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,150 @@ def test_the_elastic_script_goes_on_with_fewer_ranks_after_losing_a_worker(tmp_p
     epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
     assert epochs == [str(e) for e in range(1, EPOCHS + 1)], done.stdout[-3000:]
     assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0
+
+
+IMAGENET = [str(EXAMPLES / "pytorch_imagenet_elastic.py")]
+TRAIN_IMAGES = 1437  # the digits' training images (every fifth of 1,797 validates)
+
+SHRINK_AND_GROW = """
+    # Runs the example; every launch says its size first. Rank 1, at its {step}th optimizer
+    # step, SIGKILLs the standalone Worker that started its executor, then the executor:
+    # that slot is gone until the test starts a new Worker. While the job runs with 2 ranks,
+    # each step takes {pause} s more, so that the new Worker comes up before the run ends.
+    # Each rank appends to a file of its own, one line per training batch (the sampler's
+    # epoch, processed count before it and the rank's indices) and one per reset of the
+    # training sampler (epoch, processed count, time), written as they happen.
+    import os, runpy, signal, sys, time
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    import spark_estimator.horovod as hvd
+
+    marker, folder, script = sys.argv[1], sys.argv[2], sys.argv[3]
+    size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    print("size", size, flush=True)
+    launch = os.environ["MASTER_ADDR"] + "-" + os.environ["MASTER_PORT"]
+    log = open(os.path.join(folder, f"{{launch}}-rank{{rank}}.txt"), "w", buffering=1)
+    sampler = hvd.elastic.ElasticSampler
+    record_batch, load_state_dict = sampler.record_batch, sampler.load_state_dict
+
+    def record(self, batch_idx, batch_size):
+        mine = list(iter(self))[batch_idx * batch_size:(batch_idx + 1) * batch_size]
+        log.write(f"batch {{self.epoch}} {{self.processed_num}} {{' '.join(map(str, mine))}}\\n")
+        record_batch(self, batch_idx, batch_size)
+
+    def load(self, state):
+        load_state_dict(self, state)
+        if len(self.dataset) == {train}:
+            log.write(f"reset {{self.epoch}} {{self.processed_num}} {{time.time()}}\\n")
+
+    sampler.record_batch, sampler.load_state_dict = record, load
+    steps = [0]
+
+    def parent(pid):
+        with open(f"/proc/{{pid}}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    def cmdline(pid):
+        with open(f"/proc/{{pid}}/cmdline", "rb") as f:
+            return f.read()
+
+    def after_step(optimizer, args, kwargs):
+        steps[0] += 1
+        if size == 2:
+            time.sleep({pause})
+        if rank == 1 and steps[0] == {step} and not os.path.exists(marker):
+            open(marker, "w").close()
+            executor = parent(os.getpid())
+            while b"CoarseGrainedExecutorBackend" not in cmdline(executor):
+                executor = parent(executor)
+            os.kill(parent(executor), signal.SIGKILL)
+            os.kill(executor, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    register_optimizer_step_post_hook(after_step)
+    sys.argv = sys.argv[3:]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+
+def sampled(folder: Path) -> dict[int, list[int]]:
+    """Every training index whose batch counts, by epoch: each launch's batches, less
+    those after the commit the next launch resumed from (they were done again)."""
+    launches: dict[str, dict] = {}
+    for path in folder.glob("*-rank*.txt"):
+        launch = launches.setdefault(path.name.rsplit("-rank", 1)[0], {"batches": []})
+        for line in path.read_text().splitlines():
+            kind, *values = line.split()
+            if kind == "reset":
+                launch.setdefault("reset", (int(values[0]), int(values[1]), float(values[2])))
+            else:
+                launch["batches"].append((int(values[0]), int(values[1]), values[2:]))
+    ordered = sorted(launches.values(), key=lambda launch: launch["reset"][2])
+    indices: dict[int, list[int]] = {}
+    for launch, following in zip(ordered, [*ordered[1:], None]):
+        resumed = following["reset"][:2] if following else (1 << 30, 0)
+        for epoch, before, mine in launch["batches"]:
+            if (epoch, before) < resumed:
+                indices.setdefault(epoch, []).extend(int(i) for i in mine)
+    return indices
+
+
+@pytest.mark.cluster
+def test_the_imagenet_style_script_shrinks_after_losing_a_worker_and_grows_back(tmp_path):
+    # 1,437 training images, 3 ranks, batch 32: 15 steps per epoch. Rank 1's 40th step is in
+    # the third epoch, after its commit at batch 0 (--batches-per-commit 10): the run goes on
+    # with 2 ranks from there; once it does, a new Worker is started and it grows back to 3
+    # at a host check (every 2 batches) or commit, within the same spark-estimator-run
+    harness = tmp_path / "shrink_and_grow.py"
+    harness.write_text(
+        textwrap.dedent(SHRINK_AND_GROW.format(step=40, pause=0.3, train=TRAIN_IMAGES))
+    )
+    marker, batches = tmp_path / "killed", tmp_path / "batches"
+    batches.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    with StandaloneCluster(workers=3) as cluster:
+        argv = [str(LAUNCHER), "-np", "3", "--min-np", "2", "--max-np", "3"]
+        argv += ["--master", cluster.url, "--store", str(tmp_path / "store")]
+        argv += [str(harness), str(marker), str(batches), *IMAGENET]
+        proc = subprocess.Popen(
+            argv, cwd=tmp_path, env={**env, "PYSPARK_PYTHON": sys.executable},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        out, err, shrunk = [], [], threading.Event()
+
+        def read(stream, lines):
+            for line in stream:
+                lines.append(line)
+                if line.rstrip("\n") == "[rank 0] size 2":
+                    shrunk.set()
+
+        readers = [
+            threading.Thread(target=read, args=a) for a in ((proc.stdout, out), (proc.stderr, err))
+        ]
+        for reader in readers:
+            reader.start()
+        try:
+            if shrunk.wait(300):
+                cluster.start_worker()
+            proc.wait(600)
+        finally:
+            proc.kill()
+            for reader in readers:
+                reader.join()
+        stdout, stderr = "".join(out), "".join(err)
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert len(cluster.alive_workers()) == 3
+    assert marker.exists()
+    sizes = re.findall(r"^\[rank 0\] size (\d+)$", stdout, re.M)
+    assert sizes == ["3", "2", "3"], stdout[-3000:]
+    assert re.search(r"ranks were lost .*starting the job again with 2 ranks", stderr)
+    assert "starting the job again with 3 ranks (was 2)" in stderr, stderr[-3000:]
+    epochs = re.findall(r"^\[rank 0\] Validate Epoch #(\d+):", stdout, re.M)
+    assert epochs == [str(e) for e in range(1, 13)], stdout[-3000:]
+    # ElasticSampler: every image once per epoch, but for the padding that fills the last
+    # batch of every rank (fewer than 3 images per launch that ends the epoch)
+    by_epoch = sampled(batches)
+    assert sorted(by_epoch) == list(range(12))
+    for epoch, indices in by_epoch.items():
+        assert set(indices) == set(range(TRAIN_IMAGES)), epoch
+        assert len(indices) - TRAIN_IMAGES < 3, (epoch, len(indices))
+    assert final(stdout) >= alone(IMAGENET, tmp_path) - 3.0

@@ -248,6 +248,18 @@ def _bad_inputs():
             ValueError,
             "min_num_proc: 3 is more than num_proc=2",
         ),
+        "max_num_proc 0": (dict(max_num_proc=0), ValueError, "max_num_proc: must be >= 1"),
+        "max_num_proc not int": (dict(max_num_proc=2.0), TypeError, "max_num_proc: expected an"),
+        "max_num_proc below num_proc": (
+            dict(num_proc=3, max_num_proc=2),
+            ValueError,
+            "max_num_proc: 2 is less than num_proc=3",
+        ),
+        "min_num_proc above max_num_proc": (
+            dict(min_num_proc=3, max_num_proc=2),
+            ValueError,
+            "min_num_proc: 3 is more than max_num_proc=2",
+        ),
         "elastic_timeout 0": (dict(elastic_timeout=0), ValueError, "elastic_timeout: must be > 0"),
         "store not a store": (dict(store=42), TypeError, "store: expected a Store or a URL"),
         "run_id with a slash": (dict(run_id="a/b"), ValueError, "run_id: expected a folder"),

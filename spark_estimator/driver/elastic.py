@@ -9,9 +9,12 @@ elastic one takes what the cluster offers, between ``min_num_proc`` and ``num_pr
 waits at most ``elastic_timeout`` seconds, then fails with the slot counts it saw.
 
 While an elastic fit runs with fewer than ``num_proc`` processes, ``grow_to`` says when the
-cluster offers more slots again; the driver then asks the ranks to stop at the end of the
-epoch (``request_growth``), and they commit and return, and the job is started again
-larger. Every change of size is a ``Resize`` in the training summary.
+cluster offers more slots again; the driver then asks the ranks to stop
+(``request_growth``: the run's ``elastic/grow.json``), at the end of the epoch for a fit, at
+the next ``state.commit()`` or ``check_host_updates()`` for an ``hvd.elastic`` script of
+``run`` (``horovod/elastic.py``); they commit and return, and the job is started again
+larger (``after_growth_request``), which is no restart: it does not count against
+``max_restarts``. Every change of size is a ``Resize`` in a fit's training summary.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from pyspark.sql import SparkSession
 
+from ..store import RunFolder, Store
 from .launch import connect_slots, is_connect, master_slots, scheduler_slots
 
 SLOT_POLL_S = 0.5
@@ -107,8 +111,9 @@ class ElasticSize:
         slots = slots_now(self.spark, self.profile)
         return min(slots, self.num_proc) if slots is not None and slots > self.procs else None
 
-    def after_growth_request(self, resumed_epoch: int) -> int:
-        """The size of the next launch after the ranks stopped to grow at an epoch's end."""
+    def after_growth_request(self, resumed_epoch: int | None) -> int:
+        """The size of the next launch after the ranks stopped for the job to grow (at an
+        epoch's end: ``resumed_epoch``; None for ``run``)."""
         procs = max(self.procs, min(slots_now(self.spark, self.profile) or 0, self.num_proc))
         self._resize(procs, "slots returned", resumed_epoch)
         return procs
@@ -144,3 +149,15 @@ class ElasticSize:
                     "checkpoints stay in the store: fit again with the same run_id to resume"
                 )
             time.sleep(SLOT_POLL_S)
+
+
+def request_growth(store: Store, run: RunFolder, size: ElasticSize) -> bool:
+    """While the job runs below its largest size and the cluster offers more slots, ask
+    its ranks to stop so that it can start again larger: ``run.grow`` names the size the
+    request is for (a launch of another size ignores it). Whether a request is there now."""
+    if store.exists(run.grow):
+        return True
+    if size.grow_to() is None:
+        return False
+    store.write_json(run.grow, {"from": size.procs})
+    return True

@@ -38,10 +38,10 @@ from ..shared.spec import (
     launch_secret,
 )
 from ..shared.summary import RankSummary
-from ..store import RunFolder, Store
+from ..store import Store
 from ..worker.task import training_task
 from . import mlflow_log, run_manifest, validate
-from .elastic import ElasticSize, lost_reason
+from .elastic import ElasticSize, lost_reason, request_growth
 from .launch import available_slots, cancel_jobs, run_barrier_job, tasks_print_here
 from .materialize import COMPRESSIONS, WriteOptions, materialize
 from .monitor import FitMonitor
@@ -145,13 +145,6 @@ def rank_memory(summaries: list[RankSummary]) -> list[dict]:
 
 class _LostProcesses(Exception):
     """A launch of the training job failed without an error of the training code."""
-
-
-def _ask_to_grow(run: RunFolder, size: ElasticSize, store: Store) -> None:
-    """While an elastic fit runs below num_proc and the cluster offers more slots, ask the
-    ranks to stop at the epoch's end (they read ``run.grow``, see worker/loop/train.py)."""
-    if not store.exists(run.grow) and size.grow_to() is not None:
-        store.write_json(run.grow, {"from": size.procs})
 
 
 class _Clock:
@@ -418,7 +411,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         tag = f"spark-estimator-{spec.launch_id}"
         monitor.cancel = functools.partial(cancel_jobs, spark, tag)
         # Lightning's trainer has no way to stop for the driver: its fits only shrink
-        grow = functools.partial(_ask_to_grow, store.run(run_id), size, store)
+        # the ranks stop at the epoch's end (they read ``run.grow``, see worker/loop/train.py)
+        grow = functools.partial(request_growth, store, store.run(run_id), size)
         monitor.watch = grow if spec.trainer == "torch" else None
         try:
             with monitor:

@@ -73,6 +73,7 @@ from .collectives import (
     join,
 )
 from .compression import Compression, Compressor
+from .errors import HorovodInternalError
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .launch import run
 from .optimizer import DistributedOptimizer
@@ -147,4 +148,5 @@ __all__ = [
     "broadcast_parameters",
     "broadcast_optimizer_state",
     "elastic",
+    "HorovodInternalError",
 ]

@@ -35,6 +35,7 @@ from .collectives import (
     reductions_by_dtype,
 )
 from .compression import Compression
+from .errors import peer_errors
 from .process_sets import ProcessSet, global_process_set, scope
 
 _GLOBAL = global_process_set
@@ -65,6 +66,7 @@ def _handle(works: Sequence, finish: Callable) -> int:
     return handle
 
 
+@peer_errors
 def poll(handle: int) -> bool:
     """Whether the collective of ``handle`` has finished (``synchronize`` will not wait)."""
     if handle not in _pending:
@@ -72,12 +74,14 @@ def poll(handle: int) -> bool:
     return _pending[handle].done()
 
 
+@peer_errors
 def synchronize(handle: int):
     """Wait for the collective of ``handle`` and return its result."""
     op = _pending.pop(handle, None)
     return None if op is None else op.result()
 
 
+@peer_errors
 def allreduce_async(
     tensor,
     average=None,
@@ -100,6 +104,7 @@ def allreduce_async(
     return _handle([reduction._work], lambda: reduction.wait()[0].to(tensor.device))
 
 
+@peer_errors
 def allreduce_async_(
     tensor,
     average=None,
@@ -122,6 +127,7 @@ def allreduce_async_(
     return _handle([reduction._work], lambda: _into(tensor, reduction.wait()[0]))
 
 
+@peer_errors
 def grouped_allreduce_async(
     tensors,
     average=None,
@@ -136,6 +142,7 @@ def grouped_allreduce_async(
     return _grouped(tensors, op, prescale_factor, postscale_factor, name, False, process_set)
 
 
+@peer_errors
 def grouped_allreduce_async_(
     tensors,
     average=None,
@@ -150,6 +157,7 @@ def grouped_allreduce_async_(
     return _grouped(tensors, op, prescale_factor, postscale_factor, name, True, process_set)
 
 
+@peer_errors
 def grouped_allreduce_(
     tensors,
     average=None,
@@ -181,6 +189,7 @@ def _grouped(tensors, op, pre, post, name, in_place: bool, process_set) -> int:
     return _handle([r._work for _, r in parts], finish)
 
 
+@peer_errors
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = _GLOBAL
 ) -> int:
@@ -189,6 +198,7 @@ def allgather_async(
     return _handle([work], finish)
 
 
+@peer_errors
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = _GLOBAL
 ) -> int:
@@ -197,6 +207,7 @@ def grouped_allgather_async(
     return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
 
 
+@peer_errors
 def grouped_allgather(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = _GLOBAL
 ) -> list:
@@ -204,6 +215,7 @@ def grouped_allgather(
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
+@peer_errors
 def broadcast_async(
     tensor: torch.Tensor,
     root_rank: int,
@@ -218,6 +230,7 @@ def broadcast_async(
     return _handle([started], lambda: work.to(tensor.device))
 
 
+@peer_errors
 def broadcast_async_(
     tensor: torch.Tensor,
     root_rank: int,
@@ -232,6 +245,7 @@ def broadcast_async_(
     return _handle([started], lambda: _into(tensor, work))
 
 
+@peer_errors
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str | None = None, op=None, process_set: ProcessSet = _GLOBAL
 ) -> int:
@@ -272,6 +286,7 @@ def _splits(rows: int, splits, world: int, name) -> list[int]:
     return counts
 
 
+@peer_errors
 def alltoall_async(
     tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = _GLOBAL
 ) -> int:
@@ -313,6 +328,7 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None, None
 
 
+@peer_errors
 def alltoall(
     tensor: torch.Tensor, splits=None, name: str | None = None, process_set: ProcessSet = _GLOBAL
 ):
@@ -326,6 +342,7 @@ def alltoall(
     return output if splits is None else (output, received)
 
 
+@peer_errors
 def reducescatter_async(
     tensor: torch.Tensor,
     name=None,
@@ -355,6 +372,7 @@ def reducescatter_async(
     return _handle([reduction._work], finish)
 
 
+@peer_errors
 def reducescatter(
     tensor: torch.Tensor,
     name=None,

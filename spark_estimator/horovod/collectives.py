@@ -32,6 +32,7 @@ import torch.distributed as dist
 from . import joined, timeline
 from .basics import rank_info
 from .compression import Compression, Compressor
+from .errors import peer_errors
 from .process_sets import ProcessSet, Scope, global_process_set, scope
 
 
@@ -152,6 +153,7 @@ class Reduction:
 
 
 @timeline.traced("allreduce")
+@peer_errors
 def allreduce(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -233,6 +235,7 @@ class _Broadcast(torch.autograd.Function):
         return averaged, None, None, None
 
 
+@peer_errors
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -252,6 +255,7 @@ def allreduce_(
 
 
 @timeline.traced("grouped_allreduce")
+@peer_errors
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -307,6 +311,7 @@ def checked(process_set: ProcessSet, kind: str, name: str | None = None) -> Scop
 
 
 @timeline.traced("allgather")
+@peer_errors
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
@@ -375,6 +380,7 @@ def check_root(
 
 
 @timeline.traced("broadcast")
+@peer_errors
 def broadcast(
     tensor: torch.Tensor,
     root_rank: int,
@@ -396,6 +402,7 @@ def _broadcasted(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) 
     return work.to(tensor.device)
 
 
+@peer_errors
 def broadcast_(
     tensor: torch.Tensor,
     root_rank: int,
@@ -427,6 +434,7 @@ def broadcast_tensors_(
 
 
 @timeline.traced("broadcast_object")
+@peer_errors
 def broadcast_object(
     obj: Any,
     root_rank: int = 0,
@@ -443,6 +451,7 @@ def broadcast_object(
 
 
 @timeline.traced("allgather_object")
+@peer_errors
 def allgather_object(
     obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list:
@@ -454,6 +463,7 @@ def allgather_object(
 
 
 @timeline.traced("barrier")
+@peer_errors
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of ``process_set`` has reached this call."""
     info = rank_info()
@@ -465,6 +475,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 @timeline.traced("join")
+@peer_errors
 def join() -> int:
     """Wait until every rank has called ``join()``, meanwhile taking part in the other
     ranks' allreduces (contributing zeros, as Horovod's: see ``joined.py``); the rank

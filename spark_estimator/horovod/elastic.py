@@ -20,10 +20,19 @@ commit on rank 0, broadcasts it to every rank and calls the reset callbacks, so 
 repeats at most the work since the last commit. Outside any task (``python train.py``)
 commits stay in memory.
 
-The processes of a Spark barrier job are fixed while it runs: a lost one fails the job,
-and the next launch has the same size. ``check_host_updates()`` compares the job's size
-with the one the state was synchronised in; it cannot differ within a launch today, so it
-never interrupts. Reset callbacks run after a restart from a commit.
+Growing back: while a launch that entered ``hvd.elastic.run`` has fewer ranks than the
+run's largest size and the cluster offers more task slots, the driver writes a growth
+request to the run's ``elastic/grow.json`` (``driver/elastic.py``). ``check_host_updates()``
+(called by ``commit()`` after the commit is written, and callable by the script, as in
+Horovod) has rank 0 read it and broadcast the decision, so every rank raises
+``HostsUpdatedInterrupt`` at the same call; called directly, it first commits the state as
+it is then, which is what Horovod's ranks keep on such an interrupt. The processes of a
+Spark barrier job are fixed while it runs, so ``hvd.elastic.run`` then ends the launch on
+every rank (``EndLaunchToGrow``: the task ends without an error), and the driver starts the
+next one larger: it restores the commit and calls the reset callbacks with the new
+``hvd.size()``. A rank lost mid-launch ends the whole Spark stage: the survivors cannot go
+on from their memory as Horovod's do after a ``HorovodInternalError``, so the job starts
+again from the last commit in the store (docs/horovod.md says how the two differ).
 """
 
 from __future__ import annotations
@@ -37,12 +46,17 @@ import torch
 import torch.distributed as dist
 
 from ..worker.comm import rendezvous
-from ..worker.run_task import current_run
+from ..worker.run_task import EndLaunchToGrow, current_run
 from .elastic_sampler import ElasticSampler as ElasticSampler  # hvd.elastic.ElasticSampler
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """The job's processes changed since the state was synchronised (see the module)."""
+    """The driver asked the job to grow (see the module); Horovod's, with its
+    ``skip_sync`` (whether the ranks may skip ``sync()`` before going on)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the driver asked the job to grow: more task slots are offered")
+        self.skip_sync = skip_sync
 
 
 def _rank_info() -> rendezvous.RankInfo:
@@ -64,7 +78,6 @@ class State:
 
     def __init__(self):
         self._reset_callbacks: list[Callable[[], None]] = []
-        self._world_size: int | None = None
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions (no arguments) called after the state was reset to a commit of an
@@ -77,26 +90,33 @@ class State:
 
     def commit(self) -> None:
         """Save the state in memory and (rank 0, in a ``run`` task) in the run's store,
-        atomically; then ``check_host_updates()``."""
+        atomically; then check for a growth request as ``check_host_updates()`` does
+        (without committing again)."""
         self.save()
+        self._write_commit()
+        if _growth_requested():
+            raise HostsUpdatedInterrupt()
+
+    def check_host_updates(self) -> None:
+        """Raise ``HostsUpdatedInterrupt`` on every rank when the driver asked the job to
+        grow, after committing the state as it is now (see the module); a collective, so
+        every rank calls it at the same point."""
+        if _growth_requested():
+            self.save()
+            self._write_commit()
+            raise HostsUpdatedInterrupt()
+
+    def _write_commit(self) -> None:
+        """Rank 0, in a ``run`` task: the last ``save()`` to the run's store, atomically."""
         spec = current_run()
         if spec is not None and _rank_info().rank == 0:
             buf = io.BytesIO()
             torch.save(self.state_dict(), buf)
             with spec.store.open_atomic(spec.store.run(spec.run_id).commit) as f:
                 f.write(buf.getvalue())
-        self.check_host_updates()
-
-    def check_host_updates(self) -> None:
-        """Raise ``HostsUpdatedInterrupt`` when the job's size differs from the one at the
-        last ``sync()`` (it cannot change within a launch today: see the module)."""
-        size = _rank_info().world_size
-        if self._world_size is not None and size != self._world_size:
-            raise HostsUpdatedInterrupt(f"{self._world_size} processes became {size}")
 
     def sync(self) -> None:
         """Make every rank's state rank 0's; then save it in memory."""
-        self._world_size = _rank_info().world_size
         self._sync()
         self.save()
 
@@ -219,6 +239,22 @@ def _stateful(value) -> bool:
     )
 
 
+def _growth_requested() -> bool:
+    """Whether this launch should end for the job to grow: rank 0 reads the run's request
+    (one for this launch's size) and broadcasts it. Outside a ``run`` task, never."""
+    spec = current_run()
+    if spec is None:
+        return False
+    info = _rank_info()
+    asked = 0.0
+    if info.rank == 0:
+        store, path = spec.store, spec.store.run(spec.run_id).grow
+        asked = float(store.exists(path) and store.read_json(path)["from"] == info.world_size)
+    flag = torch.tensor([asked], device=info.device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def _restore_commit(state: State) -> bool:
     """Load the run's last commit into ``state`` on rank 0; whether there was one (on
     every rank)."""
@@ -237,7 +273,11 @@ def _restore_commit(state: State) -> bool:
 def run(func: Callable) -> Callable:
     """Decorate ``func(state, *args, **kwargs)``: before it runs, every rank's ``state``
     becomes the run's last commit (then the reset callbacks are called) or, without one,
-    rank 0's state. A ``HostsUpdatedInterrupt`` resynchronises and calls it again."""
+    rank 0's state. A ``HostsUpdatedInterrupt`` ends the launch in a ``run`` task, for the
+    driver to start a larger one (see the module); elsewhere (one raised by the script) it
+    resynchronises, unless its ``skip_sync``, calls the reset callbacks and calls ``func``
+    again, as Horovod's. A ``HorovodInternalError`` (a peer lost) propagates: the job
+    starts again from the last commit."""
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):
@@ -249,8 +289,11 @@ def run(func: Callable) -> Callable:
         while True:
             try:
                 return func(state, *args, **kwargs)
-            except HostsUpdatedInterrupt:
-                state.sync()
+            except HostsUpdatedInterrupt as interrupt:
+                if current_run() is not None:
+                    raise EndLaunchToGrow() from None
+                if not interrupt.skip_sync:
+                    state.sync()
                 state.on_reset()
 
     return wrapper

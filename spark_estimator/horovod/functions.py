@@ -10,9 +10,11 @@ import torch
 
 from .basics import rank
 from .collectives import broadcast_object, broadcast_tensors_, check_root
+from .errors import peer_errors
 from .process_sets import ProcessSet, global_process_set
 
 
+@peer_errors
 def broadcast_parameters(
     params: Mapping | Iterable, root_rank: int, process_set: ProcessSet = global_process_set
 ) -> None:
@@ -42,6 +44,7 @@ class _Slot:
     dtype: torch.dtype
 
 
+@peer_errors
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet = global_process_set
 ) -> None:

@@ -1,14 +1,14 @@
 """Driver: ``hvd.run``, Horovod's ``horovod.run`` signature over ``spark_estimator.run``.
 
 A Horovod script that launches itself (``horovod.run(main, args=(...), np=4)``) keeps its
-call: ``np`` is ``num_proc`` (with ``max_np``, an elastic run starts at most ``max_np`` and
-goes on with no fewer than ``min_np``), ``start_timeout`` and ``verbose`` are run's, and
-``output_filename`` writes each rank's lines to ``<output_filename>/rank.<r>/stdout`` and
-``stderr``, as Horovod's does. Where Horovod's launcher decides what Spark decides here
-(which hosts and slots, network interfaces, ssh, the executable), the keyword is accepted
-and one warning says so; MPI is refused (Spark starts the processes; they meet through
-gloo on CPU and NCCL on GPU, which is ``use_gloo=True``). Returns the ranks' return values
-ordered by rank, as Horovod's.
+call: ``np`` is ``num_proc``, the size it starts with; an elastic run goes on with no fewer
+than ``min_np`` ranks and grows to at most ``max_np`` (``min_num_proc``, ``max_num_proc``);
+``start_timeout`` and ``verbose`` are run's, and ``output_filename`` writes each rank's
+lines to ``<output_filename>/rank.<r>/stdout`` and ``stderr``, as Horovod's does. Where
+Horovod's launcher decides what Spark decides here (which hosts and slots, network
+interfaces, ssh, the executable), the keyword is accepted and one warning says so; MPI is
+refused (Spark starts the processes; they meet through gloo on CPU and NCCL on GPU, which
+is ``use_gloo=True``). Returns the ranks' return values ordered by rank, as Horovod's.
 """
 
 from __future__ import annotations
@@ -63,13 +63,16 @@ def run(
             f"{given}: MPI is not offered: Spark starts the processes and they meet through "
             "gloo (CPU) and NCCL (GPU), Horovod's use_gloo=True; leave MPI out"
         )
+    if max_np is not None and isinstance(max_np, int) and isinstance(np, int) and max_np < np:
+        raise ValueError(f"max_np: {max_np} is less than np={np}, the size the run starts with")
     given = {k: v for k, v in launcher.items() if v is not None}
     if given:
         notes = "; ".join(f"{k}: {SPARK_DECIDES[k]}" for k in sorted(given))
         warnings.warn(f"hvd.run: Spark decides these, not the call: {notes}", stacklevel=2)
     options: dict[str, Any] = {
-        "num_proc": max_np if max_np is not None else np,
+        "num_proc": np,
         "min_num_proc": min_np,
+        "max_num_proc": max_np,
         "verbose": 2 if verbose is True or (verbose or 0) > 1 else 1,
     }
     if start_timeout is not None:

@@ -31,6 +31,7 @@ import torch
 
 from .collectives import Adasum, Average, Reduction, grouped_allreduce, reduce_op
 from .compression import Compression, Compressor
+from .errors import peer_errors
 from .process_sets import ProcessSet, global_process_set, scope
 
 BUCKET_BYTES = 25 * 2**20
@@ -301,6 +302,7 @@ class _GradientAllreduce(_Distributed):
             Reduction(grads, self.op, self._compression, *self._scales, name, self.process_set)
         )
 
+    @peer_errors
     def synchronize(self) -> None:
         """Finish reducing every gradient (starting those not started yet) and write the
         results into ``.grad``."""
@@ -316,6 +318,7 @@ class _GradientAllreduce(_Distributed):
             self._reset_passes()
         self._synchronized = True
 
+    @peer_errors
     def step(self, closure=None):
         self._stepping()
         if self._should_synchronize:
@@ -335,10 +338,12 @@ class _GradientAllreduce(_Distributed):
 
 
 class _AdasumUpdates(_Distributed):
+    @peer_errors
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the updates are combined in ``step()``."""
         self._synchronized = True
 
+    @peer_errors
     def step(self, closure=None):
         self._stepping()
         if self._world == 1:

@@ -10,7 +10,8 @@ before its task fails, and the driver, finding the record, raises it as a
 
 Two kinds of exception are retried (not recorded), and the retry resumes:
 - those that only say a peer went away (gloo's "connection reset" or "timed out", the
-  shared-memory allreduce's ``SHM_TAG`` errors, or torch.distributed's ``DistError``):
+  shared-memory allreduce's ``SHM_TAG`` errors, torch.distributed's ``DistError``, or
+  ``PeerFailure``: ``hvd.HorovodInternalError``, which carries any of these):
   the rank that died is the failure;
 - I/O errors (``OSError``: a store or a network that failed for a moment). One that
   persists fails every attempt, and the driver's error after the last one
@@ -71,6 +72,11 @@ class TrainingError(RuntimeError):
         )
 
 
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank failed, died or hung (``hvd``'s
+    ``HorovodInternalError`` is one)."""
+
+
 def is_retried(error: BaseException) -> bool:
     """Whether the training job should be started again after ``error`` (see above)."""
     return is_peer_failure(error) or isinstance(error, OSError)
@@ -78,7 +84,7 @@ def is_retried(error: BaseException) -> bool:
 
 def is_peer_failure(error: BaseException) -> bool:
     """Whether ``error`` only reports that another rank failed, died or hung."""
-    if isinstance(error, dist.DistError):
+    if isinstance(error, (dist.DistError, PeerFailure)):
         return True
     # gloo raises plain RuntimeErrors tagged with its source path; the shared-memory
     # allreduce tags its own, which reach here through DDP as RuntimeErrors too

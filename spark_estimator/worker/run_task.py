@@ -3,7 +3,8 @@
 Each task records where it runs (``RunFolder.process``: rank, host, pid, launch and task
 attempt), joins the job's process group and runs the user's function, or a script as
 ``__main__`` (``run_script``), with ``run``'s ``env`` set. It returns a summary with its
-rank, its CPU-fallback note and the function's return value. The value is written with
+rank, its CPU-fallback note, the function's return value and whether it stopped for the
+job to grow (``EndLaunchToGrow``). The value is written with
 ``torch.save`` through cloudpickle (any picklable object; tensors are stored so that the
 driver can map CUDA tensors to CPU) and travels base64-encoded inside the summary.
 
@@ -64,6 +65,13 @@ class RunSpec:
 _current: RunSpec | None = None
 
 
+class EndLaunchToGrow(BaseException):
+    """Raised through the user's code on every rank by ``hvd.elastic.run`` when the driver
+    asked the job to grow (``horovod/elastic.py``): the task ends without an error, its
+    summary says ``paused``, and the driver starts the job again larger. A BaseException,
+    as ``SystemExit``, so that a script's ``except Exception`` lets it through."""
+
+
 def current_run() -> RunSpec | None:
     """The launch this process runs a rank of (inside a ``run`` task), or None."""
     return _current
@@ -104,7 +112,8 @@ def run_script(path: str, source: str, args: tuple[str, ...]) -> None:
 
 def run_task(spec: RunSpec) -> dict:
     """Run one rank of the launch ``spec``; return its summary. With ``rank0_only`` the
-    other ranks send no value back (``result`` is None); a script's value is None."""
+    other ranks send no value back (``result`` is None); a script's value is None, and so
+    is that of a launch that ended for the job to grow (``paused``)."""
     global _current
     from pyspark import BarrierTaskContext
 
@@ -142,12 +151,16 @@ def run_task(spec: RunSpec) -> dict:
                         f"{pid}, device {info.device}, task attempt {attempt}",
                         file=sys.stderr,
                     )
-                if spec.script is not None:
-                    value = run_script(*spec.script)
-                else:
-                    fn, args, kwargs = call
-                    value = fn(*args, **kwargs)
-            send = spec.script is None and (rank == 0 or not spec.rank0_only)
+                paused, value = False, None
+                try:
+                    if spec.script is not None:
+                        run_script(*spec.script)
+                    else:
+                        fn, args, kwargs = call
+                        value = fn(*args, **kwargs)
+                except EndLaunchToGrow:
+                    paused = True  # every rank ends this launch here, together
+            send = spec.script is None and not paused and (rank == 0 or not spec.rank0_only)
             result = encode_result(value, rank) if send else None
         except BaseException as e:
             if not is_peer_failure(e):  # only says that another rank failed or was lost
@@ -155,4 +168,4 @@ def run_task(spec: RunSpec) -> dict:
             raise
         finally:
             _current = None
-    return {"rank": rank, "device_note": info.device_note, "result": result}
+    return {"rank": rank, "device_note": info.device_note, "result": result, "paused": paused}

@@ -1,7 +1,9 @@
 """hvd.elastic: commits in the run's store; a killed rank restarts the job from the last
-commit (real Spark tasks, a real process killed); a user's exception fails at once."""
+commit (real Spark tasks, a real process killed); a job below its largest size grows when
+the cluster offers more slots; a user's exception fails at once."""
 
 import io
+import logging
 import os
 import signal
 import threading
@@ -108,6 +110,76 @@ def test_a_killed_rank_restarts_the_job_from_the_last_commit(spark, store, tmp_p
     launches = store.fs.ls(store.run("elastic").elastic + "/launches", detail=False)
     assert len(launches) == 2
     assert commit_epoch(store, "elastic") == 5
+
+
+GROWING_SCRIPT = """
+import time
+import torch
+import torch.distributed as dist
+from spark_estimator.horovod import elastic
+from spark_estimator.worker.comm.rendezvous import init_default_group
+
+init_default_group()
+size = dist.get_world_size()
+print(f"size {size}")
+model = torch.nn.Linear(1, 1, bias=False)
+torch.nn.init.zeros_(model.weight)
+optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+state = elastic.TorchState(model, optimizer, step=0)
+state.register_reset_callbacks([lambda: print(f"reset at step {state.step} size {size}")])
+
+
+@elastic.run
+def train(state):
+    while state.step < 40:
+        optimizer.zero_grad()
+        (-model.weight.sum()).backward()  # every step adds 1 to the weight
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= size
+        optimizer.step()
+        state.step += 1
+        time.sleep(0.25)
+        state.check_host_updates()  # never commit(): growing commits the state as it is
+
+
+train(state)
+print(f"done: step {state.step} weight {model.weight.item():g} size {size}")
+"""
+
+
+def test_a_run_below_its_largest_size_grows_when_slots_are_offered(spark, store, tmp_path, caplog):
+    # local[4] offers 4 slots: a run started with 2 ranks grows to max_num_proc=3 at the
+    # first check_host_updates() after the driver sees it entered hvd.elastic.run
+    script = tmp_path / "growing.py"
+    script.write_text(GROWING_SCRIPT)
+    out = Recorder()
+    with caplog.at_level(logging.INFO, logger="spark_estimator.runner"):
+        run(
+            str(script), num_proc=2, max_num_proc=3, use_gpu=False, spark=spark, stdout=out,
+            store=store, run_id="grow", verbose=0, max_restarts=0,  # a growth is no restart
+        )  # fmt: skip
+    rank0 = [line for line in out.lines if line.startswith("[rank 0]")]
+    assert len(rank0) == 4, rank0
+    grown_at = int(rank0[2].split()[5])  # "[rank 0] reset at step <n> size 3"
+    assert rank0 == [
+        "[rank 0] size 2",
+        "[rank 0] size 3",
+        f"[rank 0] reset at step {grown_at} size 3",
+        "[rank 0] done: step 40 weight 40 size 3",  # no step lost or repeated
+    ]
+    assert 1 <= grown_at < 40
+    assert sorted(line for line in out.lines if "done:" in line) == [
+        f"[rank {r}] done: step 40 weight 40 size 3" for r in range(3)
+    ]
+    resizes = [r.getMessage() for r in caplog.records if "more task slots" in r.getMessage()]
+    assert resizes == [
+        "run 'grow': the cluster offers more task slots; starting the job again with 3 ranks "
+        "(was 2) from the last hvd.elastic commit (a growth, not a restart)"
+    ]
+    launches = store.fs.ls(store.run("grow").elastic + "/launches", detail=False)
+    assert len(launches) == 2
+    assert not store.exists(store.run("grow").grow)  # removed before the larger launch
 
 
 def test_an_exception_under_elastic_fails_at_once(spark, store, tmp_path):

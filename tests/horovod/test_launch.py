@@ -46,6 +46,16 @@ def test_mpi_is_refused_before_any_job(keywords, message):
         hvd.run(train, args=(1.0,), np=2, **keywords)
 
 
+def test_np_is_the_size_a_run_starts_with_and_max_np_the_most(spark):
+    # as horovodrun's -np / --max-np: a script that is not elastic never grows
+    assert hvd.run(train, args=(1.0,), np=2, min_np=1, max_np=3) == [1.0, 1.0]
+
+
+def test_max_np_below_np_is_refused_before_any_job():
+    with pytest.raises(ValueError, match="max_np: 2 is less than np=3"):
+        hvd.run(train, np=3, min_np=1, max_np=2)
+
+
 def test_a_keyword_horovod_does_not_have_is_named():
     with pytest.raises(TypeError, match="num_workers: not a keyword of horovod.run"):
         hvd.run(train, np=2, num_workers=2)
