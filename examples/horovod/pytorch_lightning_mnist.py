@@ -21,6 +21,8 @@ instead. What differs, besides the import line (``spark_estimator.horovod`` for
   loaders use no worker processes. The rate is a flag, ``--lr``, 0.1 by default where
   Horovod's is 0.01: the digits give 23 steps an epoch, MNIST 938.
 - No progress bar: each rank's lines reach the launcher's terminal as they are printed.
+- One CPU thread per rank (``torch.set_num_threads(1)``, as Horovod's MNIST script sets):
+  ranks sharing a host's cores otherwise wait on each other's threads.
 
     .venv/bin/spark-estimator-run -np 2 --master "local[2]" \
         examples/horovod/pytorch_lightning_mnist.py --epochs 10
@@ -202,6 +204,9 @@ if __name__ == "__main__":
     if args.cuda:
         torch.cuda.set_device(hvd.local_rank())
         torch.cuda.manual_seed(args.seed)
+
+    # Horovod: limit # of CPU threads to be used per worker (as its MNIST script does).
+    torch.set_num_threads(1)
 
     train_dataset = digits(train=True)
 

@@ -8,7 +8,8 @@ total over all ranks; rank 0 prints). Two things differ from a Horovod user's sc
 import line (``spark_estimator.horovod`` for ``horovod.torch``) and the models: torchvision
 is not needed, so ``--model`` picks one of the small networks defined below, and the random
 images are 3x32x32 with 10 classes instead of ImageNet's 3x224x224 and 1,000 (a CPU runs
-this in seconds).
+this in seconds). Each rank also uses one CPU thread (``torch.set_num_threads(1)``, as
+Horovod's MNIST script sets), which Horovod's benchmark leaves to torch.
 
     .venv/bin/spark-estimator-run -np 2 --master "local[2]" \
         examples/horovod/pytorch_synthetic_benchmark.py
@@ -105,6 +106,9 @@ if args.cuda:
     torch.cuda.set_device(hvd.local_rank())
 
 cudnn.benchmark = True
+
+# Horovod: limit # of CPU threads to be used per worker (as its MNIST script does).
+torch.set_num_threads(1)
 
 # Set up the model.
 model = MODELS[args.model]()

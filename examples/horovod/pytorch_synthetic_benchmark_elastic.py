@@ -7,10 +7,10 @@ the images per second measured so far, the next iteration and whether the warm-u
 it is committed every ``--num-batches-per-commit`` batches and after the warm-up and each
 iteration, and a reset callback rescales the learning rate for the new number of ranks.
 When a rank is lost, the launcher starts the job again and the benchmark goes on from the
-last commit: an iteration reported before is not run again. Besides the import line and
-the models (as in the non-elastic script), one thing differs from Horovod's script: its
-state records the iteration just finished, so a restart there repeats it; here it records
-the next one.
+last commit: an iteration reported before is not run again. Besides the import line, the
+models and the CPU threads (as in the non-elastic script), one thing differs from Horovod's
+script: its state records the iteration just finished, so a restart there repeats it; here
+it records the next one.
 
     .venv/bin/spark-estimator-run -np 2 --master "local[2]" \
         examples/horovod/pytorch_synthetic_benchmark_elastic.py
@@ -111,6 +111,9 @@ if args.cuda:
     torch.cuda.set_device(hvd.local_rank())
 
 cudnn.benchmark = True
+
+# Horovod: limit # of CPU threads to be used per worker (as its MNIST script does).
+torch.set_num_threads(1)
 
 # Set up the model.
 model = MODELS[args.model]()
