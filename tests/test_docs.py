@@ -102,3 +102,87 @@ def test_horovod_md_names_exactly_the_verbose_values_the_estimators_take():
         assert f"`{value}`" not in row
         with pytest.raises(ValueError, match="verbose"):
             TorchEstimator(verbose=value)
+
+
+# Every public name of Horovod 0.28.1's horovod.torch (its __init__'s imports, the public
+# classes of horovod/torch/compression.py and the autograd Functions of mpi_ops.py),
+# horovod.torch.elastic (its module-level names) and the methods scripts call on a
+# DistributedOptimizer, a TorchState and an ElasticSampler.
+HOROVOD_TORCH_0_28 = (
+    *"init shutdown is_initialized rank size local_rank local_size cross_rank cross_size".split(),
+    *"mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built".split(),
+    *"ddl_built ccl_built cuda_built rocm_built is_homogeneous start_timeline".split(),
+    *"stop_timeline Average Sum Adasum Min Max Product allreduce allreduce_async".split(),
+    *"allreduce_ allreduce_async_ grouped_allreduce grouped_allreduce_async".split(),
+    *"grouped_allreduce_ grouped_allreduce_async_ sparse_allreduce_async allgather".split(),
+    *"allgather_async grouped_allgather grouped_allgather_async broadcast".split(),
+    *"broadcast_async broadcast_ broadcast_async_ alltoall alltoall_async".split(),
+    *"reducescatter reducescatter_async grouped_reducescatter".split(),
+    *"grouped_reducescatter_async join barrier poll synchronize".split(),
+    *"ProcessSet global_process_set add_process_set remove_process_set".split(),
+    *"HorovodInternalError DistributedOptimizer SyncBatchNorm Compression".split(),
+    *"Compressor NoneCompressor FP16Compressor broadcast_parameters".split(),
+    *"broadcast_optimizer_state broadcast_object allgather_object".split(),
+    *"HorovodAllreduce HorovodGroupedAllreduce HorovodAllgather".split(),
+    *"HorovodGroupedAllgather HorovodBroadcast HorovodAlltoall".split(),
+    *"HorovodReducescatter HorovodGroupedReducescatter".split(),
+    *"optimizer.synchronize optimizer.skip_synchronize".split(),
+    "optimizer.set_backward_passes_per_step",
+    *"elastic elastic.run elastic.TorchState elastic.ElasticSampler elastic.init".split(),
+    *"elastic.shutdown elastic.StateHandler elastic.ModelStateHandler".split(),
+    *"elastic.OptimizerStateHandler elastic.SamplerStateHandler".split(),
+    *"elastic.get_handler_registry elastic.set_handler_registry".split(),
+    *"state.commit state.check_host_updates state.on_hosts_updated state.save".split(),
+    *"state.restore state.sync state.reset state.register_reset_callbacks".split(),
+    *"state.on_reset sampler.set_epoch sampler.record_batch sampler.state_dict".split(),
+    *"sampler.load_state_dict sampler.reset".split(),
+)
+
+VERDICTS = ("same", "differs: ", "not offered: ", "ours only: ")
+
+
+def _names_table() -> list[tuple[set[str], str]]:
+    """Each row of docs/horovod.md's "name by name" table: the names its first two columns
+    give (``hvd.``, ``horovod.torch.``, ``horovod.`` dropped; ``name(...)`` as ``name``)
+    and its verdict."""
+    text = (ROOT / "docs/horovod.md").read_text()
+    section = text.split("## `spark_estimator.horovod`, name by name", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("| ").split(" | ")]
+        if not line.startswith("| ") or len(cells) != 3 or set(cells[2]) <= set("-"):
+            continue  # not a row, or the header's rule
+        spans = re.findall(r"`([^`]*)`", cells[0] + " " + cells[1])
+        names = {re.sub(r"^(hvd|horovod\.torch|horovod)\.", "", s) for s in spans}
+        names = {re.match(r"[\w.]*", n)[0] for n in names} - {""}
+        rows.append((names, cells[2]))
+    return rows[1:]  # after the header
+
+
+def _has_row(name: str, rows) -> bool:
+    return any(n == name or n.startswith(name + ".") for names, _ in rows for n in names)
+
+
+def test_every_horovod_torch_name_has_a_row_in_horovod_md():
+    rows = _names_table()
+    assert [n for n in HOROVOD_TORCH_0_28 if not _has_row(n, rows)] == []
+
+
+def test_every_name_spark_estimator_horovod_exports_has_a_row_in_horovod_md():
+    import spark_estimator.horovod as hvd
+
+    exported = [*hvd.__all__]
+    for name, value in vars(hvd.elastic).items():  # its classes and run
+        ours = getattr(value, "__module__", "").startswith(hvd.__name__)
+        if ours and not name.startswith("_") and (isinstance(value, type) or name == "run"):
+            exported.append(f"elastic.{name}")
+    rows = _names_table()
+    assert [n for n in exported if not _has_row(n, rows)] == []
+
+
+def test_every_row_of_the_horovod_names_table_gives_a_verdict():
+    rows = _names_table()
+    assert len(rows) > 50
+    assert [v for _, v in rows if not v.startswith(VERDICTS)] == []
+    # "same" alone or with a note after a colon
+    assert all(re.match(r"same($|: | \()", v) for _, v in rows if v.startswith("same"))

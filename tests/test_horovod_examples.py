@@ -323,3 +323,93 @@ def test_the_imagenet_style_script_shrinks_after_losing_a_worker_and_grows_back(
         assert set(indices) == set(range(TRAIN_IMAGES)), epoch
         assert len(indices) - TRAIN_IMAGES < 3, (epoch, len(indices))
     assert final(stdout) >= alone(IMAGENET, tmp_path) - 3.0
+
+
+BENCHMARK = ["--num-warmup-batches", "2", "--num-batches-per-iter", "3", "--num-iters", "4"]
+
+
+def check_benchmark_report(stdout: str, iters: int) -> None:
+    """Rank 0 alone reports: 2 CPUs, one line per timed iteration, their mean, and the
+    total over the ranks (2 x the mean, as printed)."""
+    assert re.search(r"^\[rank 0\] Number of CPUs: 2$", stdout, re.M), stdout[-3000:]
+    assert not re.search(r"^\[rank 1\]", stdout, re.M)
+    lines = re.findall(r"^\[rank 0\] Iter #(\d+): ([0-9.]+) img/sec per CPU$", stdout, re.M)
+    assert [int(i) for i, _ in lines] == list(range(iters)), stdout[-3000:]
+    mean = float(re.search(r"^\[rank 0\] Img/sec per CPU: ([0-9.]+) \+-", stdout, re.M)[1])
+    assert abs(mean - sum(float(s) for _, s in lines) / iters) <= 0.1
+    total = re.search(r"^\[rank 0\] Total img/sec on 2 CPU\(s\): ([0-9.]+) \+-", stdout, re.M)
+    assert abs(float(total[1]) - 2 * mean) <= 0.2
+
+
+def test_the_synthetic_benchmark_reports_images_per_second_per_rank_and_in_total(tmp_path):
+    script = [str(EXAMPLES / "pytorch_synthetic_benchmark.py"), *BENCHMARK]
+    done = launch(script, "local[2]", tmp_path, "--fp16-allreduce")
+    check_benchmark_report(done.stdout, iters=4)
+
+
+def test_the_elastic_benchmark_goes_on_from_its_last_commit_when_a_rank_is_killed(tmp_path):
+    # 2 warm-up batches, then 4 iterations of 3: rank 1's 7th step is iteration 1's second
+    # batch. The relaunch repeats iteration 1 and none before it.
+    killer = tmp_path / "kill_rank_1.py"
+    killer.write_text(textwrap.dedent(KILLER.format(step=7)))
+    marker = tmp_path / "killed"
+    script = [str(EXAMPLES / "pytorch_synthetic_benchmark_elastic.py"), *BENCHMARK]
+    done = launch([str(killer), str(marker), *script], "local[2]", tmp_path)
+    assert marker.exists()
+    assert len(re.findall(r"^\[rank 0\] Model: resnet8$", done.stdout, re.M)) == 2  # 2 launches
+    assert len(re.findall(r"Running warmup", done.stdout)) == 1
+    check_benchmark_report(done.stdout, iters=4)
+
+
+AGREE = """
+    # Runs the example, then prints how far apart the ranks' model parameters are (each
+    # rank's largest difference from rank 0's; 0.0 when one model was trained).
+    import runpy, sys
+    import torch
+    import spark_estimator.horovod as hvd
+
+    sys.argv = sys.argv[1:]
+    model = runpy.run_path(sys.argv[0], run_name="__main__")["model"]
+    mine = torch.cat([p.detach().flatten().float().cpu() for p in model.parameters()])
+    ranks = hvd.allgather(mine[None])
+    print("max difference between ranks:", (ranks - ranks[0]).abs().max().item())
+"""
+
+
+def launch_agreeing(script: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """Launch ``script`` on 2 ranks, then check that they end with the same parameters."""
+    agree = tmp_path / "agree.py"
+    agree.write_text(textwrap.dedent(AGREE))
+    done = launch([str(agree), *script], "local[2]", tmp_path)
+    differences = re.findall(r"^\[rank \d\] max difference between ranks: (.*)$", done.stdout, re.M)
+    assert differences == ["0.0", "0.0"], done.stdout[-3000:]
+    return done
+
+
+def test_the_imagenet_script_learns_as_well_as_on_one_process(tmp_path):
+    # 9 epochs (2 warming up), each optimizer step 2 batches of 32 per rank
+    script = [str(EXAMPLES / "pytorch_imagenet_resnet50.py"), "--batches-per-allreduce", "2"]
+    out = tmp_path / "two"
+    out.mkdir()
+    files = ["--log-dir", str(out / "logs"), "--checkpoint-format", str(out / "ckpt-{epoch}.pt")]
+    done = launch_agreeing([*script, *files], tmp_path)
+    assert len(accuracies(done.stdout)) == 9, done.stdout[-3000:]  # rank 0 validates per epoch
+    assert sorted(p.name for p in out.glob("ckpt-*")) == [f"ckpt-{e}.pt" for e in range(1, 10)]
+    assert len(list((out / "logs").glob("events.out.tfevents.*"))) == 1  # rank 0's alone
+    one = tmp_path / "one"
+    files = ["--log-dir", str(one / "logs"), "--checkpoint-format", str(one / "ckpt-{epoch}.pt")]
+    one.mkdir()
+    assert final(done.stdout) >= alone(script, tmp_path, *files) - 2.0
+    assert final(done.stdout) > 90.0
+
+
+def test_the_lightning_script_trains_one_model_over_the_ranks(tmp_path):
+    script = [str(EXAMPLES / "pytorch_lightning_mnist.py"), "--epochs", "10"]
+    done = launch_agreeing(script, tmp_path)
+    for rank in (0, 1):  # its callback counted 10 training and 10 validation epochs
+        assert re.search(rf"^\[rank {rank}\] Training ends$", done.stdout, re.M)
+        ended = re.findall(rf"^\[rank {rank}\] A (train|validation) epoch ended", done.stdout, re.M)
+        assert ended == ["validation", "train"] * 10  # Lightning 2 validates inside the epoch
+    (accuracy,) = accuracies(done.stdout)  # rank 0 tests once, after fitting
+    assert accuracy >= accuracies(run([sys.executable, *script], tmp_path).stdout)[0] - 2.0
+    assert accuracy > 90.0

@@ -388,3 +388,42 @@ def reducescatter(
     return synchronize(
         reducescatter_async(tensor, name, op, prescale_factor, postscale_factor, process_set)
     )
+
+
+@peer_errors
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name=None,
+    op=Average,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
+) -> int:
+    """``reducescatter`` of each tensor, started together; ``synchronize`` gives a list."""
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            raise ValueError(f"grouped_reducescatter{_named(name)}: needs at least one dimension")
+    started = [
+        _pending.pop(
+            reducescatter_async(t, name, op, prescale_factor, postscale_factor, process_set)
+        )
+        for t in tensors
+    ]
+    return _handle([w for o in started for w in o.works], lambda: [o.finish() for o in started])
+
+
+@peer_errors
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name=None,
+    op=Average,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set: ProcessSet = _GLOBAL,
+) -> list:
+    """``reducescatter`` of each tensor, as a list in the same order."""
+    return synchronize(
+        grouped_reducescatter_async(
+            tensors, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )

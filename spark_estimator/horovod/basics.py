@@ -125,6 +125,16 @@ def rocm_built() -> bool:
     return torch.version.hip is not None
 
 
+def ddl_built() -> bool:
+    """False: IBM DDL is never used (the collectives are torch.distributed's)."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: Intel oneCCL is never used (the collectives are torch.distributed's)."""
+    return False
+
+
 def mpi_enabled() -> bool:
     """False: the job is never run by MPI (Spark starts its processes)."""
     return False

@@ -69,14 +69,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
     op = reduce_op(op)
-    if (
-        isinstance(backward_passes_per_step, bool)
-        or not isinstance(backward_passes_per_step, int)
-        or backward_passes_per_step < 1
-    ):
-        raise ValueError(
-            f"backward_passes_per_step: must be an int >= 1, got {backward_passes_per_step!r}"
-        )
+    _check_passes(backward_passes_per_step)
     if not gradient_predivide_factor > 0:
         raise ValueError(
             f"gradient_predivide_factor: must be > 0, got {gradient_predivide_factor!r}"
@@ -174,6 +167,11 @@ def _parameter_names(optimizer, named_parameters) -> dict[int, str]:
     return names
 
 
+def _check_passes(passes) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step: must be an int >= 1, got {passes!r}")
+
+
 class _Distributed:
     """What both kinds share: the backward-pass count per parameter, and its checks."""
 
@@ -219,6 +217,13 @@ class _Distributed:
 
     def _reset_passes(self) -> None:
         self._passes = dict.fromkeys(self._passes, 0)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Reduce each gradient after ``passes`` backward passes from now on, as Horovod's;
+        the passes of a step under way count again from 0."""
+        _check_passes(passes)
+        self.backward_passes_per_step = passes
+        self._reset_passes()
 
     @contextmanager
     def skip_synchronize(self):

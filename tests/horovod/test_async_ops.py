@@ -55,6 +55,8 @@ def asynchronous():
     (hvd.alltoall(x) * (r + 1)).sum().backward()
     out["alltoall grad"] = x.grad.tolist()
     out["reducescatter"] = hvd.reducescatter(torch.arange(7.0) * (r + 1), op=hvd.Sum).tolist()
+    grouped = hvd.grouped_reducescatter([torch.arange(7.0) * (r + 1), torch.ones(3, 2) * r])
+    out["grouped reducescatter"] = [t.tolist() for t in grouped]
     return out
 
 
@@ -81,3 +83,9 @@ def test_async_collectives_return_handles_and_the_rest_of_the_api_works(spark):
         # the sum 6 * arange(7), rows cut 3, 2, 2
         full = (torch.arange(7.0) * 6).tolist()
         assert out["reducescatter"] == [full[0:3], full[3:5], full[5:7]][r]
+        # averaged (the default): 2 * arange(7) cut 3, 2, 2; ones * 1 cut one row each
+        mean = (torch.arange(7.0) * 2).tolist()
+        assert out["grouped reducescatter"] == [
+            [mean[0:3], mean[3:5], mean[5:7]][r],
+            [[1.0, 1.0]],
+        ]

@@ -80,6 +80,7 @@ def test_nccl_built_is_an_int_as_horovods_its_version_code_or_0():
 def test_the_capability_queries_a_script_branches_on():
     assert hvd.cuda_built() is (torch.version.cuda is not None)
     assert hvd.rocm_built() is (torch.version.hip is not None)
+    assert hvd.ddl_built() is False and hvd.ccl_built() is False  # never used
     assert hvd.mpi_enabled() is False  # never run by MPI
     assert hvd.gloo_enabled() is True  # Horovod's non-MPI mode
     with pytest.raises(ValueError, match="MPI is not enabled"):  # as Horovod without MPI

@@ -116,6 +116,18 @@ def distributed_training():
             (mse_loss(net(x[part]), y[part]) / 2).backward()
         opt.step()
     out["two passes"] = net.state_dict()
+    net, opt = wrapped()
+    opt.set_backward_passes_per_step(3)  # Horovod's setter: 3 passes from now on
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for part in (
+            slice(0, half // 3),
+            slice(half // 3, 2 * half // 3),
+            slice(2 * half // 3, half),
+        ):
+            (mse_loss(net(x[part]), y[part]) * (part.stop - part.start) / half).backward()
+        opt.step()
+    out["three passes set"] = net.state_dict()
 
     net, opt = wrapped(lr=0.05 * hvd.size())
     steplr = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -200,6 +212,7 @@ def test_two_ranks_train_to_the_weights_of_one_process_on_the_whole_batch(spark)
             }
         assert close(out["predivide"], whole, 1e-6)
         assert close(out["two passes"], whole, 1e-6)
+        assert close(out["three passes set"], whole, 1e-6)
         assert close(out["sum"], reference(lr=0.2), 1e-6)
         assert close(out["fp16"], whole, 1e-3)
         assert not close(out["fp16"], whole, 1e-7)  # the gradients travelled as float16
@@ -263,6 +276,8 @@ def test_bad_arguments_are_refused_naming_them(one_rank):
         wrap(op=hvd.Sum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="backward_passes_per_step: must be an int >= 1"):
         wrap(backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="backward_passes_per_step: must be an int >= 1"):
+        wrap().set_backward_passes_per_step(0)
     with pytest.raises(ValueError, match="op: expected one of"):
         wrap(op="average")
     with pytest.raises(TypeError, match="compression: expected hvd.Compression"):
