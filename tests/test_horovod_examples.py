@@ -61,8 +61,7 @@ def alone(script: list[str], tmp_path: Path, *flags: str) -> float:
     [
         ("local[2]", ()),
         pytest.param(CLUSTER, (), marks=pytest.mark.cluster),
-        ("local[2]", ("--fp16-allreduce",)),
-        ("local[2]", ("--use-adasum",)),
+        ("local[2]", ("--fp16-allreduce", "--use-adasum")),
     ],
 )
 def test_the_classic_script_learns_as_well_as_on_one_process(master, flags, tmp_path):
