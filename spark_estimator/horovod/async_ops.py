@@ -28,6 +28,7 @@ from .collectives import (
     Reduction,
     Sum,
     _named,
+    broadcast_start,
     check_root,
     checked,
     gather,
@@ -224,9 +225,7 @@ def broadcast_async(
 ) -> int:
     """``broadcast``, started."""
     check_root(root_rank, name, process_set)
-    on = checked(process_set, "broadcast", name)
-    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
-    started = dist.broadcast(work, src=root_rank, group=on.group, async_op=True)
+    started, work = broadcast_start(tensor, root_rank, process_set, name, async_op=True)
     return _handle([started], lambda: work.to(tensor.device))
 
 
@@ -239,9 +238,7 @@ def broadcast_async_(
 ) -> int:
     """``broadcast_``, started: ``synchronize`` writes the root's tensor into ``tensor``."""
     check_root(root_rank, name, process_set)
-    on = checked(process_set, "broadcast", name)
-    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
-    started = dist.broadcast(work, src=root_rank, group=on.group, async_op=True)
+    started, work = broadcast_start(tensor, root_rank, process_set, name, async_op=True)
     return _handle([started], lambda: _into(tensor, work))
 
 

@@ -396,10 +396,22 @@ def broadcast(
 
 
 def _broadcasted(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) -> torch.Tensor:
-    on = checked(process_set, "broadcast")
-    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
-    dist.broadcast(work, src=root_rank, group=on.group)
+    _, work = broadcast_start(tensor, root_rank, process_set)
     return work.to(tensor.device)
+
+
+def broadcast_start(
+    tensor: torch.Tensor,
+    root_rank: int,
+    process_set: ProcessSet,
+    name: str | None = None,
+    async_op: bool = False,
+):
+    """The broadcast from ``root_rank`` into a copy of ``tensor`` on this rank's device,
+    started (``async_op``) or done: torch's work (None when done) and the copy."""
+    on = checked(process_set, "broadcast", name)
+    work = tensor.detach().to(rank_info().device, copy=True).contiguous()
+    return dist.broadcast(work, src=root_rank, group=on.group, async_op=async_op), work
 
 
 @peer_errors
