@@ -135,7 +135,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         return Training(
             bundle=bundle,
             loop=loop,
-            manifest=self._manifest(num_proc, objects["optimizer"]),
+            manifest=self._manifest(num_proc, objects["optimizer"], metrics),
             first_log=validate_training.learning_rate_note(
                 objects["optimizer"],
                 self.getLearningRate(),
@@ -164,18 +164,24 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
             return self.getCommitEverySteps()
         return COMMIT_AUTO if self.getMinNumProc() is not None else 0
 
-    def _manifest(self, num_proc: int, optimizer) -> dict:
-        """What this fit's checkpoints depend on (but the data), with the optimizer it
-        trains (``learning_rate`` applied)."""
+    def _manifest(self, num_proc: int, optimizer, metrics: dict | None) -> dict:
+        """What this fit's checkpoints and history depend on (but the data), with the
+        optimizer it trains (``learning_rate`` applied) and the ``metrics`` as checked."""
+        loss = self.getLoss()
         return run_manifest.run_manifest(
             self.getModel(),
             optimizer,
             {
                 **self._run_fields(num_proc),
-                "learning_rate": self.getLearningRate(),
                 "lr_scaling": self.getLrScaling(),
                 "backward_passes_per_step": self.getBackwardPassesPerStep(),
                 "parallelism": self.getParallelism(),
+                "loss": run_manifest.described(
+                    loss if loss is not None else self.getLossConstructors()
+                ),
+                "metrics": run_manifest.described(metrics),
+                "loss_weights": self.getLossWeights(),
+                "sample_weight_col": self.getSampleWeightCol(),
             },
         )
 

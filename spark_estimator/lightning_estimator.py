@@ -109,3 +109,8 @@ class LightningEstimator(StoreEstimator, LightningParams):
             manifest=run_manifest.run_manifest(model, None, fields),
             check_callbacks=functools.partial(validate_lightning.check_monitors, model, callbacks),
         )
+
+    def _class_index_labels(self) -> list[bool]:
+        """With ``classification``, the module gets its label columns as int64 class
+        indices (StringIndexer's doubles too), as TorchEstimator's loss does."""
+        return [self.getClassification()] * len(self.getLabelCols())

@@ -449,8 +449,17 @@ def _bad_inputs():
             super().__init__()
             self.lock = threading.Lock()
 
+    class NeedsRate(torch.optim.SGD):
+        def __init__(self, params, lr):
+            super().__init__(params, lr=lr)
+
     bad_net = Unpicklable()
     return {
+        "optimizer class without a default lr": (
+            dict(optimizer=NeedsRate),
+            ValueError,
+            "optimizer: NeedsRate has no default lr; set learning_rate",
+        ),
         "missing feature column": (
             dict(feature_cols=["nope"]),
             ValueError,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-from spark_estimator import TorchModel
+from spark_estimator import TorchModel, TrainingError
 from spark_estimator.callbacks import Callback
 from spark_estimator.shared.packages import require_petastorm
 from spark_estimator.store import DatasetFolder
@@ -329,6 +329,32 @@ def test_fit_on_parquet_trains_on_users_parquet_with_a_validation_folder(store):
     assert sum(s["train_rows"] for s in summary) == 100
     assert sum(s["validation_rows"] for s in summary) == 20
     assert len(model.getHistory()) == 12 and model.getHistory()[-1]["validation"]["loss"] < 1e-2
+
+
+def test_fit_on_parquet_reads_double_class_labels_as_class_indices(spark, store):
+    """Doubles of whole numbers (StringIndexer's labels, written by Spark) train a
+    CrossEntropyLoss classifier with classification=True, as in fit(df); a label that is
+    not a whole number is named."""
+    rows = regression_rows(120)
+    labels = [float((r[1] > 0) + (r[1] > 2)) for r in rows]
+    frame = pd.DataFrame({"x": [r[0] for r in rows], "label": labels})
+    write_parquet(store, "classes/part-0.parquet", pa.Table.from_pandas(frame), row_group_size=40)
+    net = linear_net(3, 3)
+    est = make_estimator(
+        net,
+        store,
+        optimizer=torch.optim.Adam(net.parameters(), lr=0.05),
+        loss=torch.nn.CrossEntropyLoss(),
+        label_cols=["label"],
+        classification=True,
+        epochs=8,
+    )
+    model = est.fit_on_parquet("classes")
+    assert model.getHistory()[-1]["train"]["loss"] < model.getHistory()[0]["train"]["loss"] / 2
+    frame.loc[7, "label"] = 0.5
+    write_parquet(store, "halves/part-0.parquet", pa.Table.from_pandas(frame), row_group_size=40)
+    with pytest.raises(TrainingError, match="column 'label': class indices must be whole numbers"):
+        est.copy({est.epochs: 1}).fit_on_parquet("halves")
 
 
 @pytest.mark.parametrize(

@@ -176,7 +176,8 @@ def fit(loss):
         use_gpu=False, store=Store.create(tempfile.mkdtemp()),
     ).fit(df)
 
-fit(Loss())
+model = fit(Loss())
+print("transformed", len(model.transform(df.limit(10)).collect()), flush=True)
 print("=== the failing fit ===", file=sys.stderr, flush=True)
 try:
     fit(Loss(fail_at=5))  # 2 steps an epoch on each rank
@@ -202,6 +203,14 @@ def test_a_fit_shows_each_line_of_the_ranks_once_as_the_driver_logs_it(user_view
     lines = [line for frame in plain.split("\r") for line in frame.splitlines()]
     printed = [line.strip() for line in lines if "forward call" in line]
     assert sorted(printed) == ["[rank 0] forward call 3", "[rank 1] forward call 3"], printed
+
+
+def test_a_transform_after_a_fit_shows_its_result_and_no_traceback(user_view):
+    """Nothing of a fit's leaves a Python worker that a later limited transform's tasks
+    reuse broken (pyspark's own BrokenPipeError lines: docs/troubleshooting.md)."""
+    plain, _ = user_view
+    assert "transformed 10" in plain
+    assert "Traceback" not in plain and "BrokenPipeError" not in plain, plain[-3000:]
 
 
 def test_a_failed_fit_shows_our_error_once_and_not_the_executors(user_view):

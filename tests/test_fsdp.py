@@ -212,3 +212,15 @@ def test_mixed_precision_with_accumulation_trains_sharded(regression_df, store):
         run = store.run(mixed.getRunId())
         checkpoint = state_from_bytes(store.read_bytes(run.checkpoint(3)))
         assert ("scaler" in checkpoint) == (precision == "fp16")  # FSDP's sharded scaler
+
+
+def test_an_optimizer_class_is_built_on_each_ranks_shards_with_learning_rate(regression_df, store):
+    """``optimizer=torch.optim.Adam`` with a model function trains as the function
+    ``lambda model: Adam(model.parameters(), lr=...)`` does."""
+    params = dict(parallelism="fsdp", fsdp_wrap=["Block"], epochs=2, validation=None)
+    by_class = estimator(store, net, torch.optim.Adam, learning_rate=0.01, **params)
+    by_function = estimator(store, net, adam, **params)
+    got, want = by_class.fit(regression_df), by_function.fit(regression_df)
+    assert got.getTrainingSummary()["base_learning_rates"] == [0.01]
+    for name, value in want.getModel().state_dict().items():
+        torch.testing.assert_close(got.getModel().state_dict()[name], value, rtol=0, atol=0)

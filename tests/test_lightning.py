@@ -259,6 +259,16 @@ def test_a_finished_run_fit_again_with_more_epochs_trains_on_from_its_last_check
         torch.testing.assert_close(value, expected[name], rtol=0, atol=1e-6)
 
 
+def test_classification_gives_the_module_double_labels_as_class_indices(digits):
+    """StringIndexer's labels are doubles: with classification=True the module's
+    cross_entropy gets them as int64, as TorchEstimator's loss does."""
+    store, train, _ = digits
+    doubles = train.withColumn("label", F.col("label").cast("double"))
+    small = dict(epochs=1, validation=None, train_steps_per_epoch=3, classification=True)
+    model = lightning_estimator(store, **small).fit(doubles)
+    assert len(model.getHistory()) == 1 and model.getClassification()
+
+
 def test_a_fit_runs_each_driver_check_once(digits, spy):
     store, train, _ = digits
     names = ["check_module", "check_callbacks", "check_trainer_args", "check_monitors"]

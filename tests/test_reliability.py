@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spark_estimator import TrainingError
+from spark_estimator.callbacks import Callback, EarlyStopping
 from tests.conftest import linear_net, make_estimator
 from tests.faults import Fault
 
@@ -227,3 +228,104 @@ def test_a_fit_started_again_goes_on_exactly_from_its_last_commit_inside_the_epo
     assert summary["resumed_from_commit"] == {"epoch": 3, "step": 2}
     assert summary["resumed_from_epoch"] == 2
     assert_same_training(resumed, clean)  # random state, sums and batches went on exactly
+
+
+def mean_absolute_error(output, label):
+    return (output.view(-1) - label.view(-1)).abs().mean()
+
+
+def test_training_further_with_what_changes_the_historys_meaning_is_refused_naming_both(
+    regression_df, store, spark
+):
+    """A history's numbers mean what the loss, metrics, loss_weights and sample weights
+    made them: a fit that changes one of them cannot go on with the run."""
+    momentum_estimator(store, run_id="lr", epochs=2).fit(regression_df)
+    history = store.read_json(store.run("lr").manifest)
+    before = sorted(p.name for p in Path(store.run("lr").path).rglob("*"))
+    refusals = [
+        (dict(loss=torch.nn.L1Loss()), r"loss \(was torch.nn.MSELoss\(.*now torch.nn.L1Loss\("),
+        (
+            dict(loss=torch.nn.MSELoss(reduction="sum")),
+            r"loss \(was torch.nn.MSELoss\(reduction='mean'\), now .*reduction='sum'",
+        ),
+        (dict(metrics=[mean_absolute_error]), r"metrics \(was None, now .*mean_absolute_error"),
+        (dict(loss_weights=[2.0]), r"loss_weights \(was None, now \[2.0\]\)"),
+        (dict(sample_weight_col="id"), r"sample_weight_col \(was None, now 'id'\)"),
+    ]
+    spark.sparkContext.setJobGroup("changed", "train further with another loss")
+    try:
+        for params, message in refusals:
+            with pytest.raises(ValueError, match=f"run_id: run 'lr' .*{message}.*new run_id"):
+                momentum_estimator(store, run_id="lr", epochs=4, **params).fit(regression_df)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup("changed")) == []
+    assert sorted(p.name for p in Path(store.run("lr").path).rglob("*")) == before
+    assert store.read_json(store.run("lr").manifest) == history
+
+
+class SetRate(Callback):
+    """Sets every param group's rate at the start of ``epoch``: what a fit that trains a
+    run further from there at ``lr`` must do."""
+
+    def __init__(self, epoch: int, lr: float):
+        self.epoch, self.lr = epoch, lr
+
+    def on_epoch_begin(self, epoch, state):
+        if epoch == self.epoch:
+            for group in state.optimizer.param_groups:
+                group["lr"] = self.lr
+
+
+@pytest.mark.parametrize("through", ["optimizer", "learning_rate"])
+def test_training_further_at_another_learning_rate_goes_on_at_the_new_rate(
+    regression_df, store, through
+):
+    """The rate given now (the optimizer's, or learning_rate) replaces the run's from the
+    first epoch trained further; the StepLR restored with the run schedules from it."""
+    clean = momentum_estimator(store, run_id="clean", callbacks=[SetRate(3, 0.01)]).fit(
+        regression_df
+    )
+    momentum_estimator(store, run_id="rate", epochs=2).fit(regression_df)
+    if through == "optimizer":
+        net = dropout_net()
+        new = dict(optimizer=torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9))
+        further = make_estimator(
+            net,
+            store,
+            run_id="rate",
+            epochs=4,
+            batch_size=20,
+            **new,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7),
+        )
+    else:
+        further = momentum_estimator(store, run_id="rate", epochs=4, learning_rate=0.01)
+    model = further.fit(regression_df)
+    rates = [h["lr"][0] for h in model.getHistory()]
+    assert rates == pytest.approx([0.05, 0.035, 0.01, 0.007])
+    assert model.getTrainingSummary()["learning_rates"] == pytest.approx([0.01])
+    assert_same_training(model, clean)  # momentum and the rest of the state went on
+
+
+def test_training_further_a_run_stopped_early_goes_on_with_the_new_callbacks(regression_df, store):
+    clean = momentum_estimator(store, run_id="clean", epochs=5).fit(regression_df)
+    stop_at_2 = EarlyStopping(monitor="train.loss", patience=1, min_delta=1e9)
+    stopped = momentum_estimator(store, run_id="stopped", epochs=5, callbacks=[stop_at_2])
+    first = stopped.fit(regression_df)
+    assert first.getTrainingSummary()["early_stopping_epoch"] == 2
+    patient = EarlyStopping(monitor="train.loss", patience=5)
+    further = momentum_estimator(store, run_id="stopped", epochs=5, callbacks=[patient])
+    model = further.fit(regression_df)
+    summary = model.getTrainingSummary()
+    assert summary["resumed_from_epoch"] == 2 and summary["early_stopping_epoch"] is None
+    assert not summary["stopped_early"]
+    assert [h["epoch"] for h in model.getHistory()] == [1, 2, 3, 4, 5]
+    for name, value in weights(clean).items():
+        torch.testing.assert_close(weights(model)[name], value, rtol=0, atol=1e-6)
+    # the new EarlyStopping decides from there: it stops this run once it stops improving
+    again = EarlyStopping(monitor="train.loss", patience=1, min_delta=1e9)
+    model = momentum_estimator(store, run_id="stopped", epochs=8, callbacks=[again]).fit(
+        regression_df
+    )
+    assert model.getTrainingSummary()["early_stopping_epoch"] == 6

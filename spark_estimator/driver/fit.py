@@ -216,8 +216,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         made there), or a folder or file of Parquet rows, absolute in the store's filesystem
         or relative to its root; ``validation_path`` then optionally names validation rows
         (the ``validation`` param, which splits DataFrames, must be unset).
-        Columns need numbers, lists of numbers or ML vector structs. ``params`` overrides
-        this estimator's params for this call, as in ``fit``.
+        Columns need numbers, lists of numbers or ML vector structs; float labels are read
+        as class indices where ``fit`` reads them so (``classification``, a class-index
+        loss). ``params`` overrides this estimator's params for this call, as in ``fit``.
         """
         if params:
             return self.copy(params).fit_on_parquet(path, validation_path)
@@ -235,6 +236,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 self.getValidation(),
                 self._sample_weight_col(),
                 self.getInputShapes(),
+                class_indices=self._class_index_labels(),
             )
         checked.training.check_callbacks(data.rows("validation") > 0)
         self._probe_data(data, checked)
@@ -276,9 +278,10 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
 
     def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
         store, training = checked.store, checked.training
-        run_id = self.getRunId()
+        run_id, further_from = self.getRunId(), 0
         if run_id is not None:  # the rest was checked before the data (_check_run_id)
             run_manifest.check_resume_data(store, run_id, data)
+            further_from = run_manifest.finished_at(store, run_id)
         else:
             run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
         run_manifest.write_manifest(
@@ -301,6 +304,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             launch_id=uuid.uuid4().hex,
             trainer=self._TRAINER,
             echo=not tasks_print_here(spark),
+            further_from=further_from,
         )
         with clock("job"):
             summaries, resizes = self._launch(spark, spec, checked)

@@ -596,31 +596,35 @@ class EstimatorParamsAccessors(Params):
 
     def getOptimizer(self) -> Any:
         """Gets the value of `optimizer`: a torch.optim.Optimizer built on the model's
-        parameters, or a function model -> Optimizer called on each process with the model as
-        it trains (needed when model is a function)
+        parameters; an Optimizer class (torch.optim.Adam), built on each process on the
+        model's parameters with learning_rate or its default lr; or a function model ->
+        Optimizer called on each process with the model as it trains (a class or a function
+        when model is a function)
         """
         return self.getOrDefault(self.optimizer)
 
     def setOptimizer(self: _P, value: Any) -> _P:
         """Sets the value of `optimizer`: a torch.optim.Optimizer built on the model's
-        parameters, or a function model -> Optimizer called on each process with the model as
-        it trains (needed when model is a function)
+        parameters; an Optimizer class (torch.optim.Adam), built on each process on the
+        model's parameters with learning_rate or its default lr; or a function model ->
+        Optimizer called on each process with the model as it trains (a class or a function
+        when model is a function)
         """
         return self._set(optimizer=value)
 
     def getLearningRate(self) -> float | None:
         """Gets the value of `learning_rate`: when set, the learning rate of every param group
         of the optimizer for this fit (before lr_scaling), e.g. to tune it with a
-        ParamGridBuilder; the optimizer object itself is left unchanged. Default: the
-        optimizer's own rates
+        ParamGridBuilder; the optimizer object itself is left unchanged. A run trained
+        further at another rate goes on at the new one. Default: the optimizer's own rates
         """
         return self.getOrDefault(self.learning_rate)
 
     def setLearningRate(self: _P, value: float | None) -> _P:
         """Sets the value of `learning_rate`: when set, the learning rate of every param group
         of the optimizer for this fit (before lr_scaling), e.g. to tune it with a
-        ParamGridBuilder; the optimizer object itself is left unchanged. Default: the
-        optimizer's own rates
+        ParamGridBuilder; the optimizer object itself is left unchanged. A run trained
+        further at another rate goes on at the new one. Default: the optimizer's own rates
         """
         return self._set(learning_rate=value)
 

@@ -515,15 +515,18 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
         ),
         ParamSpec(
             "optimizer",
-            "a torch.optim.Optimizer built on the model's parameters, or a function model -> "
-            "Optimizer called on each process with the model as it trains (needed when model "
-            "is a function)",
+            "a torch.optim.Optimizer built on the model's parameters; an Optimizer class "
+            "(torch.optim.Adam), built on each process on the model's parameters with "
+            "learning_rate or its default lr; or a function model -> Optimizer called on each "
+            "process with the model as it trains (a class or a function when model is a "
+            "function)",
         ),
         ParamSpec(
             "learning_rate",
             "when set, the learning rate of every param group of the optimizer for this fit "
             "(before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object "
-            "itself is left unchanged. Default: the optimizer's own rates",
+            "itself is left unchanged. A run trained further at another rate goes on at the "
+            "new one. Default: the optimizer's own rates",
             _to_optional_float,
             default=None,
         ),

@@ -4,7 +4,9 @@ Either a dataset folder written by ``materialize`` (``train/``, ``validation/`` 
 ``_meta.json``), or any folder (or file) of Parquet for training plus an optional one for
 validation. Column kinds come from the Parquet schema: numbers are scalars, lists of
 numbers arrays, Spark ML vector structs vectors; floats load as ``dtype``, integer labels
-as int64 class indices. Row-group sizes come from ``_meta.json`` or the files' footers.
+as int64 class indices, and so do float labels where the estimator reads class indices
+(the executors refuse one that is not a whole number). Row-group sizes come from
+``_meta.json`` or the files' footers.
 
 A materialized dataset was checked when it was written (nulls, NaN, array lengths) and its
 ``_meta.json`` holds the array lengths, checked here against ``input_shapes``. Other Parquet
@@ -26,6 +28,7 @@ from ..shared.spec import ColumnSpec, DatasetInfo, column_param
 from ..store import DatasetFolder, Store
 from .data_checks import check_row_lengths
 from .materialize import check_not_empty
+from .validate import as_class_indices
 
 _VECTOR_FIELDS = {"type", "size", "indices", "values"}
 
@@ -143,8 +146,11 @@ def parquet_dataset(
     validation=None,
     sample_weight_col: str | None = None,
     input_shapes: list[list[int]] | None = None,
+    class_indices: list[bool] | None = None,
 ) -> DatasetInfo:
-    """A DatasetInfo for Parquet already in ``store``; every check runs here, on the driver."""
+    """A DatasetInfo for Parquet already in ``store``; every check runs here, on the driver.
+    ``class_indices`` says per label column whether its scalars are class indices (int64),
+    as ``fit`` reads them: the executors check that float ones are whole numbers."""
     root = _resolve(store, path, "path")
     meta_path = DatasetFolder(root).meta
     null_counts: dict[str, int | None] = {}
@@ -196,6 +202,8 @@ def parquet_dataset(
         )
 
     features, labels, weight = split_specs("train")
+    if class_indices:
+        labels = [as_class_indices(c) if i else c for c, i in zip(labels, class_indices)]
     if files.get("validation"):
         split_specs("validation")  # the validation files must hold the same columns
     data = DatasetInfo(

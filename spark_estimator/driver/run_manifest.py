@@ -5,22 +5,29 @@ A finished run (its ``result.pt`` written) is trained further by a fit with the 
 
 Before its training job, a fit writes ``runs/<run_id>/run.json``: the model's state (names,
 shapes and dtypes), the optimizer's class and parameter groups, ``num_proc``,
-``batch_size``, ``backward_passes_per_step``, ``train_steps_per_epoch``, ``random_seed``
-and the training data. A later fit with the same ``run_id`` resumes from the run's newest
-checkpoint only when all of these are the same, because each of them changes what a
+``batch_size``, ``backward_passes_per_step``, ``train_steps_per_epoch``, ``random_seed``,
+``lr_scaling``, ``parallelism`` and the training data, because each of them changes what a
 checkpoint means: weights that no longer fit, optimizer state of another kind, other shards
-or another position in the data. Anything else may change between the two fits (epochs,
-callbacks, metrics, ...); the optimizer's hyper-parameters, learning rates included, come
-back from the checkpoint. The optimizer described is the one the fit trains (the estimator's
-``learning_rate`` applied); a model or optimizer given as a function is described by its
-name. ``parallelism`` is in the manifest (its checkpoints hold shards), and so are
-``learning_rate`` and ``lr_scaling``, because a resumed run's rates come from its
-checkpoint: a fit asking for other rates is refused rather than silently trained with the
-old ones.
+or another position in the data; and the loss, ``metrics``, ``loss_weights`` and
+``sample_weight_col``, because they change what the history's numbers mean (a history of
+two losses, and callbacks restored from the checkpoint comparing values of both). A later
+fit with the same ``run_id`` resumes from the run's newest checkpoint only when all of these
+are the same; a refusal names each one that changed, with its old and new value.
+
+Anything else may change between the two fits (epochs, callbacks, ...). The learning rates
+too: the optimizer's hyper-parameters come back from the checkpoint, but rates other than
+those the run was trained with (the optimizer's, or ``learning_rate``) replace the
+checkpoint's from the first epoch trained now (``worker/loop/objects.take_new_rates``; the
+history's ``lr`` shows it). A model or optimizer given as a function or class is described
+by its name; losses and metrics by their class and settings or their function's name
+(``described``).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import sys
 from typing import Any
 
 import torch
@@ -52,7 +59,48 @@ def run_manifest(model, optimizer, fields: dict[str, Any]) -> dict:
 def _name(function) -> str:
     """A function's qualified name (an object's class's, for a callable object)."""
     named = function if hasattr(function, "__qualname__") else type(function)
-    return f"{named.__module__}.{named.__qualname__}"
+    return public_name(named)
+
+
+def public_name(named) -> str:
+    """A class's or function's name as its users import it: the shortest module path that
+    holds it (``torch.nn.MSELoss``, not ``torch.nn.modules.loss.MSELoss``)."""
+    module, qualname = named.__module__, named.__qualname__
+    parts = module.split(".")
+    for end in range(1, len(parts)):
+        prefix = ".".join(parts[:end])
+        if getattr(sys.modules.get(prefix), qualname, None) is named:
+            return f"{prefix}.{qualname}"
+    return f"{module}.{qualname}"
+
+
+def described(value) -> Any:
+    """A loss, a metric, or a list or dict of them, as the manifest records them: a module as
+    its class and settings (``torch.nn.MSELoss(reduction='mean')``, buffers such as class
+    weights by a digest of their values), a partial as its function and arguments, any
+    other function by its name."""
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [described(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): described(v) for k, v in value.items()}
+    if isinstance(value, functools.partial):
+        arguments = [repr(a) for a in value.args]
+        arguments += [f"{k}={v!r}" for k, v in value.keywords.items()]
+        return f"partial({described(value.func)}, {', '.join(arguments)})"
+    if isinstance(value, torch.nn.Module):
+        settings = [
+            f"{k}={v!r}"
+            for k, v in vars(value).items()
+            if not k.startswith("_") and k != "training" and isinstance(v, (str, int, float))
+        ]
+        settings += [
+            f"{k}=<{hashlib.sha256(t.detach().cpu().numpy().tobytes()).hexdigest()[:12]}>"
+            for k, t in value.state_dict().items()
+        ]
+        return f"{public_name(type(value))}({', '.join(settings)})"
+    return _name(value)
 
 
 def data_fields(data: DatasetInfo) -> dict:
@@ -114,6 +162,14 @@ def check_train_further(store: Store, run_id: str, epochs: int) -> None:
         )
 
 
+def finished_at(store: Store, run_id: str) -> int:
+    """The epoch a finished run is trained further from (its last epoch checkpoint); 0
+    when the run has not finished (its result is not written)."""
+    if not store.exists(store.run(run_id).result):
+        return 0
+    return (store.checkpoint_epochs(run_id) or [0])[-1]
+
+
 def check_resume_data(store: Store, run_id: str, data: DatasetInfo) -> None:
     """A ValueError naming ``run_id`` when the run has checkpoints made with other data."""
     done = store.checkpoint_epochs(run_id)
@@ -121,15 +177,32 @@ def check_resume_data(store: Store, run_id: str, data: DatasetInfo) -> None:
         _check_unchanged(store, run_id, data_fields(data), done[-1])
 
 
+# fields whose values are too long to show in a refusal: named only
+_NAMED_ONLY = ("model", "data")
+
+
+def _change(key: str, saved, now) -> str:
+    """A changed field as a refusal names it: with its old and new value where short."""
+    if key in _NAMED_ONLY:
+        return key
+
+    def shown(value) -> str:
+        return value if isinstance(value, str) and key == "loss" else repr(value)
+
+    return f"{key} (was {shown(saved)}, now {shown(now)})"
+
+
 def _check_unchanged(store: Store, run_id: str, manifest: dict, last_epoch: int) -> None:
     path = store.run(run_id).manifest
     saved = store.read_json(path) if store.exists(path) else {}
     changed = _differences(saved, manifest)
     if changed:
+        named = "; ".join(_change(k, saved[k], _normal(manifest[k])) for k in changed)
         raise ValueError(
             f"run_id: run '{run_id}' has checkpoints up to epoch {last_epoch} made with another "
-            f"{', '.join(changed)} (see {path}); a fit resumes a run only with the same "
-            "model, optimizer, data and process layout. Choose a new run_id."
+            f"{named} (see {path}); a fit resumes a run only with the same model, optimizer, "
+            "loss, metrics, data and process layout. Choose a new run_id to start a new run "
+            "(from the fitted weights, if you like: model=fitted.getModel())."
         )
 
 

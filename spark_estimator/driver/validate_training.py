@@ -27,6 +27,7 @@ from ..shared.spec import (
     SCHEDULER_INTERVALS,
     LoopSpec,
 )
+from . import run_manifest
 
 
 def _check_callable(name: str, value) -> None:
@@ -269,11 +270,14 @@ def compile_options(value) -> dict | None:
 def with_learning_rate(optimizer, learning_rate: float | None):
     """The optimizer a fit trains with: ``optimizer`` itself, or with ``learning_rate`` set
     as every param group's ``lr``, a shallow copy with its own param group dicts (the same
-    parameters and state), so the user's optimizer is left as it was."""
+    parameters and state), so the user's optimizer is left as it was. An Optimizer class
+    becomes an ``OptimizerClass``, built on each rank."""
+    if learning_rate is not None and (not math.isfinite(learning_rate) or learning_rate <= 0):
+        raise ValueError(f"learning_rate: must be a finite number > 0, got {learning_rate}")
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return OptimizerClass(optimizer, learning_rate)
     if learning_rate is None:
         return optimizer
-    if not math.isfinite(learning_rate) or learning_rate <= 0:
-        raise ValueError(f"learning_rate: must be a finite number > 0, got {learning_rate}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         if callable(optimizer):  # the rate is set on what it builds, on each rank
             return WithLearningRate(optimizer, learning_rate)
@@ -282,6 +286,38 @@ def with_learning_rate(optimizer, learning_rate: float | None):
     effective.param_groups = [{**g, "lr": learning_rate} for g in optimizer.param_groups]
     effective.defaults = {**optimizer.defaults, "lr": learning_rate}
     return effective
+
+
+class OptimizerClass:
+    """An Optimizer class given as ``optimizer`` (``torch.optim.Adam``): built on each rank
+    on the model's parameters as it trains, with ``learning_rate`` or the class's default
+    ``lr``, so it goes with a model given as a function and with sharding."""
+
+    def __init__(self, cls: type, learning_rate: float | None):
+        if learning_rate is None and self.default_lr_of(cls) is None:
+            raise ValueError(
+                f"optimizer: {cls.__name__} has no default lr; set learning_rate, or give "
+                f"an optimizer function, e.g. lambda model: {cls.__name__}("
+                "model.parameters(), lr=...)"
+            )
+        self.cls, self.learning_rate = cls, learning_rate
+        self.__module__, self.__qualname__ = cls.__module__, cls.__qualname__  # its name
+
+    @staticmethod
+    def default_lr_of(cls: type) -> float | None:
+        parameter = inspect.signature(cls).parameters.get("lr")
+        default = parameter.default if parameter is not None else None
+        return float(default) if isinstance(default, (int, float)) else None
+
+    @property
+    def rate(self) -> float:
+        """The rate every param group starts with."""
+        return (
+            self.learning_rate if self.learning_rate is not None else self.default_lr_of(self.cls)
+        )
+
+    def __call__(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        return self.cls(model.parameters(), lr=self.rate)
 
 
 class WithLearningRate:
@@ -306,7 +342,11 @@ def learning_rate_note(
     without scaling, what Horovod's estimator (which always scales) would use instead. An
     optimizer function's rates are known only where it is called, unless ``learning_rate``
     sets them."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    source = "learning_rate's" if learning_rate is not None else "the optimizer's"
+    if isinstance(optimizer, OptimizerClass) and learning_rate is None:
+        source = f"{run_manifest.public_name(optimizer.cls)}'s default"
+        optimizer = torch.optim.SGD([torch.zeros(1)], lr=optimizer.rate)  # only its rate
+    elif not isinstance(optimizer, torch.optim.Optimizer):
         if learning_rate is None:
             scaled = f" x {num_proc} (lr_scaling='linear')" if lr_scaling == "linear" else ""
             return f"learning rates: those the optimizer function sets on each process{scaled}"
@@ -317,7 +357,6 @@ def learning_rate_note(
         shown = [f"{v:.6g}" for v in values]
         return shown[0] if len(shown) == 1 else f"[{', '.join(shown)}]"
 
-    source = "learning_rate's" if learning_rate is not None else "the optimizer's"
     noun = "learning rate" if len(given) == 1 else "learning rates"
     ranks = f"{num_proc} rank{'s' if num_proc > 1 else ''}"
     scaled = rates([lr * num_proc for lr in given])

@@ -209,5 +209,8 @@ class TrainSpec:
     # the ranks' lines also go to the tasks' own stdout and stderr; not where those are
     # the driver's terminal (local masters), which shows them from the store already
     echo: bool = True
+    # the epoch a finished run is trained further from (its last checkpoint), 0 otherwise:
+    # a run stopped early there goes on (driver/run_manifest.finished_at)
+    further_from: int = 0
     # seals the job's TCPStore; the driver makes a fresh one for each barrier job
     secret: str = field(default_factory=launch_secret, repr=False)

@@ -213,3 +213,25 @@ def test_sharding_refuses_what_it_cannot_combine_with_and_fsdp_wrap_without_it()
     ):
         vt.check_fsdp_wrap(torch.nn.Sequential(torch.nn.Linear(2, 2)), ("Block",))
     vt.check_fsdp_wrap(huge, ("Block",))  # a function: checked where it is built
+
+
+class NeedsRate(torch.optim.SGD):
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+
+
+def test_an_optimizer_class_is_built_on_the_models_parameters_on_each_rank():
+    net = torch.nn.Linear(2, 1)
+    built = vt.with_learning_rate(torch.optim.Adam, 0.01)(net)
+    assert isinstance(built, torch.optim.Adam) and built.param_groups[0]["lr"] == 0.01
+    assert [id(p) for p in built.param_groups[0]["params"]] == [id(p) for p in net.parameters()]
+    default = vt.with_learning_rate(torch.optim.Adam, None)
+    assert default(net).param_groups[0]["lr"] == 1e-3  # Adam's own default
+    bundle(model=lambda: torch.nn.Linear(2, 1), optimizer=default)
+    note = vt.learning_rate_note(default, None, "none", 2, scheduler=False)
+    assert note.startswith("learning rate 0.001 on each of 2 ranks: torch.optim.Adam's default")
+    with pytest.raises(
+        ValueError, match="optimizer: NeedsRate has no default lr; set learning_rate"
+    ):
+        vt.with_learning_rate(NeedsRate, None)
+    assert vt.with_learning_rate(NeedsRate, 0.5)(net).param_groups[0]["lr"] == 0.5

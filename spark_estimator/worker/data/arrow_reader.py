@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from ...shared.spec import ColumnSpec
 from ...store import Store
-from .convert import column_to_numpy, numpy_dtype
+from .convert import class_indices, column_to_numpy, numpy_dtype
 from .shards import Piece
 
 Chunk = dict[str, np.ndarray]  # one piece's columns as read (maybe read-only Arrow memory)
@@ -32,10 +32,14 @@ def table_to_chunk(table, columns: list[ColumnSpec]) -> Chunk:
     """Whole Arrow columns to NumPy, one vectorized conversion per column, zero-copy where
     Arrow allows (the arrays may be read-only; the loader copies them once, into its buffer);
     ML vectors are decoded into their column's dtype."""
-    return {
+    chunk = {
         c.name: column_to_numpy(c.name, table.column(c.name), numpy_dtype(c.torch_dtype))
         for c in columns
     }
+    for c in columns:
+        if c.integral and chunk[c.name].dtype.kind == "f":  # float labels read as classes
+            chunk[c.name] = class_indices(c.name, chunk[c.name])
+    return chunk
 
 
 class ArrowReader:

@@ -139,6 +139,20 @@ def column_to_numpy(
     return arr.to_numpy(zero_copy_only=False)
 
 
+def class_indices(name: str, values: np.ndarray) -> np.ndarray:
+    """Float labels (StringIndexer's doubles) as int64 class indices; a ValueError naming
+    the column where one is not a whole number."""
+    whole = np.isfinite(values) & (np.floor(values) == values)
+    if not whole.all():
+        bad = values[~whole][:3].tolist()
+        raise ValueError(
+            f"column '{name}': class indices must be whole numbers, got {bad}; with "
+            "classification=True or a class-index loss (CrossEntropyLoss, NLLLoss) labels are "
+            "class indices 0..k-1"
+        )
+    return values.astype(np.int64)
+
+
 def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
     np_dtype = numpy_dtype(dtype)
     array = column_to_numpy(name, column, np_dtype)

@@ -58,6 +58,23 @@ def rescale_restored(objects: TrainingObjects, factor: float) -> None:
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
 
 
+def take_new_rates(objects: TrainingObjects, world_size: int, linear: bool) -> None:
+    """Train on at this fit's rates (``base_lrs``, times ``world_size`` with
+    ``lr_scaling="linear"``) instead of those restored from a checkpoint trained at others:
+    the optimizer's, and those an LR scheduler schedules from (``initial_lr``,
+    ``base_lrs``), so a schedule goes on from the new rates."""
+    rates = [lr * (world_size if linear else 1) for lr in objects.base_lrs]
+    for group, lr in zip(objects.optimizer.param_groups, rates):
+        group["lr"] = lr
+        if "initial_lr" in group:
+            group["initial_lr"] = lr
+    scheduler = objects.scheduler
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = list(rates)
+    if scheduler is not None and hasattr(scheduler, "_last_lr"):
+        scheduler._last_lr = list(rates)
+
+
 def build_losses(loss, loss_constructors, num_labels: int) -> list[Callable]:
     """One loss per label column: ``loss`` (one for all, or a list), or built here by
     calling ``loss_constructors`` (one for all, or one per label column)."""

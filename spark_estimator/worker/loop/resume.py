@@ -1,5 +1,9 @@
 """Executor: continue a run from its last checkpoint, exactly as if it had not stopped.
 
+A finished run that stopped early is trained further by a fit with more ``epochs``: it
+goes on from the epoch it stopped at (``continue_stopped``). A rate other than the one the
+checkpoint was trained at replaces it (``objects.take_new_rates``).
+
 Rank 0's checkpoint after each epoch (``train.py``) holds the model, optimizer, LR
 scheduler and gradient scaler states, the history, the callbacks' states, whether
 training was asked to stop, and how many training batches were drawn so far: the position
@@ -27,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ...callbacks import Callback
+from ...callbacks import Callback, EarlyStopping
 from ...shared.serialization import state_from_bytes
 from .checkpoints import Checkpoints
 
@@ -70,3 +74,14 @@ def restore_callbacks(callbacks: list[Callback], saved: list[dict]) -> None:
         return
     for cb, s in zip(callbacks, saved):
         cb.load_state_dict(s["state"])
+
+
+def continue_stopped(callbacks: list[Callback], epoch: int, rank: int) -> None:
+    """A finished run that an early-stopping callback stopped at ``epoch`` is trained
+    further: its ``EarlyStopping`` callbacks keep the best value so far and count their
+    patience afresh from there, so the fit's callbacks decide when it stops again."""
+    for cb in callbacks:
+        if isinstance(cb, EarlyStopping):
+            cb.wait, cb.stopped_epoch = 0, None
+    if rank == 0:
+        log.info("the run stopped early at epoch %d; trained further from there", epoch)

@@ -25,6 +25,7 @@ forward is a collective), and the result's weights are gathered to rank 0's CPU.
 from __future__ import annotations
 
 import itertools
+import logging
 import posixpath
 import time
 import uuid
@@ -52,10 +53,11 @@ from . import commits
 from .checkpoints import SHARDS, Checkpoints
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums, non_finite_loss_error
-from .objects import build_objects, rescale_restored
+from .objects import build_objects, rescale_restored, take_new_rates
 from .resume import (
     agree_on_checkpoint,
     callback_states,
+    continue_stopped,
     load_checkpoint,
     restore_callbacks,
     seed_epoch,
@@ -63,6 +65,7 @@ from .resume import (
 from .step import Stepper, compile_module
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
+log = logging.getLogger(__name__)
 
 
 def train(
@@ -187,13 +190,27 @@ class _TrainingLoop:
         self.stopped = saved["stop_training"]
         # a commit is inside its epoch: the loop starts that epoch again from its position
         self.start_epoch = epoch - 1 if "step" in saved else epoch
+        if self.stopped and "step" not in saved and epoch == self.spec.further_from:
+            self.stopped = False  # a finished run stopped early, trained further
+            continue_stopped(objects.callbacks, epoch, self.info.rank)
         saved_world = saved.get("world_size", self.info.world_size)
+        linear = self.spec.loop.lr_scaling == "linear"
         if saved_world != self.info.world_size:  # an elastic fit started again resized
-            if self.spec.loop.lr_scaling == "linear":
+            if linear:
                 rescale_restored(objects, self.info.world_size / saved_world)
             # the stream of passes goes on as if this size had trained from the start (a
             # commit's epoch ends on its re-sharded rows: the stream starts after it)
             self.batches_drawn = epoch * self.steps_per_epoch
+        trained_at = saved.get("base_lrs")  # None in checkpoints written before they were
+        if trained_at is not None and trained_at != objects.base_lrs:
+            take_new_rates(objects, self.info.world_size, linear)
+            if self.info.rank == 0:
+                log.info(
+                    "learning rates %s (this fit's) replace the run's %s from epoch %d",
+                    objects.base_lrs,
+                    trained_at,
+                    self.start_epoch + 1,
+                )
 
     # -- the epochs -----------------------------------------------------------------------
     def run(self) -> None:
@@ -481,6 +498,7 @@ class _TrainingLoop:
             "output_shapes": self.output_shapes,
             "batches_drawn": self.batches_drawn,
             "world_size": self.info.world_size,
+            "base_lrs": self.objects.base_lrs,  # the rates trained at, before lr_scaling
             "stop_training": stop,
             **self.stepper.state_dict(),
         }
