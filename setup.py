@@ -18,6 +18,7 @@ setup(
         "cloudpickle>=2.2",
         "fsspec>=2023.1",
         "tqdm>=4.60",
+        "cryptography>=41",  # SealedStore: the AEAD that seals the rendezvous store
     ],
     extras_require={
         "petastorm": ["petastorm==0.13.1"],

@@ -134,8 +134,8 @@ def join() -> int:
     if info.world_size == 1:
         return info.rank
     store = dist.distributed_c10d._get_default_store()
-    call = store.add(f"spark_estimator.horovod/join/calls/{info.rank}", 1)
-    arrival = store.add(f"spark_estimator.horovod/join/{call}", 1)
+    call = _count(store, f"spark_estimator.horovod/join/calls/{info.rank}")
+    arrival = _count(store, f"spark_estimator.horovod/join/{call}")
     mine = torch.zeros(_ARRIVALS + info.world_size, dtype=torch.int64)
     mine[_ARRIVALS + info.rank] = arrival
     mine = mine.to(info.device)
@@ -161,6 +161,23 @@ def join() -> int:
         op = ReduceOp(op)
         filler = _identity(op.name, DTYPES[dtype], numel, info.device)
         dist.all_reduce(filler, op=_TORCH_OPS[op])
+
+
+def _count(store, key: str) -> int:
+    """Add 1 to ``key``'s counter in the job's store. In a fit or ``run(fn)`` the counters
+    are sealed (``SealedStore``: one a stranger wrote raises ``ForgedValue``); a script's
+    group has torch's plain store, whose server drops the connection of an add to a value
+    that is not a number: its error then says so."""
+    try:
+        return store.add(key, 1)
+    except dist.DistError as e:
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(
+                f"hvd.join(): the job's store did not add to the counter {key!r}: rank 0's "
+                "process, which serves the store, went away, or a process outside the job "
+                "that reached the store's port wrote there a value that is not a number"
+            )
+        raise
 
 
 def _identity(op: str, dtype: torch.dtype, numel: int, device) -> torch.Tensor:

@@ -138,3 +138,46 @@ def test_a_joined_rank_contributes_zeros_until_every_rank_has_joined(spark):
     for out in ranks:
         assert [t.tolist() for t in out["trained"]] == [t.tolist() for t in out["expected"]]
     assert [t.tolist() for t in zero["trained"]] != [t.tolist() for t in one["trained"]]
+
+
+def _poisoned_join(monkeypatch, wrap):
+    """hvd.join() on rank 0 of 2 whose job store (``wrap`` of a client of a real TCPStore)
+    holds, under join's call counter, a value that a stranger on the port wrote."""
+    from datetime import timedelta
+
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from spark_estimator.horovod import joined
+    from spark_estimator.worker.comm.rendezvous import RankInfo
+
+    timeout = timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    store = wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout))
+    server.set("spark_estimator.horovod/join/calls/0", b"not-a-number")
+    monkeypatch.setattr(joined, "rank_info", lambda: RankInfo(0, 2, 0, 2, torch.device("cpu")))
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    with pytest.raises(Exception) as e:
+        joined.join()
+    return e.value
+
+
+def test_join_refuses_a_sealed_counter_that_a_stranger_overwrote(monkeypatch):
+    from spark_estimator.worker.comm.sealed_store import ForgedValue, SealedStore
+
+    error = _poisoned_join(monkeypatch, lambda client: SealedStore(client, "a" * 32))
+    assert isinstance(error, ForgedValue)
+    assert "'spark_estimator.horovod/join/calls/0'" in str(error)
+
+
+def test_join_says_what_a_plain_counter_that_is_no_number_does(monkeypatch):
+    # a script's group: torch's own, unsealed client (env://); its server drops the
+    # connection of an add to a value that is not a number
+    import torch.distributed as dist
+
+    error = _poisoned_join(monkeypatch, lambda client: client)
+    assert isinstance(error, dist.DistError)  # still a lost store, which starts a run again
+    note = "\n".join(getattr(error, "__notes__", []))
+    assert "hvd.join()" in note and "'spark_estimator.horovod/join/calls/0'" in note
+    assert "not a number" in note

@@ -57,12 +57,18 @@ from ...shared.failures import is_retried
 from ...shared.spec import COLLECTIVE_TIMEOUT_S
 from ...store import RunFolder, Store
 from ..environ import environ
-from .sealed_store import SealedStore
+from .sealed_store import ForgedValue, SealedStore
 
 log = logging.getLogger(__name__)
 
 LATER_FAILURE_DELAY_S = 3.0
 _FAILURES_KEY = "failures"
+_TAMPERED = (
+    "spark-estimator: rank {rank} found the job's failure count in rank 0's TCPStore "
+    "tampered with: it held a value that no rank of this launch wrote (a process outside the "
+    "job reached the port). The rank replaced it and counted the failures from there, so "
+    "that the first failure is still the one recorded."
+)
 POLL_S = (0.005, 0.25)  # the first and the longest wait between reads of the meeting file
 
 
@@ -320,7 +326,11 @@ def process_group(
     except BaseException as e:  # sys.exit() in the code too
         if on_error is not None:
             on_error()
-        first = _first_failure(store)
+        first, tampered = _first_failure(store)
+        if tampered:
+            log.warning(_TAMPERED.format(rank=rank))
+            if hasattr(e, "add_note"):  # Python 3.11+: in the record and in Spark's error
+                e.add_note(_TAMPERED.format(rank=rank))
         if first and on_failure is not None and not is_retried(e):
             on_failure(rank, e)
         if not first:
@@ -492,8 +502,9 @@ def _read_address(store: Store, path: str, timeout: timedelta) -> dict:
         wait = min(2 * wait, longest)
 
 
-def _first_failure(store) -> bool:
-    """Whether no other rank of the job has failed before this one.
+def _first_failure(store) -> tuple[bool, bool]:
+    """Whether no other rank of the job has failed before this one, and whether a process
+    outside the job had tampered with the job's failure count.
 
     When one rank raises, the others usually fail a moment later inside a collective
     ("connection closed by peer"), and Spark reports whichever task failure reaches it
@@ -501,8 +512,18 @@ def _first_failure(store) -> bool:
     later ones wait ``LATER_FAILURE_DELAY_S`` first, by which time Spark has failed the job
     with the original error and kills them. A failing rank tells its peers only after it
     claimed: it leaves the group, and what ``at_leave`` registered, once past the claim.
+
+    The count is sealed (``SealedStore.add``): one that a stranger on the port wrote (a
+    count, to pass for a rank that failed first, or no number) raises ``ForgedValue``.
+    Only ranks that failed write it, so the rank replaces it, atomically, and counts from
+    there: the first to do so is the first failure and records it, saying it was tampered.
     """
     try:
-        return store.add(_FAILURES_KEY, 1) == 1
+        return store.add(_FAILURES_KEY, 1) == 1, False
+    except ForgedValue:
+        try:
+            return store.add(_FAILURES_KEY, 1, replace_forged=True) == 1, True
+        except Exception:  # the store went away meanwhile: a failure came first
+            return False, True
     except Exception:  # the store went away with rank 0: a failure came first
-        return False
+        return False, False

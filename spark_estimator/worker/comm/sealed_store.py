@@ -4,106 +4,154 @@ Rank 0's TCPStore answers anyone who reaches its port, and torch's store has no
 authentication: such a client can list the keys, read every value, and write or delete any
 key. So the secret of the launch (``rendezvous.Meeting``) never goes into the store, neither
 as (part of) a key nor as a value; the ranks use it only as the key of what they write.
-``SealedStore`` wraps the TCPStore client that the ranks and their process group use:
+``SealedStore`` wraps the TCPStore client that the ranks and their process group use, and
+seals every value with an AEAD from ``cryptography``:
 
-    stored value = nonce (16 random bytes) | ciphertext | tag (32 bytes)
-    ciphertext   = value XOR HMAC-SHA256(encryption key, nonce | block number) ...
-    tag          = HMAC-SHA256(authentication key, key name | nonce | ciphertext)
+    stored value = nonce (12 random bytes) | ChaCha20-Poly1305(key, nonce, value, key name)
 
-with both keys derived from the secret by HMAC-SHA256 (a pseudo-random function in counter
-mode, then encrypt-then-MAC). A client of the port therefore reads random bytes: neither
-the ranks' addresses (gloo's) nor NCCL's unique id. A value it writes, or one it copies
-from another key, fails its tag, and the rank that reads it raises ``ForgedValue`` instead
-of using it: the group does not form, the launch fails, and nobody connects to an address a
-stranger gave. A fresh secret per launch keeps one launch's values from passing in another.
+the key derived from the secret by HKDF-SHA256, the key name as associated data. A client
+of the port therefore reads random bytes: neither the ranks' addresses (gloo's) nor NCCL's
+unique id. A value it writes, or one it copies from another key, fails its tag, and the
+rank that reads it raises ``ForgedValue`` instead of using it: the group does not form, the
+launch fails, and nobody connects to an address a stranger gave. A fresh secret per launch
+keeps one launch's values from passing in another.
 
-Not sealed: counters (``add``), which the server itself adds to (whether a rank already
-failed, ``hvd.join``'s arrivals), and whether a key exists (``check``, ``wait``). A
-stranger can change those, so it can make a launch fail or wait, but cannot feed a rank an
-address or an id. The secret's own bytes never leave the process, so no error torch raises
-about the store (a timeout names the keys it waited for) can contain them.
+Counters (``add``) are sealed values too, counted by the ranks with ``compare_set`` (a
+sealed count is no number to the server, which refuses a stranger's ``add`` to it). With a
+plain count a stranger could set one (a rank would believe that another rank failed first)
+or make it no number (torch's server drops the connection of every rank that adds to it).
+Now a count a stranger wrote raises ``ForgedValue``, and the rank's connection stays open;
+``rendezvous._first_failure`` replaces it (``replace_forged``) to claim the job's first
+failure. Not sealed: whether a key exists (``check``, ``wait``, ``delete_key``): a stranger
+can still make a launch fail or wait, or replay an earlier value of the same key of this
+launch, but not feed a rank an address, an id or a count of its own. The secret's own bytes
+never leave the process, so no error torch raises about the store can contain them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-_NONCE = 16
-_TAG = hashlib.sha256().digest_size
+_NONCE = 12  # ChaCha20-Poly1305's; random per value
+_PURPOSE = b"spark-estimator store: ChaCha20-Poly1305"  # HKDF's info: what the key is for
 
 
 class ForgedValue(RuntimeError):
     """A value in the job's store that no rank of this launch wrote under that key."""
 
 
-def _derive(secret: str, purpose: bytes) -> bytes:
-    return hmac.digest(secret.encode(), b"spark-estimator store " + purpose, "sha256")
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class SealedStore(dist.Store):
-    """``inner`` (a torch store) with its values encrypted and authenticated under
-    ``secret`` (see the module); keys and counters pass through unchanged."""
+    """``inner`` (a torch store) with its values, counters included, encrypted and
+    authenticated under ``secret`` (see the module); keys pass through unchanged."""
 
-    def __init__(self, inner: dist.Store, secret: str):
+    def __init__(self, inner: dist.Store, secret: str | None, *, _aead=None):
         super().__init__()
         self.inner = inner
-        self._cipher = _derive(secret, b"encryption")
-        self._mac = _derive(secret, b"authentication")
-        self._counters: set[str] = set()  # keys this process added to: plain counts
-
-    def _keystream(self, nonce: bytes, size: int) -> bytes:
-        blocks = (size + _TAG - 1) // _TAG
-        return b"".join(
-            hmac.digest(self._cipher, nonce + i.to_bytes(8, "big"), "sha256") for i in range(blocks)
-        )[:size]
-
-    def _tag(self, key: str, nonce: bytes, sealed: bytes) -> bytes:
-        name = key.encode()
-        message = len(name).to_bytes(8, "big") + name + nonce + sealed
-        return hmac.digest(self._mac, message, "sha256")
+        if _aead is None:
+            key = HKDF(hashes.SHA256(), 32, None, _PURPOSE).derive(secret.encode())
+            _aead = ChaCha20Poly1305(key)
+        self._aead = _aead
+        # expected and desired value of compare_set to read a key without waiting for it:
+        # random, so never stored (a stranger cannot learn it)
+        self._absent = os.urandom(16)
 
     def seal(self, key: str, value: bytes) -> bytes:
         nonce = os.urandom(_NONCE)
-        size = len(value)
-        stream = self._keystream(nonce, size)
-        sealed = (int.from_bytes(value, "big") ^ int.from_bytes(stream, "big")).to_bytes(
-            size, "big"
-        )
-        return nonce + sealed + self._tag(key, nonce, sealed)
+        return nonce + self._aead.encrypt(nonce, value, key.encode())
 
     def open(self, key: str, stored: bytes) -> bytes:
         stored = bytes(stored)
-        nonce, sealed, tag = stored[:_NONCE], stored[_NONCE:-_TAG], stored[-_TAG:]
-        if len(stored) < _NONCE + _TAG or not hmac.compare_digest(
-            tag, self._tag(key, nonce, sealed)
-        ):
+        try:
+            return self._aead.decrypt(stored[:_NONCE], stored[_NONCE:], key.encode())
+        except (InvalidTag, ValueError):  # ValueError: too short for a nonce and a tag
             raise ForgedValue(
                 f"the job's store holds a value under key {key!r} that no rank of this launch "
                 "wrote there (another process reached rank 0's TCPStore port); refused"
-            )
-        size = len(sealed)
-        stream = self._keystream(nonce, size)
-        return (int.from_bytes(sealed, "big") ^ int.from_bytes(stream, "big")).to_bytes(size, "big")
+            ) from None
+
+    def _stored(self, key: str) -> bytes | None:
+        """``key``'s stored bytes, None where it is absent (without waiting for it)."""
+        got = self.inner.compare_set(key, self._absent, self._absent)
+        return None if got == self._absent else got
+
+    def _update(self, key: str, change: Callable, replace_forged: bool = False):
+        """Change ``key``'s value atomically: ``change(plaintext or None)`` gives (the new
+        plaintext or None to leave it, the result); the sealed value is swapped in with
+        ``compare_set`` against the bytes read, again where another rank came first."""
+        stored = self._stored(key)
+        while True:
+            try:
+                current = None if stored is None else self.open(key, stored)
+            except ForgedValue:
+                if not replace_forged:
+                    raise
+                current = None
+            value, result = change(current)
+            if value is None:
+                return result
+            sealed = self.seal(key, value)
+            got = self.inner.compare_set(key, b"" if stored is None else stored, sealed)
+            if got == sealed:
+                return result
+            # torch answers an absent key with the expected value
+            stored = None if stored is not None and got == stored else got
 
     # -- torch's Store interface (what gloo, NCCL and torch.distributed call) --------------
     def set(self, key: str, value) -> None:
-        value = value.encode() if isinstance(value, str) else bytes(value)
-        self.inner.set(key, self.seal(key, value))
+        self.inner.set(key, self.seal(key, _bytes(value)))
 
     def get(self, key: str) -> bytes:
-        stored = self.inner.get(key)
-        if key in self._counters:  # a count the server keeps (torch's store barrier)
-            return stored
-        return self.open(key, stored)
+        return self.open(key, self.inner.get(key))
 
-    def add(self, key: str, amount: int) -> int:
-        self._counters.add(key)
-        return self.inner.add(key, amount)
+    def add(self, key: str, amount: int, replace_forged: bool = False) -> int:
+        """Add to ``key``'s count (absent: 0) and return it; ``ForgedValue`` where a
+        stranger wrote the key, unless ``replace_forged`` (then its count starts at 0)."""
+
+        def count(current):
+            total = amount + (0 if current is None else _count(key, current))
+            unchanged = current is not None and amount == 0  # a read (torch's barrier)
+            return (None if unchanged else str(total).encode()), total
+
+        return self._update(key, count, replace_forged)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        """torch's compare_set on plaintexts: ``desired`` where ``key`` held ``expected``
+        (absent: ``b""``), else the value it holds (absent: ``expected``)."""
+        expected, desired = _bytes(expected), _bytes(desired)
+
+        def swap(current):
+            if current is None:
+                return (None, expected) if expected else (desired, desired)
+            return (desired, desired) if current == expected else (None, current)
+
+        return self._update(key, swap)
+
+    def append(self, key: str, value) -> None:
+        value = _bytes(value)
+        self._update(key, lambda current: ((current or b"") + value, None))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: list[str], values: list) -> None:
+        for key, value in zip(keys, values, strict=True):  # one by one, not atomically
+            self.set(key, value)
+
+    def clone(self) -> SealedStore:
+        """Another connection to the same store, under the same secret."""
+        return SealedStore(self.inner.clone(), None, _aead=self._aead)
 
     def check(self, keys: list[str]) -> bool:
         return self.inner.check(keys)
@@ -122,3 +170,12 @@ class SealedStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.inner.set_timeout(timeout)
+
+
+def _count(key: str, value: bytes) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"add: key {key!r} of the job's store holds {value!r}, not a count"
+        ) from None

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from spark_estimator.shared.failures import record_failure
 from spark_estimator.store import Store
 from spark_estimator.worker.comm.rendezvous import (
+    _FAILURES_KEY,
+    LATER_FAILURE_DELAY_S,
     Meeting,
     RendezvousError,
     cross_ranks,
@@ -30,6 +32,7 @@ from spark_estimator.worker.comm.rendezvous import (
     select_device,
     task_gpu_addresses,
 )
+from spark_estimator.worker.comm.sealed_store import SealedStore
 
 
 class FakeResource:
@@ -250,6 +253,61 @@ def test_a_failed_rendezvous_removes_rank_0s_address_and_closes_its_port(tmp_pat
     assert e.value is not None and seen
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", seen[0]["port"]), timeout=2).close()
+
+
+@pytest.mark.parametrize("poison", [b"not-a-number", b"1"])
+def test_a_failure_count_a_stranger_overwrote_still_records_the_first_failure(tmp_path, poison):
+    # a stranger on the port overwrites the job's failure count before the rank fails:
+    # torch's server cannot add to b"not-a-number" (it drops the connection: "Did the
+    # remote server shutdown"), and b"1" claims that another rank failed first
+    ctx, meeting = FakeBarrierContext(0, 1), meeting_in(tmp_path)
+    record = meeting.run.failure(meeting.launch_id)
+    began = None
+    with pytest.raises(ValueError, match="the training code's own error"):
+        with process_group(
+            ctx,
+            meeting,
+            use_gpu=False,
+            timeout_s=5,
+            on_failure=lambda rank, error: record_failure(record, meeting.store, rank, error),
+        ):
+            address = meeting.store.read_json(meeting.address_file(ctx))
+            stranger = dist.PrefixStore(  # the key the ranks' PrefixStore names
+                "spark-estimator/",
+                dist.TCPStore(
+                    address["host"], address["port"], is_master=False, timeout=timedelta(seconds=5)
+                ),
+            )
+            stranger.set(_FAILURES_KEY, poison)
+            stranger.get(_FAILURES_KEY)  # the server has it
+            began = time.monotonic()
+            raise ValueError("the training code's own error")
+    assert time.monotonic() - began < LATER_FAILURE_DELAY_S  # raised at once, as the first
+    written = meeting.store.read_json(record)
+    assert written["type"] == "ValueError" and written["rank"] == 0
+    assert "the training code's own error" in written["message"]
+    # the record says what happened to the count
+    assert "failure count" in written["traceback"] and "tampered" in written["traceback"]
+
+
+def test_once_a_rank_replaced_a_forged_failure_count_the_next_failing_rank_is_not_first():
+    from spark_estimator.worker.comm.rendezvous import _first_failure
+
+    timeout = timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    secret = "3a7d1f09c4e2b8656d0e9a1f7c3b5e28"
+
+    def rank_store():
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+        return SealedStore(dist.PrefixStore("spark-estimator/", client), secret)
+
+    rank_1, rank_2 = rank_store(), rank_store()
+    stranger = dist.PrefixStore("spark-estimator/", server)
+    stranger.set(_FAILURES_KEY, b"not-a-number")
+    assert _first_failure(rank_1) == (True, True)  # first, over a tampered count
+    assert _first_failure(rank_2) == (False, False)
+    stranger.delete_key(_FAILURES_KEY)
+    assert _first_failure(rank_2) == (True, False)  # a deleted count starts again
 
 
 def _join_and_sum(rank: int, world: int, folder: str) -> None:
