@@ -35,7 +35,7 @@ from .driver.persistence import ObjectParamsReadWrite
 from .driver.stage_profile import task_profile
 from .driver.task_python import use_task_python
 from .shared.serialization import dumps
-from .shared.spec import FLOAT_DTYPES
+from .shared.spec import FLOAT_DTYPES, ROW_NAMES, ColumnSpec, DecodeSpec
 from .worker.predict import predict_batches
 
 
@@ -49,7 +49,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
     A param given as None is left unset (at its default).
     """
 
-    _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary")
+    _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary", "feature_kinds")
 
     @spark_ml_keywords
     @keyword_only
@@ -61,6 +61,11 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         input_shapes=None,
         dtype="float32",
         output_cols=None,
+        decode_fn=None,
+        collate_fn=None,
+        padding_value=0.0,
+        decode_workers=None,
+        decode_device="cpu",
         stage_level_scheduling=True,
         classification=False,
         probabilityCol="probability",
@@ -71,6 +76,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         output_shapes=None,
         run_id=None,
         training_summary=None,
+        feature_kinds=None,
     ):
         super().__init__()
         given = self._input_kwargs
@@ -79,6 +85,9 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         self._output_shapes = output_shapes
         self._run_id = run_id
         self._training_summary = dict(training_summary or {})
+        # column -> [kind, dtype] fit trained it as, where the schema alone cannot tell:
+        # arrays of varying length are "sequence"s (padded, a mask after them)
+        self._feature_kinds = dict(feature_kinds or {})
 
     def copy(self, extra=None) -> TorchModel:
         """A copy with the same uid and the ``extra`` params (a dict Param -> value). It
@@ -90,6 +99,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         that._history = deepcopy(self._history)
         that._output_shapes = deepcopy(self._output_shapes)
         that._training_summary = deepcopy(self._training_summary)
+        that._feature_kinds = dict(self._feature_kinds)
         return that
 
     def getTrainingSummary(self) -> dict:
@@ -124,9 +134,20 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         schema, dtype = dataset.schema, self.getDtype()
         validate.check_choice("dtype", dtype, FLOAT_DTYPES)
         features = [
-            validate.column_spec(schema, c, "feature", dtype) for c in self.getFeatureCols()
+            self._as_trained(validate.column_spec(schema, c, "feature", dtype))
+            for c in self.getFeatureCols()
         ]
         validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols(), features)
+        validate.check_decoding(
+            features,
+            [],
+            "arrow",
+            self.getDecodeFn(),
+            self.getCollateFn(),
+            self.getPaddingValue(),
+            self.getDecodeWorkers(),
+            self.getDecodeDevice(),
+        )
         use_task_python(dataset.sparkSession)  # the driver's Python on a local master
         if self.getClassification():
             return self._transform_classes(dataset, features)
@@ -146,6 +167,24 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
             for n, s in zip(names, scalar)
         ]
         return self._map_batches(dataset, features, fields, scalar_outputs=scalar)
+
+    def _as_trained(self, spec: ColumnSpec) -> ColumnSpec:
+        """An array column fit read as a sequence (its lengths varied) is one here too, its
+        values in the dtype fit gave them (token ids: int64)."""
+        kind, dtype = self._feature_kinds.get(spec.name, [spec.kind, spec.dtype])
+        if spec.kind == "array" and kind == "sequence":
+            return ColumnSpec(spec.name, "sequence", dtype)
+        return spec
+
+    def _decode_spec(self) -> DecodeSpec:
+        fn, collate = self.getDecodeFn(), self.getCollateFn()
+        return DecodeSpec(
+            decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
+            collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
+            padding_value=float(self.getPaddingValue()),
+            workers=self.getDecodeWorkers(),
+            device=self.getDecodeDevice(),
+        )
 
     def _transform_classes(self, dataset: DataFrame, features) -> DataFrame:
         """``classification``: mapInArrow writes logits and probabilities as arrays of
@@ -173,12 +212,15 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         one GPU and an executor's cores (``stage_level_scheduling``)."""
         stage = task_profile(dataset.sparkSession, self.getStageLevelScheduling(), job="transform")
         profile = {} if stage.profile is None else {"profile": stage.profile}
+        names = ROW_NAMES if ROW_NAMES in dataset.schema.names else None
         predict = functools.partial(
             predict_batches,
             model_bytes=dumps(self.getModel(), "model"),
             features=features,
             input_shapes=self.getInputShapes(),
             output_cols=[f.name for f in fields],
+            decode=self._decode_spec(),
+            row_names=names if any(c.variable for c in features) else None,
             **options,
         )
         schema = StructType(list(dataset.schema.fields) + fields)
@@ -186,7 +228,8 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
 
     # -- persistence (ObjectParamsReadWrite) -----------------------------------------------
     def _objects(self) -> dict:
-        return {"model": self.getModel()} if self.isDefined("model") else {}
+        names = ("model", "decode_fn", "collate_fn")
+        return {n: self.getOrDefault(n) for n in names if self.isDefined(n)}
 
     def _weights(self) -> dict | None:
         """The module's parameters and buffers by state-dict name: saved to ``weights.pt``
@@ -204,6 +247,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
             "output_shapes": self._output_shapes,
             "run_id": self._run_id,
             "training_summary": self._training_summary,
+            "feature_kinds": self._feature_kinds,
         }
 
     def _restore(self, objects: dict, metadata: dict) -> None:
@@ -212,6 +256,7 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
         self._output_shapes = metadata.get("output_shapes")
         self._run_id = metadata.get("run_id")
         self._training_summary = metadata.get("training_summary") or {}
+        self._feature_kinds = metadata.get("feature_kinds") or {}
 
 
 def _col(name: str):

@@ -99,6 +99,7 @@ def cache_key(
     seed: int,
     write_options: dict,
     sample_weight: ColumnSpec | None = None,
+    row_names: str | None = None,
 ) -> str:
     spec = {
         "version": DATASET_FORMAT_VERSION,
@@ -110,4 +111,6 @@ def cache_key(
     }
     if sample_weight is not None:  # absent otherwise, so datasets without one keep their key
         spec["sample_weight"] = asdict(sample_weight)
+    if row_names is not None:  # likewise: the column naming rows, written beside them
+        spec["row_names"] = row_names
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:24]

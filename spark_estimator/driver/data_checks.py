@@ -39,7 +39,7 @@ def counted_columns(
     return tuple(
         CheckedColumn(
             spec.name,
-            spec.kind != "scalar",
+            spec.kind in ("array", "vector"),
             _finite_checked(role, spec),
             classes=_class_indices(role, spec),
             whole=_class_indices(role, spec) and spec.name in from_floats,
@@ -52,9 +52,12 @@ def _class_indices(role: str, spec: ColumnSpec) -> bool:
     return role == "label" and spec.kind == "scalar" and spec.integral
 
 
-def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, int]:
-    """Raise for nulls, non-finite values or arrays of varying length found by the write's
-    metrics (columns in order, nulls first); return each array column's row length.
+def check_observed(
+    metrics: dict, columns: list[tuple[str, ColumnSpec]]
+) -> tuple[dict[str, int], set[str]]:
+    """Raise for nulls, non-finite values or vectors of varying length found by the write's
+    metrics (columns in order, nulls first); return each array column's row length, and the
+    array columns whose lengths vary (read as sequences, padded per batch).
 
     Counts are of the files written, each counted once (by the task attempt that wrote it).
     """
@@ -98,21 +101,23 @@ def check_observed(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict
                 f"whole numbers (e.g. StringIndexer's labels), or round them: "
                 f"df.withColumn('{name}', F.round('{name}').cast('long'))"
             )
-    lengths = {}
+    lengths, ragged = {}, set()
     for i, (role, spec) in enumerate(columns):
-        if spec.kind == "scalar":
+        if spec.kind not in ("array", "vector"):
             continue
         lo, hi = metrics.get(f"c{i}_min_length"), metrics.get(f"c{i}_max_length")
         if lo is None:  # no rows
             continue
-        if lo != hi:
+        if lo != hi and spec.kind == "vector":
             raise ValueError(
-                f"{column_param(role)}: column '{spec.name}' has arrays of varying length "
-                f"({lo} to {hi}); every row of an array or vector column must have the same "
-                "length"
+                f"{column_param(role)}: column '{spec.name}' has vectors of varying size "
+                f"({lo} to {hi}); every row of a vector column must have the same size"
             )
-        lengths[spec.name] = int(lo)
-    return lengths
+        if lo != hi:
+            ragged.add(spec.name)
+        else:
+            lengths[spec.name] = int(lo)
+    return lengths, ragged
 
 
 def label_ranges(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, list[int]]:
@@ -128,6 +133,11 @@ def check_row_lengths(data: DatasetInfo, input_shapes: list[list[int]] | None) -
     """Each shape must hold as many values per row as its feature column's rows (1 for
     scalars; array lengths as recorded in ``_meta.json``)."""
     for spec, shape in zip(data.features, input_shapes or []):
+        if spec.kind == "sequence" and shape is not None:
+            raise ValueError(
+                f"input_shapes: column '{spec.name}' has arrays of varying length, padded per "
+                "batch to its longest; give no shape for it"
+            )
         length = data.row_length(spec)
         if length is not None:
             check_shape_fits(shape, spec.name, length)

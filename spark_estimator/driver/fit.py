@@ -27,11 +27,12 @@ from pyspark.sql import DataFrame, SparkSession
 from ..model import TorchModel
 from ..shared import model_factory
 from ..shared.failures import TrainingError, read_failure
-from ..shared.serialization import loads, state_from_bytes
+from ..shared.serialization import dumps, loads, state_from_bytes
 from ..shared.spec import (
     FLOAT_DTYPES,
     ColumnSpec,
     DatasetInfo,
+    DecodeSpec,
     LoaderSpec,
     LoopSpec,
     TrainSpec,
@@ -141,6 +142,17 @@ def rank_memory(summaries: list[RankSummary]) -> list[dict]:
         }
         for s in sorted(summaries, key=lambda s: s.rank)
     ]
+
+
+def decoding_summary(summaries: list[RankSummary]) -> dict:
+    """What decoding the variable columns did, over all ranks: the rows left out
+    (bad_rows='skip') and the share of padded sequences' values that were padding."""
+    real = sum(s.padding[0] for s in summaries)
+    total = sum(s.padding[1] for s in summaries)
+    out = {"rows_skipped": sum(s.rows_skipped for s in summaries)}
+    if total:
+        out["padding"] = {"values": real, "padded": total, "share": round(1 - real / total, 4)}
+    return out
 
 
 class _LostProcesses(Exception):
@@ -332,6 +344,12 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             classification=self.getClassification(),
             probabilityCol=self.getProbabilityCol(),
             rawPredictionCol=self.getRawPredictionCol(),
+            decode_fn=self.getDecodeFn(),
+            collate_fn=self.getCollateFn(),
+            padding_value=self.getPaddingValue(),
+            decode_workers=self.getDecodeWorkers(),
+            decode_device=self.getDecodeDevice(),
+            feature_kinds={c.name: [c.kind, c.dtype] for c in data.features},
             history=result["history"],
             output_shapes=result["output_shapes"],
             run_id=run_id,
@@ -343,6 +361,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 "task_resources": checked.stage.summary(),
                 "rank_devices": rank_devices(summaries),
                 "rank_memory": rank_memory(summaries),
+                **decoding_summary(summaries),
             },
         )
         if self.getMlflowLogging():
@@ -492,6 +511,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         for name, check in _PARAM_CHECKS.items():
             check(name, self.getOrDefault(name))
         features, labels, sample_weight = self._check_columns(dataset)
+        decode = self._decode_spec(features, labels)
         transformation_fn = validate.check_transformation_fn(self.getTransformationFn())
         validate.check_no_dynamic_allocation(spark)
         stage = task_profile(spark, self.getStageLevelScheduling(), self.getUseGpu())
@@ -521,6 +541,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             train_steps_per_epoch=self.getTrainStepsPerEpoch(),
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
             transformation_fn=transformation_fn,
+            decode=decode,
         )
         check_task_python(spark)
         probed = training.probe_loss is None or (
@@ -541,6 +562,29 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             probed,
             use_gpu,
             stage,
+        )
+
+    def _decode_spec(self, features, labels) -> DecodeSpec:
+        """The decoding params, checked with the columns they apply to (``validate``)."""
+        validate.check_decoding(
+            features,
+            labels,
+            self.getReader(),
+            self.getDecodeFn(),
+            self.getCollateFn(),
+            self.getPaddingValue(),
+            self.getDecodeWorkers(),
+            self.getDecodeDevice(),
+            self.getBadRows(),
+        )
+        fn, collate = self.getDecodeFn(), self.getCollateFn()
+        return DecodeSpec(
+            decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
+            collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
+            padding_value=float(self.getPaddingValue()),
+            workers=self.getDecodeWorkers(),
+            bad_rows=self.getBadRows(),
+            device=self.getDecodeDevice(),
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:
@@ -578,7 +622,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         # one pickle, so the optimizer still refers to the model's parameters when loaded
         return {
             name: self.getOrDefault(name)
-            for name in (*self._BUNDLED, "transformation_fn")
+            for name in (*self._BUNDLED, "transformation_fn", "decode_fn", "collate_fn")
             if self.isDefined(name)
         }
 

@@ -16,7 +16,8 @@ with them as its labels, so class scores too few for the classes fail here.
 
 The probe needs every column's values per row: scalars have one; an array or vector
 column's length comes from ``input_shapes`` or from the row lengths a
-dataset records. Before any Spark job only the first are known, so where an array column's
+dataset records; variable columns (images, text, sequences), decoded on the executors, are
+not probed. Before any Spark job only the first are known, so where an array column's
 length is not, the probe runs once the dataset is (materialized or found), before the
 training job. A model or ``transformation_fn`` that fails on zeros is no fault of the
 loss: the probe then stops, and the executors report what fails on the real rows. With
@@ -44,6 +45,8 @@ def _row_length(
 ) -> int | None:
     if column.kind == "scalar":
         return 1
+    if column.variable:  # decoded per row on the executors: not known here
+        return None
     if column.name in row_lengths:
         return row_lengths[column.name]
     if shape:

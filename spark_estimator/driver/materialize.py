@@ -42,10 +42,10 @@ from dataclasses import asdict, dataclass
 from pyspark.ml.functions import vector_to_array
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import IntegralType
+from pyspark.sql.types import IntegralType, StringType
 
 from ..shared.column_stats import merge_stats
-from ..shared.spec import SPLITS, ColumnSpec, DatasetInfo
+from ..shared.spec import ROW_NAMES, SPLITS, ColumnSpec, DatasetInfo
 from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
@@ -56,6 +56,7 @@ from .data_checks import (
     counted_columns,
     label_ranges,
 )
+from .validate import sequence_element_integral
 
 SPLIT_COL = "__spark_estimator_split"
 COMPRESSIONS = ("uncompressed", "snappy", "gzip", "zstd")
@@ -70,10 +71,19 @@ class WriteOptions:
     compression: str
 
 
-def _select_expr(spec: ColumnSpec, from_floats: frozenset[str] = frozenset()) -> Column:
+def _select_expr(
+    spec: ColumnSpec, from_floats: frozenset[str] = frozenset(), integers: bool = False
+) -> Column:
+    """The column as written: converted column-wise by Spark (see the module); variable
+    columns as they are; arrays of ``integers`` as bigint (token ids, if their lengths
+    vary; the loader casts fixed-length ones to ``dtype``)."""
+    if spec.variable:
+        return F.col(spec.name)
     element = "bigint" if spec.integral else ("double" if spec.dtype == "float64" else "float")
     if spec.name in from_floats:  # class indices as floats: the writer counts and casts them
         element = "double"
+    if spec.kind == "array" and integers:
+        element = "bigint"
     if spec.kind == "vector":  # vector_to_array fails on a null vector: keep it null
         column = F.col(spec.name)
         converted = vector_to_array(column, spec.dtype)
@@ -108,7 +118,10 @@ def materialize(
     the values on the way (see the module's docstring); ``check`` (the loss on a probe
     batch) raises, for the dataset found or written, before one is published."""
     source = source_fingerprint(df)
-    key = cache_key(source, features + labels, validation, seed, asdict(options), sample_weight)
+    row_names = _row_names(df, features + labels)
+    key = cache_key(
+        source, features + labels, validation, seed, asdict(options), sample_weight, row_names
+    )
     dataset = store.dataset(key)
     if store.exists(dataset.meta):
         data = DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
@@ -126,9 +139,12 @@ def materialize(
         and c.integral
         and not isinstance(df.schema[c.name].dataType, IntegralType)
     )
+    integers = {c.name for c in features + labels if sequence_element_integral(df.schema, c.name)}
+    names = [F.col(row_names)] if row_names else []
     try:
         selected = df.select(
-            *[_select_expr(c, from_floats) for _, c in columns],
+            *[_select_expr(c, from_floats, c.name in integers) for _, c in columns],
+            *names,
             _split_expr(validation, seed).alias(SPLIT_COL),
         )
         target = ParquetTarget(
@@ -148,7 +164,11 @@ def materialize(
         metrics: dict[str, int] = {}
         for row in written:
             metrics = merge_stats(metrics, json.loads(row.stats))
-        row_lengths = check_observed(metrics, columns)
+        row_lengths, ragged = check_observed(metrics, columns)
+        features, labels = (
+            [as_sequence(c, c.name in integers) if c.name in ragged else c for c in specs]
+            for specs in (features, labels)
+        )
         data = DatasetInfo(
             path=dataset.path,
             features=features,
@@ -159,6 +179,7 @@ def materialize(
             row_lengths=row_lengths,
             write_id=write_id,
             label_ranges=label_ranges(metrics, columns),
+            row_names=row_names,
         )
         check_not_empty(data, validation)
         check_row_lengths(data, input_shapes)
@@ -173,6 +194,22 @@ def materialize(
         return DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
     store.write_json(dataset.meta, data.to_json())  # atomic; the last of two racing fits wins
     return data
+
+
+def _row_names(df: DataFrame, columns: list[ColumnSpec]) -> str | None:
+    """The column naming each row (binaryFile's ``path``), written beside variable columns
+    so that a row that fails to decode is named; None without one or without those."""
+    if not any(c.variable for c in columns) or ROW_NAMES not in df.schema.names:
+        return None
+    used = {c.name for c in columns}
+    string = isinstance(df.schema[ROW_NAMES].dataType, StringType)
+    return ROW_NAMES if string and ROW_NAMES not in used else None
+
+
+def as_sequence(spec: ColumnSpec, integers: bool) -> ColumnSpec:
+    """An array column whose lengths vary, read as a sequence: padded per batch; integers
+    (token ids) stay int64."""
+    return ColumnSpec(spec.name, "sequence", "int64" if integers else spec.dtype)
 
 
 def _files_by_split(written: list) -> dict[str, list[tuple[str, list[int]]]]:

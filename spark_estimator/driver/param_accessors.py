@@ -37,6 +37,11 @@ class HasModelIOAccessors(Params):
     feature_cols: Param[list[str]]
     input_shapes: Param[list[list[int]] | None]
     output_cols: Param[list[str] | None]
+    decode_fn: Param[Any]
+    collate_fn: Param[Any]
+    padding_value: Param[float]
+    decode_workers: Param[int | None]
+    decode_device: Param[str]
 
     def getFeatureCols(self) -> list[str]:
         """Gets the value of `feature_cols`: input columns; each becomes one positional argument
@@ -78,6 +83,92 @@ class HasModelIOAccessors(Params):
         """
         return self._set(output_cols=value)
 
+    def getDecodeFn(self) -> Any:
+        """Gets the value of `decode_fn`: function (row, augment) -> row applied to every row's
+        variable columns (binary, string, Spark image struct, arrays of varying length), in a
+        pool of threads on each process: row is a dict column -> bytes, str, image dict or
+        1-D NumPy array; augment a numpy.random.Generator seeded by (random_seed, epoch, row)
+        in training, None in validation and transform. Returns a dict with a value (a tensor)
+        for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB,
+        Pillow), image structs likewise, sequences as 1-D tensors, strings left as they are
+        (spark_estimator.decoding)
+        """
+        return self.getOrDefault(self.decode_fn)
+
+    def setDecodeFn(self: _P, value: Any) -> _P:
+        """Sets the value of `decode_fn`: function (row, augment) -> row applied to every row's
+        variable columns (binary, string, Spark image struct, arrays of varying length), in a
+        pool of threads on each process: row is a dict column -> bytes, str, image dict or
+        1-D NumPy array; augment a numpy.random.Generator seeded by (random_seed, epoch, row)
+        in training, None in validation and transform. Returns a dict with a value (a tensor)
+        for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB,
+        Pillow), image structs likewise, sequences as 1-D tensors, strings left as they are
+        (spark_estimator.decoding)
+        """
+        return self._set(decode_fn=value)
+
+    def getCollateFn(self) -> Any:
+        """Gets the value of `collate_fn`: function (list of decoded rows) -> dict column ->
+        batch tensor, as a DataLoader's collate_fn; an entry '<column>_mask' is handed to
+        forward() after that column. Default: tensors of one shape stacked, 1-D tensors
+        (sequences) padded to the batch's longest with padding_value plus their mask (True at
+        the row's values, the argument after the column's), strings as lists
+        """
+        return self.getOrDefault(self.collate_fn)
+
+    def setCollateFn(self: _P, value: Any) -> _P:
+        """Sets the value of `collate_fn`: function (list of decoded rows) -> dict column ->
+        batch tensor, as a DataLoader's collate_fn; an entry '<column>_mask' is handed to
+        forward() after that column. Default: tensors of one shape stacked, 1-D tensors
+        (sequences) padded to the batch's longest with padding_value plus their mask (True at
+        the row's values, the argument after the column's), strings as lists
+        """
+        return self._set(collate_fn=value)
+
+    def getPaddingValue(self) -> float:
+        """Gets the value of `padding_value`: the value feature sequences are padded with to the
+        batch's longest (integer label sequences are padded with -100, which CrossEntropyLoss
+        ignores)
+        """
+        return self.getOrDefault(self.padding_value)
+
+    def setPaddingValue(self: _P, value: float) -> _P:
+        """Sets the value of `padding_value`: the value feature sequences are padded with to the
+        batch's longest (integer label sequences are padded with -100, which CrossEntropyLoss
+        ignores)
+        """
+        return self._set(padding_value=value)
+
+    def getDecodeWorkers(self) -> int | None:
+        """Gets the value of `decode_workers`: threads decoding the rows of variable columns on
+        each process (Pillow and tokenizers release the GIL while they work); default: the
+        task's CPUs
+        """
+        return self.getOrDefault(self.decode_workers)
+
+    def setDecodeWorkers(self: _P, value: int | None) -> _P:
+        """Sets the value of `decode_workers`: threads decoding the rows of variable columns on
+        each process (Pillow and tokenizers release the GIL while they work); default: the
+        task's CPUs
+        """
+        return self._set(decode_workers=value)
+
+    def getDecodeDevice(self) -> str:
+        """Gets the value of `decode_device`: where encoded images (binary columns) are decoded:
+        'cpu' (Pillow, in the decode threads) or 'cuda' (JPEGs on the process's GPU, a batch
+        at a time, with torchvision.io.decode_jpeg; needs torchvision that loads with the
+        installed torch, and no decode_fn)
+        """
+        return self.getOrDefault(self.decode_device)
+
+    def setDecodeDevice(self: _P, value: str) -> _P:
+        """Sets the value of `decode_device`: where encoded images (binary columns) are decoded:
+        'cpu' (Pillow, in the decode threads) or 'cuda' (JPEGs on the process's GPU, a batch
+        at a time, with torchvision.io.decode_jpeg; needs torchvision that loads with the
+        installed torch, and no decode_fn)
+        """
+        return self._set(decode_device=value)
+
 
 class FitParamsAccessors(Params):
     model: Param[Any]
@@ -98,6 +189,7 @@ class FitParamsAccessors(Params):
     verbose: Param[bool]
     mlflow_logging: Param[bool]
     callbacks: Param[Any]
+    bad_rows: Param[str]
     partitions_per_process: Param[int]
     row_group_size_mb: Param[float]
     compression: Param[str]
@@ -361,6 +453,22 @@ class FitParamsAccessors(Params):
         estimator)
         """
         return self._set(callbacks=value)
+
+    def getBadRows(self) -> str:
+        """Gets the value of `bad_rows`: what a row of a variable column that fails to decode (a
+        corrupt image) does: 'fail' (default) raises naming the column, the row and its path
+        or origin; 'skip' leaves it out of its batch, counted in the training summary
+        (rows_skipped)
+        """
+        return self.getOrDefault(self.bad_rows)
+
+    def setBadRows(self: _P, value: str) -> _P:
+        """Sets the value of `bad_rows`: what a row of a variable column that fails to decode (a
+        corrupt image) does: 'fail' (default) raises naming the column, the row and its path
+        or origin; 'skip' leaves it out of its batch, counted in the training summary
+        (rows_skipped)
+        """
+        return self._set(bad_rows=value)
 
     def getPartitionsPerProcess(self) -> int:
         """Gets the value of `partitions_per_process`: Parquet files written per training

@@ -267,6 +267,51 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             _to_optional_list_str,
             default=None,
         ),
+        # -- variable columns (images, text, sequences): worker/data/decode.py --------------
+        ParamSpec(
+            "decode_fn",
+            "function (row, augment) -> row applied to every row's variable columns (binary, "
+            "string, Spark image struct, arrays of varying length), in a pool of threads on "
+            "each process: row is a dict column -> bytes, str, image dict or 1-D NumPy array; "
+            "augment a numpy.random.Generator seeded by (random_seed, epoch, row) in training, "
+            "None in validation and transform. Returns a dict with a value (a tensor) for each "
+            "of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB, "
+            "Pillow), image structs likewise, sequences as 1-D tensors, strings left as they "
+            "are (spark_estimator.decoding)",
+            default=None,
+        ),
+        ParamSpec(
+            "collate_fn",
+            "function (list of decoded rows) -> dict column -> batch tensor, as a DataLoader's "
+            "collate_fn; an entry '<column>_mask' is handed to forward() after that column. "
+            "Default: tensors of one shape stacked, 1-D tensors (sequences) padded to the "
+            "batch's longest with padding_value plus their mask (True at the row's values, "
+            "the argument after the column's), strings as lists",
+            default=None,
+        ),
+        ParamSpec(
+            "padding_value",
+            "the value feature sequences are padded with to the batch's longest (integer label "
+            "sequences are padded with -100, which CrossEntropyLoss ignores)",
+            TypeConverters.toFloat,
+            default=0.0,
+        ),
+        ParamSpec(
+            "decode_workers",
+            "threads decoding the rows of variable columns on each process (Pillow and "
+            "tokenizers release the GIL while they work); default: the task's CPUs",
+            _to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "decode_device",
+            "where encoded images (binary columns) are decoded: 'cpu' (Pillow, in the decode "
+            "threads) or 'cuda' (JPEGs on the process's GPU, a batch at a time, with "
+            "torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch, "
+            "and no decode_fn)",
+            TypeConverters.toString,
+            default="cpu",
+        ),
     )
 
 
@@ -397,6 +442,15 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "callbacks",
             "list of callbacks run on every process (see each estimator)",
             default=None,
+        ),
+        ParamSpec(
+            "bad_rows",
+            "what a row of a variable column that fails to decode (a corrupt image) does: "
+            "'fail' (default) raises naming the column, the row and its path or origin; "
+            "'skip' leaves it out of its batch, counted in the training summary "
+            "(rows_skipped)",
+            TypeConverters.toString,
+            default="fail",
         ),
         # -- materialization ----------------------------------------------------------------
         ParamSpec(
@@ -730,6 +784,8 @@ OBJECT_PARAMS = (
     "loss_constructors",
     "trainer_args",
     "profiler",
+    "decode_fn",
+    "collate_fn",
 )
 
 

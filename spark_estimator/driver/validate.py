@@ -12,16 +12,25 @@ from collections.abc import Callable
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import (
     ArrayType,
+    BinaryType,
     BooleanType,
     DataType,
     IntegralType,
     NumericType,
+    StringType,
     StructType,
 )
 
 from ..shared.packages import require_petastorm
 from ..shared.serialization import dumps
-from ..shared.spec import READERS, ColumnSpec, column_param
+from ..shared.spec import (
+    BAD_ROWS,
+    DECODE_DEVICES,
+    IMAGE_FIELDS,
+    READERS,
+    ColumnSpec,
+    column_param,
+)
 from .data_checks import check_shape_fits
 
 
@@ -46,12 +55,79 @@ def column_spec(schema: StructType, name: str, role: str, dtype: str = "float32"
         return ColumnSpec(name, "array", "int64" if integral else dtype)
     if role != "sample_weight" and isinstance(dt, VectorUDT):  # labels: e.g. one-hot
         return ColumnSpec(name, "vector", dtype)
+    if role != "sample_weight" and isinstance(dt, StringType):  # text: decode_fn tokenizes
+        return ColumnSpec(name, "string", dtype)
+    if role == "feature" and isinstance(dt, BinaryType):  # encoded images, or other bytes
+        return ColumnSpec(name, "binary", dtype)
+    if role == "feature" and is_image_struct(dt):  # spark.read.format("image")'s column
+        return ColumnSpec(name, "image", dtype)
     allowed = {
-        "feature": "a numeric scalar or array<numeric> or an ML Vector",
-        "label": "a numeric scalar or array<numeric> or an ML Vector",
+        "feature": "a numeric scalar, array<numeric>, an ML Vector, binary (encoded images), "
+        "string, or Spark's image struct",
+        "label": "a numeric scalar, array<numeric> (of any length), an ML Vector or string",
         "sample_weight": "a numeric scalar",
     }[role]
     raise TypeError(f"{param}: column '{name}' has type {dt.simpleString()}; it must be {allowed}")
+
+
+def is_image_struct(dt: DataType) -> bool:
+    """Whether ``dt`` is the struct of Spark's image source (``IMAGE_FIELDS``)."""
+    return isinstance(dt, StructType) and set(dt.names) == set(IMAGE_FIELDS)
+
+
+def sequence_element_integral(schema: StructType, name: str) -> bool:
+    """Whether the array column ``name`` holds integers (token ids: int64 when ragged)."""
+    dt = schema[name].dataType
+    return isinstance(dt, ArrayType) and isinstance(dt.elementType, IntegralType)
+
+
+def check_decoding(
+    features: list[ColumnSpec] | None,
+    labels: list[ColumnSpec] | None,
+    reader: str,
+    decode_fn,
+    collate_fn,
+    padding_value: float,
+    decode_workers: int | None,
+    decode_device: str,
+    bad_rows: str = "fail",
+) -> None:
+    """The decoding params, and what variable columns need: a string feature a decode step
+    (it would reach forward() as a list of Python strings), the Arrow reader, and no
+    decode_fn with decode_device='cuda' (the images are still bytes after it)."""
+    for name, fn in (("decode_fn", decode_fn), ("collate_fn", collate_fn)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name}: expected a function, got {type(fn).__name__}")
+        if fn is not None:
+            dumps(fn, name)
+    check_choice("bad_rows", bad_rows, BAD_ROWS)
+    check_choice("decode_device", decode_device, DECODE_DEVICES)
+    if decode_workers is not None:
+        check_positive("decode_workers", decode_workers)
+    if not isinstance(padding_value, (int, float)):
+        raise TypeError(f"padding_value: expected a number, got {padding_value!r}")
+    variable = [c for c in (features or []) + (labels or []) if c.variable]
+    if not variable:
+        return
+    if reader != "arrow":
+        raise ValueError(
+            f"reader: {reader!r} reads numeric columns only; column '{variable[0].name}' is "
+            f"{variable[0].kind}: use reader='arrow'"
+        )
+    strings = [c.name for c in features or [] if c.kind == "string"]
+    if strings and decode_fn is None and collate_fn is None:
+        raise ValueError(
+            f"decode_fn: feature column '{strings[0]}' holds strings, which would reach "
+            "forward() as a list of Python strings; give decode_fn that turns each row's text "
+            "into token ids, e.g. lambda row, augment: {'" + strings[0] + "': torch.tensor("
+            "tokenizer.encode(row['" + strings[0] + "']).ids)} (or a collate_fn)"
+        )
+    if decode_device == "cuda" and decode_fn is not None:
+        raise ValueError(
+            "decode_device: 'cuda' decodes the encoded images of a batch on the GPU, after "
+            "the rows' decoding, so it cannot be combined with a decode_fn; augment on the "
+            "GPU with transformation_fn instead, or decode on the CPU"
+        )
 
 
 def as_class_indices(spec: ColumnSpec) -> ColumnSpec:

@@ -36,17 +36,33 @@ def column_param(role: str) -> str:
     return "sample_weight_col" if role == "sample_weight" else f"{role}_cols"
 
 
+VARIABLE_KINDS = ("binary", "string", "image", "sequence")
+ROW_NAMES = "path"  # a string column naming each row (binaryFile's): named in decoding errors
+# Spark's image source: a struct of these fields (BGR bytes in ``data``, OpenCV's ``mode``)
+IMAGE_FIELDS = ("origin", "height", "width", "nChannels", "mode", "data")
+BAD_ROWS = ("fail", "skip")  # what a row whose decoding fails does (bad_rows)
+DECODE_DEVICES = ("cpu", "cuda")  # where encoded images are decoded (decode_device)
+
+
 @dataclass(frozen=True)
 class ColumnSpec:
     """How one input column is stored in Parquet and turned into a tensor."""
 
     name: str
-    kind: str  # "scalar" | "array" | "vector" (an ML vector; materialized as an array)
+    # "scalar" | "array" | "vector" (an ML vector; materialized as an array), or a variable
+    # column decoded per row (VARIABLE_KINDS): "binary" (encoded images or other bytes),
+    # "string", "image" (Spark's image struct), "sequence" (arrays of varying length)
+    kind: str
     dtype: str  # "float32" | "float64" | "int64" (integral labels: class indices)
 
     @property
     def integral(self) -> bool:
         return self.dtype == "int64"
+
+    @property
+    def variable(self) -> bool:
+        """Whether rows differ in size: read as Python objects, decoded per row, collated."""
+        return self.kind in VARIABLE_KINDS
 
     @property
     def torch_dtype(self):
@@ -70,6 +86,14 @@ class DatasetInfo:
     write_id: str | None = None  # the write folder under ``path`` holding the files
     # scalar class-index label column -> [min, max] of its values (counted when written)
     label_ranges: dict[str, list[int]] = field(default_factory=dict)
+    # a string column naming each row (binaryFile's ``path``), written beside the data when
+    # the DataFrame has one and there are variable columns: named in decoding errors
+    row_names: str | None = None
+
+    @property
+    def variable(self) -> list[ColumnSpec]:
+        """The columns decoded per row (``ColumnSpec.variable``)."""
+        return [c for c in self.columns if c.variable]
 
     @property
     def columns(self) -> list[ColumnSpec]:
@@ -93,6 +117,7 @@ class DatasetInfo:
             "row_lengths": self.row_lengths,
             "write_id": self.write_id,
             "label_ranges": self.label_ranges,
+            "row_names": self.row_names,
             "source": self.source,
         }
 
@@ -109,7 +134,23 @@ class DatasetInfo:
             row_lengths=dict(meta["row_lengths"]),
             write_id=meta["write_id"],
             label_ranges=dict(meta.get("label_ranges", {})),
+            row_names=meta.get("row_names"),
         )
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How the rows of variable columns become a batch's tensors (``worker/data/decode.py``):
+    the user's per-row ``decode_fn`` and per-batch ``collate_fn`` (cloudpickled; None: the
+    defaults), padding, the pool of decoding threads, what a row that fails does."""
+
+    decode_fn: bytes | None = None  # fn(row: dict, augment: np.random.Generator | None) -> dict
+    collate_fn: bytes | None = None  # fn(rows: list[dict]) -> dict of tensors
+    padding_value: float = 0.0  # pads feature sequences to the batch's longest
+    workers: int | None = None  # threads per rank; None: the task's CPUs
+    bad_rows: str = "fail"  # "fail" | "skip"
+    device: str = "cpu"  # where encoded images are decoded: "cpu" (Pillow) | "cuda"
+    bucket_by_length: bool = False  # batches of sequences of similar lengths
 
 
 @dataclass(frozen=True)
@@ -127,6 +168,7 @@ class LoaderSpec:
     train_steps_per_epoch: int | None = None
     validation_steps_per_epoch: int | None = None
     transformation_fn: bytes | None = None  # cloudpickled fn(dict of tensors) -> dict
+    decode: DecodeSpec | None = None  # how variable columns are decoded (None: none)
 
 
 COMMIT_AUTO = -1  # commit_every_steps: a few commits per epoch (worker/loop/commits.py)

@@ -42,6 +42,9 @@ class RankSummary:
     peak_memory_kind: str = ""  # "cuda max allocated" or "cpu peak rss"
     # the GPU addresses Spark assigned the task: also where it fell back to the CPU
     gpu_addresses: list[str] = field(default_factory=list)
+    rows_skipped: int = 0  # rows whose decoding failed, left out (bad_rows="skip")
+    # values of the padded sequences this rank collated: [their own, with the padding]
+    padding: list[int] = field(default_factory=lambda: [0, 0])
 
 
 def training_summary(

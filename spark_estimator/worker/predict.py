@@ -18,9 +18,10 @@ import pyarrow as pa
 import torch
 
 from ..shared.serialization import loads
-from ..shared.spec import ColumnSpec
+from ..shared.spec import ColumnSpec, DecodeSpec
 from .comm.rendezvous import task_device
-from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow
+from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow, variable_to_numpy
+from .data.decode import Decoder
 from .loop.loss import as_outputs
 
 
@@ -32,42 +33,91 @@ def predict_batches(
     output_cols: list[str],
     scalar_outputs: list[bool],
     classification: bool = False,
+    decode: DecodeSpec | None = None,
+    row_names: str | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Append the model's outputs to each batch: one column per output (a double where
     ``scalar_outputs`` says so, else array<float>), or with ``classification`` the three
-    columns of ``class_columns`` named by ``output_cols`` (raw, probability, prediction)."""
+    columns of ``class_columns`` named by ``output_cols`` (raw, probability, prediction).
+    Variable columns are decoded as in training's validation (``decode``: no augmentation),
+    a row that fails naming ``row_names``' value where given."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
     device = task_device(ctx, use_gpu="auto", warn=False)[0] if ctx else torch.device("cpu")
     model = loads(model_bytes).to(device).eval()
-    shapes = input_shapes or [None] * len(features)
     expected = 1 if classification else len(output_cols)
-    with torch.no_grad():
-        for batch in batches:
-            if batch.num_rows == 0:
-                continue
-            inputs = [
-                reshape_input(
-                    c.name, column_to_tensor(c.name, batch.column(c.name), c.torch_dtype), s
-                ).to(device)
-                for c, s in zip(features, shapes)
-            ]
-            outputs = as_outputs(model(*inputs))
-            if len(outputs) != expected:
-                what = "classification" if classification else "output_cols"
-                raise ValueError(
-                    f"{what}: the model returned {len(outputs)} outputs for output "
-                    f"columns {output_cols}"
+    decoder = None
+    if any(c.variable for c in features):
+        decoder = Decoder(decode or DecodeSpec(), features, set(), 0, row_names)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                if batch.num_rows == 0:
+                    continue
+                inputs = _inputs(batch, features, input_shapes, decoder, row_names, device)
+                yield _predicted(
+                    model,
+                    inputs,
+                    batch,
+                    output_cols,
+                    expected,
+                    classification,
+                    scalar_outputs,
+                    input_shapes,
                 )
-            check_rows(outputs, output_cols, batch.num_rows, input_shapes)
-            if classification:
-                columns = class_columns(outputs[0])
-            else:
-                columns = [tensor_to_arrow(o, s) for o, s in zip(outputs, scalar_outputs)]
-            yield pa.RecordBatch.from_arrays(
-                batch.columns + columns, names=batch.schema.names + output_cols
-            )
+    finally:
+        if decoder is not None:
+            decoder.close()
+
+
+def _inputs(batch, features, input_shapes, decoder, row_names, device) -> list:
+    """forward()'s arguments for an Arrow batch: each feature column as a tensor (a
+    variable one decoded and collated, a sequence's mask after it), on ``device``."""
+    shapes = input_shapes or [None] * len(features)
+    fixed = {
+        c.name: column_to_tensor(c.name, batch.column(c.name), c.torch_dtype)
+        for c in features
+        if not c.variable
+    }
+    masks = {}
+    if decoder is not None:
+        raws = {c.name: variable_to_numpy(c, batch.column(c.name)) for c in features if c.variable}
+        if row_names:
+            raws[row_names] = batch.column(row_names).to_numpy(zero_copy_only=False)
+        decoded, _ = decoder(raws, None)
+        decoder.on_device(decoded, device)
+        fixed.update(decoded.columns)
+        masks = decoded.masks
+    inputs = []
+    for c, shape in zip(features, shapes):
+        value = fixed[c.name]
+        if isinstance(value, torch.Tensor):  # else strings, as decode_fn left them
+            value = reshape_input(c.name, value, shape).to(device)
+        inputs.append(value)
+        if c.name in masks:
+            inputs.append(masks[c.name].to(device))
+    return inputs
+
+
+def _predicted(
+    model, inputs, batch, output_cols, expected, classification, scalar_outputs, input_shapes
+) -> pa.RecordBatch:
+    """``batch`` with the model's outputs on ``inputs`` appended."""
+    outputs = as_outputs(model(*inputs))
+    if len(outputs) != expected:
+        what = "classification" if classification else "output_cols"
+        raise ValueError(
+            f"{what}: the model returned {len(outputs)} outputs for output columns {output_cols}"
+        )
+    check_rows(outputs, output_cols, batch.num_rows, input_shapes)
+    if classification:
+        columns = class_columns(outputs[0])
+    else:
+        columns = [tensor_to_arrow(o, s) for o, s in zip(outputs, scalar_outputs)]
+    return pa.RecordBatch.from_arrays(
+        batch.columns + columns, names=batch.schema.names + output_cols
+    )
 
 
 def check_rows(

@@ -22,18 +22,32 @@ import pyarrow.parquet as pq
 
 from ...shared.spec import ColumnSpec
 from ...store import Store
-from .convert import class_indices, column_to_numpy, numpy_dtype
+from .convert import class_indices, column_to_numpy, numpy_dtype, variable_to_numpy
 from .shards import Piece
 
 Chunk = dict[str, np.ndarray]  # one piece's columns as read (maybe read-only Arrow memory)
+ROW_ID = "__spark_estimator_row"  # a chunk's rows' indices in their split (row_offsets)
+
+
+def row_offsets(files: list[tuple[str, list[int]]]) -> dict[tuple[str, int], int]:
+    """The index in the split of the first row of each (file, row group) of ``files``."""
+    offsets, at = {}, 0
+    for path, groups in files:
+        for index, rows in enumerate(groups):
+            offsets[path, index] = at
+            at += rows
+    return offsets
 
 
 def table_to_chunk(table, columns: list[ColumnSpec]) -> Chunk:
     """Whole Arrow columns to NumPy, one vectorized conversion per column, zero-copy where
     Arrow allows (the arrays may be read-only; the loader copies them once, into its buffer);
-    ML vectors are decoded into their column's dtype."""
+    ML vectors are decoded into their column's dtype; a variable column's rows become an
+    array of Python objects (``variable_to_numpy``)."""
     chunk = {
-        c.name: column_to_numpy(c.name, table.column(c.name), numpy_dtype(c.torch_dtype))
+        c.name: variable_to_numpy(c, table.column(c.name))
+        if c.variable
+        else column_to_numpy(c.name, table.column(c.name), numpy_dtype(c.torch_dtype))
         for c in columns
     }
     for c in columns:
@@ -47,9 +61,19 @@ class ArrowReader:
 
     keeps_order = True  # chunks() follows any piece order, so passes can permute pieces
 
-    def __init__(self, store: Store, root: str, columns: list[ColumnSpec], num_workers: int):
+    def __init__(
+        self,
+        store: Store,
+        root: str,
+        columns: list[ColumnSpec],
+        num_workers: int,
+        row_offsets: dict[tuple[str, int], int] | None = None,
+    ):
         self.store, self.root, self.columns = store, root, columns
         self.num_workers = num_workers
+        # with the split's row offset of each (file, row group): every chunk gets each
+        # row's index in the split as ROW_ID (what per-row augmentation is seeded by)
+        self.row_offsets = row_offsets
         self._footers: dict[str, pq.FileMetaData] = {}
         self._lock = threading.Lock()
 
@@ -75,7 +99,11 @@ class ArrowReader:
             table = parquet.read_row_group(piece.row_group, columns=[c.name for c in self.columns])
         if piece.rows != table.num_rows:
             table = table.slice(piece.start, piece.rows)
-        return table_to_chunk(table, self.columns)
+        chunk = table_to_chunk(table, self.columns)
+        if self.row_offsets is not None:
+            first = self.row_offsets[piece.path, piece.row_group] + piece.start
+            chunk[ROW_ID] = np.arange(first, first + piece.rows, dtype=np.int64)
+        return chunk
 
     def chunks(
         self, pieces: Iterable[Piece], prepare: Callable[[Chunk], Any] | None = None

@@ -9,30 +9,77 @@ import torch
 from ...shared.spec import ColumnSpec, TrainSpec
 from .columns import Columns, Layout
 from .convert import chunk_rows, reshape_input
+from .decode import MASK, Decoder
 
 
 class Batch:
-    """The tensors of one batch, transformed, moved to the device and shaped for forward()."""
+    """The tensors of one batch, decoded, transformed, moved to the device and shaped for
+    forward(). ``size`` is its rows; ``drawn`` the rows the loader gave it, which differ
+    where rows that failed to decode were left out (``decode.py``, bad_rows="skip").
 
-    def __init__(self, chunk: Mapping, spec: TrainSpec, device: torch.device, transform=None):
-        self.size = chunk.rows if isinstance(chunk, Columns) else chunk_rows(chunk)
+    A padded sequence column (``Decoded.masks``) is two arguments of forward(): its values
+    ``[rows, longest]`` and its mask (True at each row's values); for a
+    ``transformation_fn`` and Lightning the mask is the column ``<name>_mask``."""
+
+    def __init__(
+        self,
+        chunk: Mapping,
+        spec: TrainSpec,
+        device: torch.device,
+        transform=None,
+        decoder: Decoder | None = None,
+        epoch: int | None = None,
+    ):
+        self.drawn = chunk.rows if isinstance(chunk, Columns) else chunk_rows(chunk)
+        masks: dict[str, torch.Tensor] = {}
+        if decoder is not None:
+            if not isinstance(chunk, Columns):  # a resized epoch's rest (remainder.py)
+                chunk = Layout(chunk, spec.data.columns).assemble(chunk)
+            decoded, kept = decoder(chunk, epoch)
+            decoder.on_device(decoded, device)
+            if kept is not None:
+                chunk = chunk.take(kept)
+            masks = decoded.masks
+            fixed = to_device(chunk, spec.data.columns, device) if len(chunk.layout.names) else {}
+            chunk = {**{n: fixed[n] for n in fixed}, **_on(decoded.columns, device)}
+            masks = _on(masks, device)
+            self.size = decoded.rows
+        else:
+            self.size = self.drawn
         if transform is not None:  # it gets (and returns) a plain dict of tensors
-            chunk = apply_transformation(transform, dict(chunk), spec.data.columns, self.size)
+            given = {**dict(chunk), **{n + MASK: m for n, m in masks.items()}}
+            out = apply_transformation(transform, given, spec.data.columns, self.size)
+            masks = {n: out.get(n + MASK, m) for n, m in masks.items()}
+            chunk = out
         shapes = spec.input_shapes or [None] * len(spec.data.features)
-        if chunk and next(iter(chunk.values())).device != device:
+        if chunk and decoder is None and next(iter(chunk.values())).device != device:
             chunk = to_device(chunk, spec.data.columns, device)
-        self.inputs = [
+        self.features = [
             reshape_input(c.name, chunk[c.name], shape)
             for c, shape in zip(spec.data.features, shapes)
         ]
+        self.inputs = []  # forward()'s arguments: each feature, a sequence's mask after it
+        for c, tensor in zip(spec.data.features, self.features):
+            self.inputs += [tensor, masks[c.name]] if c.name in masks else [tensor]
+        self.masks = masks
         self.labels = [chunk[c.name] for c in spec.data.labels]
         weight = spec.data.sample_weight
         self.sample_weight = chunk[weight.name] if weight is not None else None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.inputs, *self.labels] + (
+        values = [*self.inputs, *self.labels] + (
             [self.sample_weight] if self.sample_weight is not None else []
         )
+        return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _on(columns: dict, device: torch.device) -> dict:
+    """Decoded columns on ``device`` (tensors; lists of strings stay as they are)."""
+    cuda = device.type == "cuda"
+    return {
+        n: v.to(device, non_blocking=cuda) if isinstance(v, torch.Tensor) else v
+        for n, v in columns.items()
+    }
 
 
 def to_device(chunk: Mapping, columns: list[ColumnSpec], device: torch.device) -> Columns:
@@ -62,6 +109,8 @@ def check_transformed(out, columns: list[ColumnSpec], rows: int) -> dict:
         )
     for c in columns:
         value = out.get(c.name)
+        if c.variable and isinstance(value, list):  # strings (or objects) left as they are
+            continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"transformation_fn: the returned dict has no tensor for column '{c.name}'"

@@ -19,22 +19,27 @@ import numpy as np
 import torch
 
 from ...shared.spec import ColumnSpec
-from .convert import Tensors, as_tensor, read_only_arrays, scalar_groups
+from .convert import as_tensor, read_only_arrays, scalar_groups
 
 
 class Layout:
-    """Which columns of ``template`` (column name -> tensor in its dtype) form blocks: the
-    scalar ``columns`` of one dtype (``scalar_groups``); the rest stand alone."""
+    """Which columns of ``template`` (column name -> tensor in its dtype, or an object
+    array for a variable column) form blocks: the scalar ``columns`` of one dtype
+    (``scalar_groups``); the rest stand alone, the variable columns (``raws``) as NumPy
+    arrays of Python objects (bytes, strings, arrays, image tuples), decoded per batch."""
 
-    def __init__(self, template: Tensors, columns: list[ColumnSpec]):
+    def __init__(self, template: Mapping, columns: list[ColumnSpec]):
         self.template = template
         self.names = list(template)
-        self.dtypes = {name: tensor.dtype for name, tensor in template.items()}
-        self.groups = list(scalar_groups(template, columns).items())  # [(dtype, names)]
+        self.raws = [n for n in self.names if isinstance(template[n], np.ndarray)]
+        self.raw_index = {n: i for i, n in enumerate(self.raws)}
+        tensors = {n: t for n, t in template.items() if n not in self.raw_index}
+        self.dtypes = {name: tensor.dtype for name, tensor in tensors.items()}
+        self.groups = list(scalar_groups(tensors, columns).items())  # [(dtype, names)]
         self.where = {
             n: (g, j) for g, (_, names) in enumerate(self.groups) for j, n in enumerate(names)
         }
-        self.others = [n for n in self.names if n not in self.where]
+        self.others = [n for n in tensors if n not in self.where]
         self.other_index = {n: i for i, n in enumerate(self.others)}
 
     @cached_property
@@ -46,7 +51,8 @@ class Layout:
         """New, unfilled columns of ``rows`` rows, other columns shaped as ``like``'s rows."""
         blocks = [host_empty((rows, len(names)), dtype, pin) for dtype, names in self.groups]
         others = [host_empty((rows, *like[n].shape[1:]), self.dtypes[n], pin) for n in self.others]
-        return Columns(self, blocks, others)
+        raws = [np.empty(rows, dtype=object) for _ in self.raws]
+        return Columns(self, blocks, others, raws)
 
     def assemble(self, chunk: Mapping, pin: bool = False) -> Columns:
         """``chunk``'s columns (NumPy arrays, maybe read-only Arrow memory, or tensors) laid
@@ -61,7 +67,8 @@ class Layout:
                     place(block[:, j], as_tensor(chunk[name], dtype))
                 blocks.append(block)
             others = [as_tensor(chunk[n], self.dtypes[n]) for n in self.others]
-        return Columns(self, blocks, others)
+        raws = [np.asarray(chunk[n], dtype=object) for n in self.raws]
+        return Columns(self, blocks, others, raws)
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -79,13 +86,17 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
 
 
-def place(target: torch.Tensor, source: torch.Tensor, index: torch.Tensor | None = None):
+def place(target, source, index: torch.Tensor | None = None):
     """``target[:] = source``, or with ``index`` ``target[index] = source`` (rows), on the
     host. Done by NumPy where it has the dtype: single-threaded, at memory speed, without
     holding the GIL. torch's kernels for the same copies split such small work over its
     intra-op threads, which measured 10 to 100 times slower whenever those threads share
     busy cores (a strided column copy of 65,536 rows: 2.8 ms in NumPy, 264 ms in torch
-    with 2 threads on 2 loaded cores), as on an executor running several tasks."""
+    with 2 threads on 2 loaded cores), as on an executor running several tasks. Object
+    arrays (a variable column's rows) are NumPy arrays already."""
+    if isinstance(target, np.ndarray):
+        target[index.numpy() if index is not None else ...] = source
+        return
     try:
         target_np, source_np = target.numpy(), source.numpy()
     except (TypeError, RuntimeError):  # dtypes NumPy lacks (bfloat16), autograd tensors
@@ -102,17 +113,26 @@ def place(target: torch.Tensor, source: torch.Tensor, index: torch.Tensor | None
 
 class Columns(Mapping):
     """Equally long columns laid out by ``layout``: ``blocks`` (``[rows, columns]``, one
-    per scalar group, in ``layout.groups`` order) and ``others`` (in ``layout.others``
-    order)."""
+    per scalar group, in ``layout.groups`` order), ``others`` (in ``layout.others`` order)
+    and ``raws``, the variable columns' object arrays (in ``layout.raws`` order)."""
 
-    __slots__ = ("layout", "blocks", "others")
+    __slots__ = ("layout", "blocks", "others", "raws")
 
-    def __init__(self, layout: Layout, blocks: list[torch.Tensor], others: list[torch.Tensor]):
+    def __init__(
+        self,
+        layout: Layout,
+        blocks: list[torch.Tensor],
+        others: list[torch.Tensor],
+        raws: list[np.ndarray] | None = None,
+    ):
         self.layout, self.blocks, self.others = layout, blocks, others
+        self.raws = raws or []
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str):
         where = self.layout.where.get(name)
         if where is None:
+            if name in self.layout.raw_index:
+                return self.raws[self.layout.raw_index[name]]
             return self.others[self.layout.other_index[name]]
         group, j = where
         return self.blocks[group][:, j]
@@ -125,11 +145,16 @@ class Columns(Mapping):
 
     @property
     def rows(self) -> int:
-        return len(self.blocks[0] if self.blocks else self.others[0])
+        first = self.blocks or self.others or self.raws
+        return len(first[0])
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensors holding the columns: the blocks, then the other columns."""
         return [*self.blocks, *self.others]
+
+    def parts(self) -> list:
+        """Everything holding the columns: the tensors, then the object arrays."""
+        return [*self.blocks, *self.others, *self.raws]
 
     def narrow(self, start: int, length: int) -> Columns:
         """Rows ``start`` to ``start + length`` (views)."""
@@ -137,23 +162,40 @@ class Columns(Mapping):
             self.layout,
             [b.narrow(0, start, length) for b in self.blocks],
             [t.narrow(0, start, length) for t in self.others],
+            [r[start : start + length] for r in self.raws],
         )
 
     def split(self, sizes: list[int]) -> list[Columns]:
         """Consecutive row ranges of ``sizes`` rows (views), one ``split`` per tensor."""
         blocks = [b.split(sizes) for b in self.blocks]
         others = [t.split(sizes) for t in self.others]
+        cuts = np.cumsum(sizes)[:-1]
+        raws = [np.split(r, cuts) for r in self.raws]
         return [
-            Columns(self.layout, [b[i] for b in blocks], [t[i] for t in others])
+            Columns(
+                self.layout, [b[i] for b in blocks], [t[i] for t in others], [r[i] for r in raws]
+            )
             for i in range(len(sizes))
         ]
 
+    def take(self, rows: np.ndarray) -> Columns:
+        """The rows at positions ``rows`` (copies): a batch without its rows that failed."""
+        index = torch.from_numpy(rows)
+        return Columns(
+            self.layout,
+            [b.index_select(0, index) for b in self.blocks],
+            [t.index_select(0, index) for t in self.others],
+            [r[rows] for r in self.raws],
+        )
+
     def to(self, device: torch.device) -> Columns:
         """The columns on ``device``, one copy per block and per other column (a range of
-        rows of each is contiguous); on a GPU from pinned memory, not blocking the host."""
+        rows of each is contiguous); on a GPU from pinned memory, not blocking the host.
+        Object arrays stay on the host."""
         cuda = device.type == "cuda"
         return Columns(
             self.layout,
             [b.to(device, non_blocking=cuda) for b in self.blocks],
             [t.to(device, non_blocking=cuda) for t in self.others],
+            self.raws,
         )

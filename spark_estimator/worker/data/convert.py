@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import torch
 
 from ...shared.shapes import batch_shape
-from ...shared.spec import ColumnSpec
+from ...shared.spec import IMAGE_FIELDS, ColumnSpec
 
 Tensors = dict[str, torch.Tensor]  # a batch's columns as the loaders hand them over
 
@@ -137,6 +137,39 @@ def column_to_numpy(
     if pa.types.is_struct(arr.type):
         return _vector_to_numpy(name, arr, dtype)
     return arr.to_numpy(zero_copy_only=False)
+
+
+def variable_to_numpy(spec: ColumnSpec, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """A variable column's rows as a NumPy array of Python objects, one per row, for the
+    per-row decoding (``decode.py``): bytes (binary), str (string), a 1-D array
+    (sequence, in the column's dtype) or a dict of Spark's image fields (image)."""
+    arr = _combine(column)
+    if arr.null_count:
+        raise ValueError(
+            f"column '{spec.name}': {arr.null_count} null values; drop or fill them before fit"
+        )
+    out = np.empty(len(arr), dtype=object)
+    if spec.kind == "sequence":
+        offsets = arr.offsets.to_numpy(zero_copy_only=False) - arr.offsets[0].as_py()
+        values = arr.flatten().to_numpy(zero_copy_only=False)
+        values = values.astype(numpy_dtype(spec.torch_dtype), copy=False)
+        out[:] = np.split(values, offsets[1:-1]) if len(arr) else []
+    elif spec.kind == "image":
+        fields = {name: arr.field(name).to_pylist() for name in IMAGE_FIELDS}
+        out[:] = [dict(zip(IMAGE_FIELDS, row)) for row in zip(*fields.values())]
+    else:
+        out[:] = arr.to_pylist()
+    return out
+
+
+def object_bytes(values: np.ndarray) -> int:
+    """About the bytes of a variable column's rows (``variable_to_numpy``'s objects)."""
+    total = 0
+    for value in values:
+        if isinstance(value, dict):
+            value = value.get("data") or b""
+        total += value.nbytes if isinstance(value, np.ndarray) else len(value)
+    return total
 
 
 def class_indices(name: str, values: np.ndarray) -> np.ndarray:

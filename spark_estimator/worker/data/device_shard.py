@@ -147,6 +147,9 @@ def placement(spec: TrainSpec, rows: dict[str, int], device: torch.device, local
         return False, "streaming: device_cache_fraction is 0"
     if spec.loader.transformation_fn is not None:
         return False, "streaming: transformation_fn runs on every batch on the host"
+    if spec.data.variable:
+        names = ", ".join(f"'{c.name}'" for c in spec.data.variable)
+        return False, f"streaming: column {names} is decoded per batch on the host"
     row_bytes = 0
     for column in spec.data.columns:
         length = spec.data.row_length(column)

@@ -25,12 +25,13 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 
+import numpy as np
 import torch
 
-from ...shared.spec import TrainSpec
-from .arrow_reader import ArrowReader
+from ...shared.spec import ColumnSpec, DatasetInfo, TrainSpec
+from .arrow_reader import ROW_ID, ArrowReader, row_offsets
 from .columns import Columns, Layout, place
-from .convert import Tensors, as_tensor, read_only_arrays
+from .convert import Tensors, as_tensor, object_bytes, read_only_arrays
 from .device_shard import DeviceShard
 from .petastorm_reader import PetastormReader
 from .shards import Piece, pass_generator, shard_pieces
@@ -56,7 +57,7 @@ def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin:
         if pool is None:
             pool = part.layout.allocate(rows, part, pin)
         n = part.rows
-        for target, source in zip(pool.tensors(), part.tensors()):
+        for target, source in zip(pool.parts(), part.parts()):
             if inverse is None:
                 place(target[at : at + n], source)
             else:
@@ -173,9 +174,13 @@ def _as_planned(chunk: Columns | None, expected: int) -> Columns:
 
 
 def row_bytes(chunk: Columns) -> int:
-    """The bytes of one of ``chunk``'s rows (1 for no rows)."""
+    """The bytes of one of ``chunk``'s rows (1 for no rows); a variable column's from its
+    first rows' sizes."""
     rows = chunk.rows
-    return sum(t.nbytes for t in chunk.tensors()) // rows if rows else 1
+    if not rows:
+        return 1
+    raw = sum(object_bytes(r[:64]) * rows // min(rows, 64) for r in chunk.raws)
+    return (sum(t.nbytes for t in chunk.tensors()) + raw) // rows
 
 
 class ShardLoader:
@@ -254,7 +259,9 @@ def open_loader(
     if options.reader == "petastorm":
         reader = PetastormReader(spec.store, data.path, data.columns, options.num_workers, files)
     else:
-        reader = ArrowReader(spec.store, data.path, data.columns, options.num_workers)
+        offsets = row_offsets(files) if data.variable else None
+        columns = read_columns(data)
+        reader = ArrowReader(spec.store, data.path, columns, options.num_workers, offsets)
     pieces = shard_pieces(files, world_size, rank)
     template = _template(spec, files, needs_shapes=not pieces)
     shuffle = options.shuffle and split == "train"
@@ -291,14 +298,40 @@ def empty_batch(spec: TrainSpec, split: str) -> Tensors:
     return _template(spec, spec.data.files.get(split, []), needs_shapes=True)
 
 
-def _template(spec: TrainSpec, files, needs_shapes: bool) -> Tensors:
-    """Zero rows of every column in its dtype; with the real row shapes (one row read) for
-    a rank without rows, whose empty batches still go through forward()."""
-    columns = spec.data.columns
+def read_columns(data: DatasetInfo) -> list[ColumnSpec]:
+    """The columns a rank reads: the data's, and the rows' names where there are any
+    (``DatasetInfo.row_names``: named in decoding errors)."""
+    names = [ColumnSpec(data.row_names, "string", "float32")] if data.row_names else []
+    return data.columns + names
+
+
+def _template(spec: TrainSpec, files, needs_shapes: bool) -> dict:
+    """Zero rows of every column in its dtype (an empty object array for a variable column,
+    and the rows' indices where there are variable columns); with the real row shapes (one
+    row read) for a rank without rows, whose empty batches still go through forward()."""
+    columns = read_columns(spec.data)
+    fixed = [c for c in columns if not c.variable]
+    template = {c.name: np.empty(0, dtype=object) for c in columns if c.variable}
+    if spec.data.variable:
+        template[ROW_ID] = torch.empty(0, dtype=torch.int64)
     if not files or not needs_shapes:
-        return {c.name: torch.empty(0, dtype=c.torch_dtype) for c in columns}
+        return {**{c.name: torch.empty(0, dtype=c.torch_dtype) for c in fixed}, **template}
     path, groups = files[0]
-    reader = ArrowReader(spec.store, spec.data.path, columns, num_workers=1)
+    reader = ArrowReader(spec.store, spec.data.path, fixed, num_workers=1)
     one_row = reader.read(Piece(path, 0, 0, 1, groups[0]))
     with read_only_arrays():
-        return {c.name: as_tensor(one_row[c.name][:0], c.torch_dtype) for c in columns}
+        shaped = {c.name: as_tensor(one_row[c.name][:0], c.torch_dtype) for c in fixed}
+    return {**shaped, **template}
+
+
+def first_rows(spec: TrainSpec, split: str, rows: int = 1) -> Columns | None:
+    """The first ``rows`` rows of ``split`` as the loader lays them out (None: no rows)."""
+    files = spec.data.files.get(split, [])
+    if not files:
+        return None
+    path, groups = files[0]
+    columns = read_columns(spec.data)
+    reader = ArrowReader(spec.store, spec.data.path, columns, 1, row_offsets(files))
+    chunk = reader.read(Piece(path, 0, 0, min(rows, groups[0]), groups[0]))
+    template = _template(spec, [], needs_shapes=False)
+    return Layout(template, spec.data.columns).assemble(chunk)

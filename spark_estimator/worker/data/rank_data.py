@@ -22,8 +22,9 @@ from ...shared.summary import RankSummary
 from ..comm.ddp import AdasumState, CompressionState, communicated_dtypes, gradient_path
 from ..comm.rendezvous import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
+from .decode import Decoder
 from .device_shard import DeviceShard, placement
-from .loader import ShardLoader, open_loader
+from .loader import ShardLoader, first_rows, open_loader
 from .shards import StepPlan, eval_sizes, shard_rows
 
 
@@ -44,6 +45,21 @@ def training_steps(
         for chunk, (weight, last) in zip(chunks, schedule):
             yield chunk, weight, last
         skip = 0
+
+
+def open_decoder(spec: TrainSpec) -> Decoder | None:
+    """The rank's decoder of the data's variable columns (``decode.py``), which has seen the
+    first row of the training split, so that it knows each column's decoded shape (for the
+    empty batches of a rank without rows); None without variable columns."""
+    data = spec.data
+    if not data.variable:
+        return None
+    labels = {c.name for c in data.labels}
+    decoder = Decoder(spec.loader.decode, data.columns, labels, spec.seed, data.row_names)
+    first = first_rows(spec, "train")
+    if first is not None:
+        decoder.prime(first)
+    return decoder
 
 
 class RankData:
@@ -73,6 +89,11 @@ class RankData:
             self.validation_sizes = [s for s in plan.batch_sizes if s][:most]
         else:
             self.validation_sizes = eval_sizes(self.validation.rows, batch_size, most)
+        self.decoder = open_decoder(spec)  # None without variable columns
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
 
     def training_steps(self, group: int, start: int) -> Iterator[tuple[dict, float, bool]]:
         """The training stream in epochs of ``steps_per_epoch`` batches (``training_steps``)."""
@@ -133,4 +154,6 @@ def rank_summary(
         seconds=round(time.time() - started, 3),
         compiled=compiled,
         paused=paused,
+        rows_skipped=data.decoder.skipped if data.decoder else 0,
+        padding=list(data.decoder.padding) if data.decoder else [0, 0],
     )

@@ -20,6 +20,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .convert import Tensors, chunk_rows
@@ -97,13 +98,22 @@ def remainder_batches(
             pending.append(piece)
             held += chunk_rows(piece)
         if size == 0:
-            yield {k: v.clone() for k, v in template.items()}
+            yield {
+                k: v.copy() if isinstance(v, np.ndarray) else v.clone() for k, v in template.items()
+            }
             continue
-        joined = {k: torch.cat([p[k] for p in pending]) for k in pending[0]}
+        joined = {k: _cat([p[k] for p in pending]) for k in pending[0]}
         yield {k: v[:size] for k, v in joined.items()}
         rest = {k: v[size:] for k, v in joined.items()}
         held -= size
         pending = [rest] if held else []
+
+
+def _cat(parts: list):
+    """Rows of tensors, or of a variable column's object arrays, one after the other."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    return torch.cat(parts)
 
 
 def _run_rows(runs, pass_index, open_source, step: int) -> Iterator[Tensors]:

@@ -134,15 +134,20 @@ def _train(
     transform = loads(spec.loader.transformation_fn) if spec.loader.transformation_fn else None
 
     names = [c.name for c in spec.data.features + spec.data.labels]
-
-    def to_dict(chunk) -> dict:
-        batch = Batch(chunk, spec, device, transform)
-        if recorder.output_shapes is None and recorder.first_inputs is None:
-            recorder.first_inputs = [t[:1].detach().to("cpu") for t in batch.inputs]
-        return dict(zip(names, batch.inputs + batch.labels))
-
     # lockstep: every rank runs as many validation batches (Lightning may sync what is logged)
     data = RankData(spec, info, lockstep=True)
+
+    def to_dict(chunk, epoch: int | None = None) -> dict:
+        """A batch as the module gets it; ``epoch`` (training only) seeds augmentation."""
+        batch = Batch(chunk, spec, device, transform, data.decoder, epoch)
+        if recorder.output_shapes is None and recorder.first_inputs is None:
+            recorder.first_inputs = [
+                t[:1].detach().to("cpu") if isinstance(t, torch.Tensor) else t[:1]
+                for t in batch.inputs
+            ]
+        masks = {f"{name}_mask": mask for name, mask in batch.masks.items()}
+        return {**dict(zip(names, batch.features + batch.labels)), **masks}
+
     started = time.time()
     recorder.steps_per_epoch = data.steps_per_epoch
     stream = None
@@ -153,9 +158,9 @@ def _train(
             stream = data.training_steps(1, recorder.batches_drawn)
         for chunk, _weight, _last in stream:
             recorder.batches_drawn += 1
-            yield chunk
+            yield chunk, (recorder.batches_drawn - 1) // data.steps_per_epoch + 1
 
-    train_data = _Batches(data.steps_per_epoch, draw_training, to_dict)
+    train_data = _Batches(data.steps_per_epoch, draw_training, lambda drawn: to_dict(*drawn))
     val_data = None
     if data.has_validation:
         sizes = data.validation_sizes  # in order, so every pass is the same (pass index 1)
@@ -188,6 +193,7 @@ def _train(
     finally:
         if stream is not None:
             stream.close()
+        data.close()
     module = module.cpu()
     weights = {k: v.detach().to("cpu") for k, v in module.state_dict().items()}
     if rank == 0:

@@ -24,6 +24,7 @@ forward is a collective), and the result's weights are gathered to rank 0's CPU.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import posixpath
@@ -79,6 +80,7 @@ def train(
         return loop.finish()
     finally:
         loop.steps.close()
+        loop.data.close()
 
 
 class _TrainingLoop:
@@ -317,10 +319,11 @@ class _TrainingLoop:
         averaged = shared.seconds if shared else 0.0
         started = time.perf_counter()
         drawn = itertools.islice(source, count)
+        assemble = functools.partial(self._assemble, epoch=epoch)
         if self.streaming:  # the next batches are made in a thread while this one trains
-            steps = Prefetched(drawn, self._assemble, self.device, lambda made: made[0].tensors())
+            steps = Prefetched(drawn, assemble, self.device, lambda made: made[0].tensors())
         else:
-            steps = map(self._assemble, drawn)
+            steps = map(assemble, drawn)
         try:
             data, compute = self._run_steps(epoch, sums, steps, first, first + count)
         finally:
@@ -340,13 +343,14 @@ class _TrainingLoop:
             "communication": averaged,
         }
 
-    def _assemble(self, drawn: tuple) -> tuple:
-        """A drawn (chunk, weight, last) with its batch made, on the device (in the loader's
-        thread when streaming); a chunk a transformation_fn will change is left as it is."""
+    def _assemble(self, drawn: tuple, epoch: int) -> tuple:
+        """A drawn (chunk, weight, last) of ``epoch`` with its batch made: decoded and on
+        the device (in the loader's thread when streaming); a chunk a transformation_fn
+        will change is left as it is."""
         chunk, weight, last = drawn
         if self.transform is not None:
             return drawn
-        return Batch(chunk, self.spec, self.device), weight, last
+        return Batch(chunk, self.spec, self.device, None, self.data.decoder, epoch), weight, last
 
     def _run_steps(
         self, epoch: int, sums: EpochSums, steps, first: int, total: int
@@ -368,7 +372,8 @@ class _TrainingLoop:
                 break
             batch, weight, last = drawn
             if not isinstance(batch, Batch):  # with a transformation_fn
-                batch = Batch(batch, self.spec, self.device, self.transform)
+                decoder = self.data.decoder
+                batch = Batch(batch, self.spec, self.device, self.transform, decoder, epoch)
             ready = clock()
             data += ready - before
             batches += 1
@@ -377,7 +382,7 @@ class _TrainingLoop:
             optimizer_steps += last
             if self.output_shapes is None:
                 self.output_shapes = [list(o.shape[1:]) for o in outputs]
-            self.epoch_rows += batch.size
+            self.epoch_rows += batch.drawn  # the rows of the epoch's order it went past
             step = first + batches
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
@@ -403,7 +408,7 @@ class _TrainingLoop:
             chunks = self._lockstep(chunks, len(sizes))
         with torch.no_grad(), self.stepper.autocast():
             for chunk in chunks:
-                batch = Batch(chunk, self.spec, self.device, self.transform)
+                batch = Batch(chunk, self.spec, self.device, self.transform, self.data.decoder)
                 outputs = as_outputs(model(*batch.inputs))
                 if not batch.size:
                     continue

@@ -1,0 +1,148 @@
+"""Helpers for a ``decode_fn``: images from their bytes or Spark's image struct, and the
+random crops and flips of augmentation, as uint8 ``[C, H, W]`` tensors.
+
+A ``decode_fn(row, augment)`` gets one row's variable columns (encoded images as bytes,
+Spark's image struct as a dict, strings, arrays of varying length as 1-D NumPy arrays) and
+returns their tensors; ``augment`` is a ``numpy.random.Generator`` seeded by (random_seed,
+epoch, row) in training, None in validation and ``transform``, where nothing random should
+be done. What a fit does without one is ``default_decode``. For example::
+
+    from spark_estimator.decoding import decode_image, random_crop, random_flip
+
+    def decode(row, augment):
+        image = decode_image(row["content"], size=(36, 36))
+        if augment is None:
+            return {"content": center_crop(image, 32)}
+        return {"content": random_flip(random_crop(image, 32, augment), augment)}
+
+Decoding uses Pillow (``pip install 'spark-estimator[vision]'``), which releases the GIL
+while it decodes, so a rank's decoding threads run in parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+# Spark's image source (OpenCV's types): channels per mode it writes, BGR order
+_CV_MODES = {0: 1, 16: 3, 24: 4}
+
+
+def decode_image(data: bytes, mode: str = "RGB", size: tuple[int, int] | None = None):
+    """An encoded image (JPEG, PNG, ... any format Pillow reads) as a uint8 tensor
+    ``[C, H, W]`` in Pillow's ``mode`` (``"RGB"``: 3 channels, ``"L"``: 1), resized to
+    ``size`` (height, width) when given (JPEGs are decoded at a reduced scale first where
+    that is enough, which is faster). Raises Pillow's error for bytes that are not an
+    image."""
+    import io
+
+    try:
+        from PIL import Image
+    except ImportError as e:
+        raise ImportError(
+            "decoding images needs Pillow: pip install 'spark-estimator[vision]'"
+        ) from e
+    with Image.open(io.BytesIO(data)) as image:
+        if size is not None:
+            image.draft(mode, (size[1], size[0]))
+        image = image.convert(mode)
+        if size is not None and image.size != (size[1], size[0]):
+            image = image.resize((size[1], size[0]), Image.BILINEAR)
+        array = np.asarray(image)
+    return _chw(array)
+
+
+def image_from_struct(image: dict) -> torch.Tensor:
+    """A row of Spark's image source (``spark.read.format("image")``: height, width,
+    nChannels, mode and BGR bytes in ``data``) as a uint8 tensor ``[C, H, W]`` in RGB (or
+    RGBA, or 1 channel for grayscale)."""
+    height, width, channels = image["height"], image["width"], image["nChannels"]
+    if _CV_MODES.get(image["mode"]) != channels:
+        raise ValueError(
+            f"image mode {image['mode']} with {channels} channels is not one of the 8-bit "
+            "types Spark's image source writes (CV_8UC1, CV_8UC3, CV_8UC4)"
+        )
+    array = np.frombuffer(image["data"], dtype=np.uint8).reshape(height, width, channels)
+    if channels >= 3:  # BGR(A) -> RGB(A)
+        array = array[..., [2, 1, 0, *range(3, channels)]]
+    return _chw(array)
+
+
+def _chw(array: np.ndarray) -> torch.Tensor:
+    """An ``[H, W]`` or ``[H, W, C]`` uint8 array as a contiguous ``[C, H, W]`` tensor."""
+    if array.ndim == 2:
+        array = array[:, :, None]
+    return torch.from_numpy(np.ascontiguousarray(array.transpose(2, 0, 1)))
+
+
+def _pair(size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def center_crop(image: torch.Tensor, size) -> torch.Tensor:
+    """The ``size`` (an int, or (height, width)) middle of an image ``[C, H, W]``."""
+    height, width = _pair(size)
+    top = (image.shape[-2] - height) // 2
+    left = (image.shape[-1] - width) // 2
+    _check_fits(image, height, width)
+    return image[..., top : top + height, left : left + width]
+
+
+def random_crop(
+    image: torch.Tensor, size, augment: np.random.Generator, padding: int = 0
+) -> torch.Tensor:
+    """A ``size`` crop of an image ``[C, H, W]`` at a place drawn from ``augment``, after
+    padding its borders with ``padding`` zeros."""
+    height, width = _pair(size)
+    if padding:
+        image = torch.nn.functional.pad(image, (padding,) * 4)
+    _check_fits(image, height, width)
+    top = int(augment.integers(0, image.shape[-2] - height + 1))
+    left = int(augment.integers(0, image.shape[-1] - width + 1))
+    return image[..., top : top + height, left : left + width]
+
+
+def random_flip(image: torch.Tensor, augment: np.random.Generator, p: float = 0.5):
+    """An image ``[C, H, W]`` mirrored left to right with probability ``p``."""
+    return image.flip(-1) if augment.random() < p else image
+
+
+def resize(image: torch.Tensor, size) -> torch.Tensor:
+    """An image ``[C, H, W]`` (uint8 or float) resized to ``size`` (bilinear, antialiased),
+    in its dtype."""
+    height, width = _pair(size)
+    resized = torch.nn.functional.interpolate(
+        image[None].float(), size=(height, width), mode="bilinear", antialias=True
+    )[0]
+    if image.dtype == torch.uint8:
+        return resized.round().clamp(0, 255).to(torch.uint8)
+    return resized.to(image.dtype)
+
+
+def _check_fits(image: torch.Tensor, height: int, width: int) -> None:
+    if image.shape[-2] < height or image.shape[-1] < width:
+        raise ValueError(
+            f"an image of {image.shape[-2]}x{image.shape[-1]} is smaller than the crop "
+            f"{height}x{width}; resize it first"
+        )
+
+
+def default_decode(row: dict[str, Any], kinds: dict[str, str]) -> dict[str, Any]:
+    """What a fit does with a row's variable columns without a ``decode_fn``: encoded images
+    (``kinds[name] == "binary"``) decoded with ``decode_image`` (RGB), Spark's image
+    structs with ``image_from_struct``, arrays of varying length as 1-D tensors, strings
+    left as they are."""
+    out = {}
+    for name, value in row.items():
+        kind = kinds.get(name)
+        if kind == "binary":
+            out[name] = decode_image(value)
+        elif kind == "image":
+            out[name] = image_from_struct(value)
+        elif kind == "sequence":
+            out[name] = torch.from_numpy(np.asarray(value))
+        else:
+            out[name] = value
+    return out
