@@ -1,0 +1,235 @@
+"""Variable columns through the loader and the decoder (real Parquet, real PNG bytes): rows
+decoded in threads, augmented by (seed, epoch, row) whatever the sharding, padded and
+masked, bad rows named or skipped."""
+
+import io
+import itertools
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from spark_estimator.decoding import random_crop, random_flip
+from spark_estimator.shared.serialization import dumps
+from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, DecodeSpec
+from spark_estimator.worker.data.arrow_reader import ROW_ID
+from spark_estimator.worker.data.batch import Batch
+from spark_estimator.worker.data.decode import BadRow, Decoder, pad_sequences
+from spark_estimator.worker.data.loader import first_rows, open_loader
+from spark_estimator.worker.data.remainder import after, own_runs, remainder_batches, reshard
+from spark_estimator.worker.data.shards import StepPlan
+from tests.worker.data.test_loader import train_spec
+
+ROWS = 23
+
+
+def png(value: int, size: int = 6) -> bytes:
+    """A grayscale PNG whose pixels count up from ``value``: each row's image is its own."""
+    pixels = (np.arange(size * size).reshape(size, size) + value) % 256
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def image_dataset(root, images=None, file_rows=(10, 1, 12), row_group_size=4) -> DatasetInfo:
+    """Parquet files of rows with ids 0.. in file order: a PNG ``img`` (``png(id)``), a
+    ``path`` naming the row, a ragged ``tokens`` sequence of id % 5 + 1 values, a ``text``
+    and the label ``y`` = id."""
+    folder = root / "train"
+    folder.mkdir(parents=True, exist_ok=True)
+    files, start = [], 0
+    for i, rows in enumerate(file_rows):
+        ids = list(range(start, start + rows))
+        start += rows
+        table = pa.table(
+            {
+                "img": pa.array([(images or {}).get(v, png(v)) for v in ids], pa.binary()),
+                "path": [f"file:/data/{v}.png" for v in ids],
+                "tokens": pa.array([[v] * (v % 5 + 1) for v in ids], pa.list_(pa.int64())),
+                "text": [f"row {v}" for v in ids],
+                "y": pa.array(ids, pa.int64()),
+            }
+        )
+        path = folder / f"part-{i:05d}.parquet"
+        pq.write_table(table, path, row_group_size=row_group_size)
+        meta = pq.ParquetFile(path).metadata
+        groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        files.append((f"train/{path.name}", groups))
+    return DatasetInfo(
+        path=str(root),
+        features=[
+            ColumnSpec("img", "binary", "float32"),
+            ColumnSpec("tokens", "sequence", "int64"),
+            ColumnSpec("text", "string", "float32"),
+        ],
+        labels=[ColumnSpec("y", "scalar", "int64")],
+        files={"train": files},
+        row_names="path",
+    )
+
+
+def augmented(row, augment):
+    """Decodes the image (1 channel), and in training crops and flips it at random."""
+    from spark_estimator.decoding import decode_image
+
+    image = decode_image(row["img"], mode="L")
+    if augment is not None:
+        image = random_flip(random_crop(image, 4, augment, padding=1), augment)
+    else:
+        image = image[:, 1:5, 1:5]
+    return {"img": image, "tokens": torch.from_numpy(row["tokens"]), "text": row["text"]}
+
+
+def decoder_for(spec, **options) -> Decoder:
+    decode = DecodeSpec(**{"decode_fn": dumps(augmented, "decode_fn"), "workers": 2, **options})
+    data = spec.data
+    return Decoder(decode, data.columns, {"y"}, spec.seed, data.row_names)
+
+
+def test_a_pass_decodes_every_row_with_its_own_augmentation_whatever_the_sharding(tmp_path, store):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=5)
+    seen = {}
+    for world, batch in ((1, 4), (3, 3)):
+        images = {}
+        for rank in range(world):
+            decoder = decoder_for(spec)
+            sizes = StepPlan(ROWS, world, rank, batch).batch_sizes
+            loader = open_loader(spec, "train", world, rank, pin=False)
+            for chunk in loader.batches(sizes, 2):
+                decoded, kept = decoder(chunk, epoch=3)
+                assert kept is None
+                ids = chunk[ROW_ID].tolist()
+                assert ids == chunk["y"].tolist()  # the row index travels with the row
+                images.update({i: t for i, t in zip(ids, decoded["img"])})
+            decoder.close()
+        assert sorted(images) == list(range(ROWS))
+        seen[world] = images
+    for i in range(ROWS):  # the same crop and flip for row i in both runs
+        torch.testing.assert_close(seen[1][i], seen[3][i], rtol=0, atol=0)
+    other_epoch = decoder_for(spec)(first_rows(spec, "train", 4), epoch=4)[0]["img"]
+    same_epoch = decoder_for(spec)(first_rows(spec, "train", 4), epoch=3)[0]["img"]
+    assert all(torch.equal(same_epoch[i], seen[1][i]) for i in range(4))
+    assert not all(torch.equal(other_epoch[i], seen[1][i]) for i in range(4))
+
+
+@pytest.mark.parametrize("old, new, steps_done", [(3, 2, 1), (2, 3, 2)])
+def test_a_resized_epoch_trains_every_row_once_with_the_transforms_it_would_have_had(
+    tmp_path, store, old, new, steps_done
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=2)
+    batch, pass_index, epoch = 3, 2, 5
+    decoder = decoder_for(spec)
+    reference = {}
+    plan = StepPlan(ROWS, 1, 0, batch)
+    for chunk in open_loader(spec, "train", 1, 0, pin=False).batches(plan.batch_sizes, 1):
+        decoded, _ = decoder(chunk, epoch)
+        reference.update(zip(chunk[ROW_ID].tolist(), decoded["img"]))
+
+    def loader(world, rank):
+        return open_loader(spec, "train", world, rank, pin=False)
+
+    trained, consumed = [], []
+    for rank in range(old):  # the first launch trains steps_done batches, then is lost
+        sizes = StepPlan(ROWS, old, rank, batch).batch_sizes
+        for chunk in itertools.islice(loader(old, rank).batches(sizes, pass_index), steps_done):
+            trained.append(Batch(chunk, spec, torch.device("cpu"), None, decoder, epoch))
+        consumed.append(sum(sizes[:steps_done]))
+    parts = reshard([after(r, n) for r, n in zip(own_runs(ROWS, old), consumed)], new)
+    rows = [sum(run.rows for run in p) for p in parts]
+    empty = loader(1, 0).layout.empty
+    for rank in range(new):
+        sizes = StepPlan.over(rows, rank, batch).batch_sizes
+        for chunk in remainder_batches(parts[rank], sizes, pass_index, loader, dict(empty)):
+            trained.append(Batch(chunk, spec, torch.device("cpu"), None, decoder, epoch))
+    ids = [i for b in trained for i in b.labels[0].tolist()]
+    assert sorted(Counter(ids).items()) == [(i, 1) for i in range(ROWS)]
+    for b in trained:
+        for i, image in zip(b.labels[0].tolist(), b.inputs[0]):
+            torch.testing.assert_close(image, reference[i], rtol=0, atol=0)
+    decoder.close()
+
+
+def test_sequences_are_padded_with_their_mask_labels_with_minus_100_strings_listed(tmp_path, store):
+    spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
+    decoder = decoder_for(spec, padding_value=7.0)
+    batch = Batch(first_rows(spec, "train", 6), spec, torch.device("cpu"), None, decoder, 1)
+    image, tokens, mask, text = batch.inputs  # the mask right after its column
+    assert image.shape == (6, 1, 4, 4) and image.dtype == torch.uint8
+    assert tokens.tolist()[3] == [3, 3, 3, 3, 7] and tokens.dtype == torch.int64
+    assert mask.tolist()[3] == [True] * 4 + [False] and mask.shape == (6, 5)
+    assert text == [f"row {i}" for i in range(6)]
+    assert decoder.padding == [1 + 2 + 3 + 4 + 5 + 1, 6 * 5]
+    padded, label_mask = pad_sequences([torch.tensor([1, 2]), torch.tensor([3])], -100)
+    assert padded.tolist() == [[1, 2], [3, -100]] and label_mask.tolist()[1] == [True, False]
+
+
+def test_a_collate_fn_gives_the_batch_and_its_masks(tmp_path, store):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+
+    def collate(rows):
+        lengths = torch.tensor([len(r["tokens"]) for r in rows])
+        longest = int(lengths.max())
+        ids = torch.stack(
+            [torch.nn.functional.pad(r["tokens"], (0, longest - len(r["tokens"]))) for r in rows]
+        )
+        return {
+            "img": torch.stack([r["img"] for r in rows]).float() / 255,
+            "tokens": ids,
+            "tokens_mask": torch.arange(longest)[None] < lengths[:, None],
+            "text": [r["text"].upper() for r in rows],
+        }
+
+    decoder = decoder_for(spec, collate_fn=dumps(collate, "collate_fn"))
+    batch = Batch(first_rows(spec, "train", 3), spec, torch.device("cpu"), None, decoder)
+    image, tokens, mask, text = batch.inputs
+    assert image.dtype == torch.float32 and mask.tolist()[0] == [True, False, False]
+    assert text == ["ROW 0", "ROW 1", "ROW 2"]
+
+
+def test_a_row_that_does_not_decode_is_named_or_skipped_and_counted(tmp_path, store):
+    data = image_dataset(tmp_path, images={4: b"not an image"}, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+    rows = first_rows(spec, "train", 6)
+    default = Decoder(DecodeSpec(workers=2), data.columns, {"y"}, 0, data.row_names)
+    with pytest.raises(BadRow) as info:
+        default(rows, None)
+    message = str(info.value)
+    assert message.startswith(
+        "feature_cols: column 'img': row 4 of the split (path file:/data/4.png)"
+    )
+    assert "UnidentifiedImageError" in message and "bad_rows='skip'" in message
+    with pytest.raises(BadRow, match=r"^decode_fn: row 4 .*file:/data/4.png"):
+        decoder_for(spec)(rows, None)
+    skipping = decoder_for(spec, bad_rows="skip")
+    batch = Batch(rows, spec, torch.device("cpu"), None, skipping, 1)
+    assert batch.labels[0].tolist() == [0, 1, 2, 3, 5] and batch.drawn == 6 and batch.size == 5
+    assert batch.inputs[0].shape[0] == 5 and len(batch.inputs[3]) == 5
+    assert skipping.skipped == 1
+
+
+def test_images_of_different_sizes_are_refused_naming_two_sizes_and_the_fix(tmp_path, store):
+    data = image_dataset(tmp_path, images={1: png(1, size=9)})
+    spec = train_spec(data, store, shuffle=False)
+    default = Decoder(DecodeSpec(workers=1), data.columns, {"y"}, 0, data.row_names)
+    with pytest.raises(ValueError) as info:
+        default(first_rows(spec, "train", 3), None)
+    assert str(info.value).startswith(
+        "feature_cols: column 'img' has rows of different shapes in one batch (3x6x6 and 3x9x9)"
+    )
+    assert "decode_fn that resizes or crops them" in str(info.value)
+
+
+def test_a_rank_without_rows_gets_empty_batches_shaped_as_decoded_rows(tmp_path, store):
+    spec = train_spec(image_dataset(tmp_path, file_rows=(2,)), store, shuffle=False)
+    decoder = decoder_for(spec)
+    decoder.prime(first_rows(spec, "train"))
+    loader = open_loader(spec, "train", 3, 2, pin=False)  # 2 rows on 3 ranks: none here
+    batch = Batch(next(loader.batches([0], 1)), spec, torch.device("cpu"), None, decoder, 1)
+    image, tokens, mask, text = batch.inputs
+    assert image.shape == (0, 1, 4, 4) and tokens.shape[0] == 0 and mask.dtype == torch.bool
+    assert batch.size == 0 and text == []
+    assert decoder.padding == [0, 0] and decoder.skipped == 0  # priming is not counted
