@@ -400,10 +400,10 @@ def _data_cases() -> dict:
             "feature_cols: column 'x' has 2 NaN or infinite values",
             [_row(0), _row(1, x=(inf, -inf, 3.0))],
         ),
-        "ragged arrays": (
-            {},
+        "ragged arrays with input_shapes": (
+            dict(input_shapes=[[3]]),
             ValueError,
-            "feature_cols: column 'x' has arrays of varying length (2 to 3)",
+            "input_shapes: column 'x' has arrays of varying length, padded per batch",
             [_row(0), _row(1, x=(1.0, 2.0))],
         ),
         "input_shapes element count": (
@@ -470,10 +470,10 @@ def _bad_inputs():
             ValueError,
             "label_cols: column 'nope'",
         ),
-        "string feature": (
+        "string feature without decode_fn": (
             dict(feature_cols=["name"]),
-            TypeError,
-            "feature_cols: column 'name' has type string",
+            ValueError,
+            "decode_fn: feature column 'name' holds strings",
         ),
         "map column": (
             dict(feature_cols=["m"]),

@@ -2,6 +2,7 @@
 DataFrames, real Parquet): fit, transform, save/load, bad input, exact resume with
 augmentation on, Lightning."""
 
+import io
 import re
 import uuid
 from pathlib import Path
@@ -362,3 +363,29 @@ def test_a_lightning_module_gets_images_and_sequence_masks_in_its_batches(spark,
     ).fit(df)
     assert len(model.getHistory()) == 3
     assert len(model.transform(df.limit(4)).collect()) == 4
+
+
+def test_fit_on_parquet_reads_binary_and_string_columns_as_a_fit_does(spark, store):
+    import pyarrow as pa
+
+    rows = sentences(40)
+    images = []
+    for _, label in rows:
+        out = io.BytesIO()
+        Image.new("L", (SIZE, SIZE), 40 + 150 * label).save(out, format="PNG")
+        images.append(out.getvalue())
+    table = pa.table(
+        {
+            "content": pa.array(images, pa.binary()),
+            "text": [t for t, _ in rows],
+            "label": pa.array([label for _, label in rows], pa.int64()),
+        }
+    )
+    with store.open_atomic(store.join("mine/part-0.parquet")) as f:
+        pq.write_table(table, f, row_group_size=10)
+    model = image_estimator(store, epochs=2, validation=None).fit_on_parquet("mine")
+    assert len(model.getHistory()) == 2
+    with pytest.raises(ValueError, match="decode_fn: feature column 'text' holds strings"):
+        image_estimator(
+            store, feature_cols=["text"], decode_fn=None, validation=None
+        ).fit_on_parquet("mine")

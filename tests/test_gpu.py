@@ -341,3 +341,51 @@ def test_no_step_after_an_epochs_first_synchronises_with_the_gpu(
         dist.destroy_process_group()
     assert summary.batches_per_epoch == [12, 12]
     assert summary.data_placement.startswith("held" if fraction else "streaming")
+
+
+def test_jpegs_decoded_on_the_gpu_train_as_pillows_do(tmp_path):
+    """decode_device='cuda': a batch's JPEGs decoded by torchvision on the rank's GPU; the
+    pixels match Pillow's within JPEG's decoder differences, and a fit trains on them."""
+    pytest.importorskip("torchvision.io")
+    result = run_on_gpu_spark(
+        tmp_path,
+        f"""
+        import io
+        import numpy as np
+        from PIL import Image
+        from spark_estimator.decoding import decode_image
+        from spark_estimator.worker.data.decode import decode_jpegs
+        folder = {str(tmp_path / "jpegs")!r}
+        os.makedirs(folder)
+        rng = np.random.default_rng(0)
+        for i in range(64):
+            pixels = np.full((16, 16, 3), 40 + 150 * (i % 2), np.uint8)
+            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
+            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
+        blobs = [open(f"{{folder}}/1-1.jpg", "rb").read()]
+        on_gpu = decode_jpegs("content", blobs, torch.device("cuda"))[0].cpu()
+        on_cpu = decode_image(blobs[0])
+        difference = (on_gpu.int() - on_cpu.int()).abs().max().item()
+        from pyspark.sql import functions as F
+        images = spark.read.format("binaryFile").load(folder)
+        images = images.withColumn(
+            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.out = torch.nn.Linear(3, 2)
+            def forward(self, image):
+                return self.out(image.float().mean((2, 3)) / 255)
+        net = Net()
+        model = TorchEstimator(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.1),
+                               loss=torch.nn.CrossEntropyLoss(), feature_cols=["content"],
+                               label_cols=["label"], epochs=10, batch_size=16, num_proc=1,
+                               decode_device="cuda", store=store, use_gpu=True).fit(images)
+        scored = model.transform(images).collect()
+        right = sum(int(np.argmax(r.prediction)) == r.label for r in scored)
+        print(json.dumps({{"difference": difference, "right": right,
+                          "loss": model.getHistory()[-1]["train"]["loss"]}}))
+        """,
+    )
+    assert result["difference"] <= 8  # JPEG decoders may round differently
+    assert result["right"] == 64 and result["loss"] < 0.3

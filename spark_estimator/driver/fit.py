@@ -251,6 +251,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 class_indices=self._class_index_labels(),
             )
         checked.training.check_callbacks(data.rows("validation") > 0)
+        self._decode_spec(data.features, data.labels)  # what the Parquet's columns need
         self._probe_data(data, checked)
         return self._train(spark, data, checked, clock)
 

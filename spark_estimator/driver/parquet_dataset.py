@@ -24,7 +24,7 @@ import posixpath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..shared.spec import ColumnSpec, DatasetInfo, column_param
+from ..shared.spec import IMAGE_FIELDS, ColumnSpec, DatasetInfo, column_param
 from ..store import DatasetFolder, Store
 from .data_checks import check_row_lengths
 from .materialize import check_not_empty
@@ -97,9 +97,16 @@ def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str)
         return ColumnSpec(name, kind, "int64" if integral else dtype)
     if role != "sample_weight" and pa.types.is_struct(t) and {f.name for f in t} == _VECTOR_FIELDS:
         return ColumnSpec(name, "vector", dtype)
+    if role != "sample_weight" and (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        return ColumnSpec(name, "string", dtype)
+    if role == "feature" and (pa.types.is_binary(t) or pa.types.is_large_binary(t)):
+        return ColumnSpec(name, "binary", dtype)
+    if role == "feature" and pa.types.is_struct(t) and {f.name for f in t} == set(IMAGE_FIELDS):
+        return ColumnSpec(name, "image", dtype)
     expected = {
-        "feature": "numbers, lists of numbers or an ML vector",
-        "label": "numbers, lists of numbers or an ML vector",
+        "feature": "numbers, lists of numbers, an ML vector, binary (encoded images), strings "
+        "or Spark's image struct",
+        "label": "numbers, lists of numbers, an ML vector or strings",
         "sample_weight": "numbers",
     }[role]
     raise TypeError(
@@ -122,7 +129,8 @@ def _null_counts_in_footers(
     for role, spec in specs:
         if spec.kind == "array":
             continue
-        nulls = counts.get(spec.name if spec.kind == "scalar" else f"{spec.name}.type")
+        whole = spec.kind in ("scalar", "binary", "string")
+        nulls = counts.get(spec.name if whole else f"{spec.name}.type")
         if nulls:
             raise ValueError(
                 f"{column_param(role)}: column '{spec.name}' has {nulls} null values in the "

@@ -5,6 +5,7 @@ import torch
 from pyspark.ml.linalg import VectorUDT
 from pyspark.sql.types import (
     ArrayType,
+    BinaryType,
     BooleanType,
     DoubleType,
     FloatType,
@@ -57,10 +58,36 @@ def test_missing_column_is_named():
         validate.check_columns(SCHEMA, ["vec"], ["gone"])
 
 
-@pytest.mark.parametrize("col", ["name", "tags", "nested", "words", "is_val"])
+@pytest.mark.parametrize("col", ["tags", "nested", "words", "is_val"])
 def test_unsupported_feature_types_are_named(col):
     with pytest.raises(TypeError, match=f"feature_cols: column '{col}' has type"):
         validate.check_columns(SCHEMA, [col], ["cls"])
+
+
+def test_strings_bytes_and_spark_images_are_variable_columns():
+    image = StructType(
+        [
+            StructField("origin", StringType()),
+            StructField("height", IntegerType()),
+            StructField("width", IntegerType()),
+            StructField("nChannels", IntegerType()),
+            StructField("mode", IntegerType()),
+            StructField("data", BinaryType()),
+        ]
+    )
+    schema = StructType(
+        [*SCHEMA.fields, StructField("img", image), StructField("raw", BinaryType())]
+    )
+    features, _ = validate.check_columns(schema, ["name", "img", "raw"], ["cls"])
+    assert [(c.kind, c.variable) for c in features] == [
+        ("string", True),
+        ("image", True),
+        ("binary", True),
+    ]
+    _, labels = validate.check_columns(schema, ["vec"], ["name"])
+    assert labels[0].kind == "string"
+    with pytest.raises(TypeError, match="label_cols: column 'raw' has type binary"):
+        validate.check_columns(schema, ["vec"], ["raw"])
 
 
 def test_vector_labels_are_float_vectors_like_vector_features():
