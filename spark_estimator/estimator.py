@@ -87,6 +87,7 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
         reader="arrow",
         shuffle=True,
         shuffle_buffer_size=None,
+        bucket_by_length=False,
         reader_num_workers=2,
         device_cache_fraction=0.5,
         inmemory_cache_all=False,

@@ -155,6 +155,20 @@ def decoding_summary(summaries: list[RankSummary]) -> dict:
     return out
 
 
+def _check_bucketing_data(data: DatasetInfo, shuffle: bool) -> None:
+    """``bucket_by_length`` once the data is known: refused without a string or array
+    column (``fit_on_parquet``, whose columns were not known before); a warning where no
+    column's rows differ in length, since there is nothing to group then."""
+    columns = data.features + data.labels
+    validate.check_bucketing(True, columns, shuffle)
+    if not any(c.kind in ("sequence", "string") for c in columns):
+        logger.warning(
+            "bucket_by_length: every array column's rows have one length (%s), so rows "
+            "keep their shuffled order",
+            ", ".join(f"'{c.name}'" for c in columns if c.kind == "array"),
+        )
+
+
 class _LostProcesses(Exception):
     """A launch of the training job failed without an error of the training code."""
 
@@ -291,6 +305,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
 
     def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
         store, training = checked.store, checked.training
+        if checked.loader.decode is not None and checked.loader.decode.bucket_by_length:
+            _check_bucketing_data(data, checked.loader.shuffle)
         run_id, further_from = self.getRunId(), 0
         if run_id is not None:  # the rest was checked before the data (_check_run_id)
             run_manifest.check_resume_data(store, run_id, data)
@@ -578,6 +594,8 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             self.getDecodeDevice(),
             self.getBadRows(),
         )
+        columns = None if features is None else features + labels
+        validate.check_bucketing(self.getBucketByLength(), columns, self.getShuffle())
         fn, collate = self.getDecodeFn(), self.getCollateFn()
         return DecodeSpec(
             decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
@@ -586,6 +604,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             workers=self.getDecodeWorkers(),
             bad_rows=self.getBadRows(),
             device=self.getDecodeDevice(),
+            bucket_by_length=self.getBucketByLength(),
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:

@@ -197,6 +197,7 @@ class FitParamsAccessors(Params):
     reader: Param[str]
     shuffle: Param[bool]
     shuffle_buffer_size: Param[int | None]
+    bucket_by_length: Param[bool]
     reader_num_workers: Param[int]
     device_cache_fraction: Param[float]
     inmemory_cache_all: Param[bool]
@@ -553,6 +554,28 @@ class FitParamsAccessors(Params):
         default: as many as fit in 256 MiB
         """
         return self._set(shuffle_buffer_size=value)
+
+    def getBucketByLength(self) -> bool:
+        """Gets the value of `bucket_by_length`: length bucketing: training batches of rows of
+        similar lengths, so that sequences (arrays of varying length) and strings are padded
+        less. The rows each refill of the shuffle buffer serves are sorted by length (summed
+        over the sequence and string columns) and cut into groups of 8 x batch_size rows,
+        served in a random order; every row is still trained on once per epoch. Needs shuffle
+        and a string or array feature or label column; the training summary's padding shows
+        the padding left
+        """
+        return self.getOrDefault(self.bucket_by_length)
+
+    def setBucketByLength(self: _P, value: bool) -> _P:
+        """Sets the value of `bucket_by_length`: length bucketing: training batches of rows of
+        similar lengths, so that sequences (arrays of varying length) and strings are padded
+        less. The rows each refill of the shuffle buffer serves are sorted by length (summed
+        over the sequence and string columns) and cut into groups of 8 x batch_size rows,
+        served in a random order; every row is still trained on once per epoch. Needs shuffle
+        and a string or array feature or label column; the training summary's padding shows
+        the padding left
+        """
+        return self._set(bucket_by_length=value)
 
     def getReaderNumWorkers(self) -> int:
         """Gets the value of `reader_num_workers`: background threads reading row groups ahead

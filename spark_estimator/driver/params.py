@@ -498,6 +498,18 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             default=None,
         ),
         ParamSpec(
+            "bucket_by_length",
+            "length bucketing: training batches of rows of similar lengths, so that sequences "
+            "(arrays of varying length) and strings are padded less. The rows each refill of "
+            "the shuffle buffer serves are sorted by length (summed over the sequence and "
+            "string columns) and cut into groups of 8 x batch_size rows, served in a random "
+            "order; every row is still trained on once per epoch. Needs shuffle and a string "
+            "or array feature or label column; the training summary's padding shows the "
+            "padding left",
+            TypeConverters.toBoolean,
+            default=False,
+        ),
+        ParamSpec(
             "reader_num_workers",
             "background threads reading row groups ahead of training, per process",
             TypeConverters.toInt,

@@ -130,6 +130,28 @@ def check_decoding(
         )
 
 
+def check_bucketing(bucket_by_length: bool, columns: list[ColumnSpec] | None, shuffle: bool):
+    """``bucket_by_length`` regroups the rows of the shuffle buffer by length, so it needs
+    ``shuffle`` and a feature or label column whose rows can differ in length: a string or
+    an array (whether an array column's lengths vary is known once it is written; one whose
+    rows all have one length leaves the order as shuffled). ``columns`` None: not known yet
+    (``fit_on_parquet`` checks them once the Parquet is described)."""
+    if not bucket_by_length:
+        return
+    if not shuffle:
+        raise ValueError(
+            "bucket_by_length: groups the rows of the shuffle buffer by length, so it needs "
+            "shuffle=True; set bucket_by_length=False to read the rows in order"
+        )
+    if columns is not None and not any(c.kind in ("string", "array", "sequence") for c in columns):
+        kinds = ", ".join(f"'{c.name}' ({c.kind})" for c in columns)
+        raise ValueError(
+            "bucket_by_length: groups rows by the length of their sequences or strings, but "
+            f"no feature or label column is an array or a string (columns: {kinds}); "
+            "set bucket_by_length=False"
+        )
+
+
 def as_class_indices(spec: ColumnSpec) -> ColumnSpec:
     """A scalar label column read as class indices: loaded as int64 whatever its numeric
     type (StringIndexer's labels are doubles); its values must be whole numbers, which the

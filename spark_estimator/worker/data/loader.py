@@ -16,7 +16,9 @@ reader threads as each piece is read (their one copy; other columns stay in the 
 memory), so the shuffle moves whole rows and a batch is one view per block. Each refill is
 planned from the pieces' row counts, so its permutation is drawn first and every chunk is
 copied into place as it arrives while the reader threads read the next. A batch reads as a
-Mapping of column name to tensor.
+Mapping of column name to tensor. With length bucketing (``buckets.py``) each shuffle
+window's served rows are then regrouped by length, in place in the buffer, still
+independently of the batch sizes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from ...shared.spec import ColumnSpec, DatasetInfo, TrainSpec
 from .arrow_reader import ROW_ID, ArrowReader, row_offsets
+from .buckets import BUCKET_BATCHES, Bucketing, measured_columns
 from .columns import Columns, Layout, place
 from .convert import Tensors, as_tensor, object_bytes, read_only_arrays
 from .device_shard import DeviceShard
@@ -75,6 +78,7 @@ def buffered_batches(
     buffer_rows: int | None,
     generator: torch.Generator | None,
     pin_memory: bool = False,
+    regroup: Callable[[Columns, int], None] | None = None,
 ) -> Iterator[Columns]:
     """Cut a stream of chunks (``layout.assemble``'s, of ``rows_of_chunks`` rows each) into
     batches of ``sizes`` rows.
@@ -87,11 +91,14 @@ def buffered_batches(
     refill is planned from ``rows_of_chunks`` (so its permutation is drawn before its
     chunks arrive, and each is copied into place as it comes); ``layout.empty`` stands for
     an empty shard's batches. After a refill, every batch that the pool holds is cut in one
-    ``split`` per block and other column.
+    ``split`` per block and other column. With a generator and ``regroup`` (length
+    bucketing, ``buckets.Bucketing``), each window's served rows, all in the refill that
+    takes the window, are reordered in place by ``regroup(rows, window index)``.
     """
     chunks = iter(chunks)
     pool, cursor, ready = layout.empty, 0, 0  # rows [cursor, ready) of pool: next served
     taken, plan = 0, None  # chunks taken so far; the shuffle's windows
+    windows_taken = 0  # the index in the pass of the next window (regroup's)
 
     def arriving(start: int, count: int, first: Columns | None) -> Iterator[Columns]:
         for k in range(count):
@@ -108,13 +115,17 @@ def buffered_batches(
                     buffer_rows = default_buffer_rows(row_bytes(first))
                 plan = windows(rows_of_chunks, buffer_rows, generator)
             left = pool.rows - cursor
-            count, ready, perm = _plan_refill(
-                rows_of_chunks, taken, sizes[i], left, ready - cursor, plan
+            at = ready - cursor  # the first row that this refill's windows serve
+            count, ready, perm, serves = _plan_refill(
+                rows_of_chunks, taken, sizes[i], left, at, plan
             )
             leftover = [pool.narrow(cursor, left)] if left else []
             parts = itertools.chain(leftover, arriving(taken, count, first))
             rows = left + sum(rows_of_chunks[taken : taken + count])
             pool, cursor, taken = _refill(parts, rows, perm, pin_memory), 0, taken + count
+            for serve in serves if regroup is not None else ():
+                regroup(pool.narrow(at, serve), windows_taken)
+                at, windows_taken = at + serve, windows_taken + 1
         j, take = i, 0  # batches i..j-1 come from this pool
         while j < len(sizes) and sizes[j] <= ready - cursor - take:
             take += sizes[j]
@@ -130,17 +141,18 @@ def buffered_batches(
 
 def _plan_refill(
     rows_of_chunks: list[int], taken: int, size: int, left: int, ready: int, plan
-) -> tuple[int, int, torch.Tensor | None]:
+) -> tuple[int, int, torch.Tensor | None, list[int]]:
     """The next pool: (chunks to add, rows ready to serve, its order as positions in the
     concatenation of the ``left`` rows of the pool, ``ready`` of them in served order, and
-    the chunks; None: that concatenation as it is). Chunks come until ``size`` rows are
-    ready or none are left: a window of ``plan`` at a time, or (no shuffle) one by one."""
-    count = 0
+    the chunks; None: that concatenation as it is; the rows each window taken serves, which
+    follow the ``ready`` rows in the pool, in window order). Chunks come until ``size`` rows
+    are ready or none are left: a window of ``plan`` at a time, or (no shuffle) one by one."""
+    count, serves = 0, []
     if plan is None:
         while ready < size and taken + count < len(rows_of_chunks):
             ready += rows_of_chunks[taken + count]
             count += 1
-        return count, ready, None
+        return count, ready, None, serves
     # the pool's rows: `ready` in order, then the kept ones, the range [ready, left); the
     # chunks follow them, so kept and new rows are one range until a window serves some
     parts, held, first_held, total = [torch.arange(ready)], None, ready, left
@@ -158,9 +170,11 @@ def _plan_refill(
         parts.append(held[: window.serve])
         held = held[window.serve :]
         ready += window.serve
+        serves.append(window.serve)
     parts.append(torch.arange(first_held, total) if held is None else held)
     parts = [p for p in parts if len(p)]
-    return count, ready, parts[0] if len(parts) == 1 else torch.cat([torch.arange(0), *parts])
+    perm = parts[0] if len(parts) == 1 else torch.cat([torch.arange(0), *parts])
+    return count, ready, perm, serves
 
 
 def _as_planned(chunk: Columns | None, expected: int) -> Columns:
@@ -188,7 +202,9 @@ class ShardLoader:
 
     ``read_chunks(pieces)`` yields one chunk per piece in the order given, laid out by
     ``layout.assemble`` (a reader's ``chunks``, assembling in its threads);
-    ``shuffle_pieces`` is False for readers that can only go in file order.
+    ``shuffle_pieces`` is False for readers that can only go in file order. With
+    ``bucket`` (and ``shuffle``), each shuffle window's served rows are regrouped by length
+    (``buckets.py``).
     """
 
     def __init__(
@@ -204,8 +220,10 @@ class ShardLoader:
         rank: int,
         cache: bool,
         pin_memory: bool,
+        bucket: Bucketing | None = None,
     ):
         self.read_chunks, self.pieces, self.layout = read_chunks, pieces, layout
+        self.bucket = bucket if shuffle else None
         self.shuffle, self.shuffle_pieces, self.buffer_rows = shuffle, shuffle_pieces, buffer_rows
         self.seed, self.rank, self.pin_memory = seed, rank, pin_memory
         self.cache: dict[Piece, Columns] | None = {} if cache else None
@@ -219,6 +237,13 @@ class ShardLoader:
         order = self.pieces
         if generator is not None and self.shuffle_pieces:
             order = [self.pieces[i] for i in torch.randperm(len(order), generator=generator)]
+        regroup = None
+        if self.bucket is not None:
+            bucket = self.bucket
+
+            def regroup(rows: Columns, window: int) -> None:
+                bucket.regroup(rows, pass_index, window)
+
         yield from buffered_batches(
             self._chunks(order),
             sizes,
@@ -227,6 +252,7 @@ class ShardLoader:
             buffer_rows=self.buffer_rows,
             generator=generator,
             pin_memory=self.pin_memory,
+            regroup=regroup,
         )
 
     def _chunks(self, order: list[Piece]) -> Iterator[Columns]:
@@ -279,6 +305,11 @@ def open_loader(
             device=hold_on,
         )
     layout = Layout(template, data.columns)
+    bucket = None
+    measured = measured_columns(data.features + data.labels)
+    if shuffle and options.decode is not None and options.decode.bucket_by_length and measured:
+        group = BUCKET_BATCHES * spec.batch_size
+        bucket = Bucketing(measured, group, spec.seed, rank)
     return ShardLoader(
         partial(reader.chunks, prepare=layout.assemble),
         pieces,
@@ -290,6 +321,7 @@ def open_loader(
         rank=rank,
         cache=options.inmemory_cache_all,
         pin_memory=pin,
+        bucket=bucket,
     )
 
 

@@ -9,7 +9,8 @@ row counts, the buffer's size and the generator, never on the batch sizes asked 
 order of a pass is a function of (seed, pass, rank, shard, buffer size), so a pass read
 again in other batch sizes (the rest of a resized epoch, ``remainder.py``) gives the same
 rows in the same order, and a shard held on the device (``device_shard.py``) takes the
-order the streaming loader gives (``pass_order``).
+order the streaming loader gives (``pass_order``). Length bucketing (``buckets.py``)
+reorders each window's served rows by their lengths, again whatever the batch sizes.
 """
 
 from __future__ import annotations
