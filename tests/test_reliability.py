@@ -329,3 +329,17 @@ def test_training_further_a_run_stopped_early_goes_on_with_the_new_callbacks(reg
         regression_df
     )
     assert model.getTrainingSummary()["early_stopping_epoch"] == 6
+
+
+def test_resuming_refuses_another_order_of_the_rows(regression_df, store, tmp_path):
+    """shuffle, shuffle_buffer_size and bucket_by_length fix the order a resume inside a
+    pass goes on in: changed, rows would be repeated and skipped."""
+    fault = Fault("raise", rank=0, epoch=2, marker=tmp_path / "m")
+    with pytest.raises(TrainingError):
+        momentum_estimator(store, callbacks=[fault], run_id="order").fit(regression_df)
+    for params, field in (
+        (dict(shuffle=False), r"shuffle \(was True, now False\)"),
+        (dict(shuffle_buffer_size=7), r"shuffle_buffer_size \(was None, now 7\)"),
+    ):
+        with pytest.raises(ValueError, match=f"run_id: run 'order' .*{field}"):
+            momentum_estimator(store, run_id="order", **params).fit(regression_df)

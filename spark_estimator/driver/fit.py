@@ -635,6 +635,10 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             "batch_size": self.getBatchSize(),
             "random_seed": self.getRandomSeed(),
             "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
+            # the order of a pass's rows, which a resume inside a pass goes on in
+            "shuffle": self.getShuffle(),
+            "shuffle_buffer_size": self.getShuffleBufferSize(),
+            "bucket_by_length": self.getBucketByLength(),
         }
 
     # -- persistence (ObjectParamsReadWrite) -----------------------------------------------

@@ -6,6 +6,7 @@ A finished run (its ``result.pt`` written) is trained further by a fit with the 
 Before its training job, a fit writes ``runs/<run_id>/run.json``: the model's state (names,
 shapes and dtypes), the optimizer's class and parameter groups, ``num_proc``,
 ``batch_size``, ``backward_passes_per_step``, ``train_steps_per_epoch``, ``random_seed``,
+the rows' order (``shuffle``, ``shuffle_buffer_size``, ``bucket_by_length``),
 ``lr_scaling``, ``parallelism`` and the training data, because each of them changes what a
 checkpoint means: weights that no longer fit, optimizer state of another kind, other shards
 or another position in the data; and the loss, ``metrics``, ``loss_weights`` and
