@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import functools
 
-from pyspark import keyword_only
-
 from .driver import loss_probe, run_manifest, validate, validate_training
+from .driver.constructors import TorchEstimatorConstructor
 from .driver.fit import StoreEstimator, Training
-from .driver.params import EstimatorParams, spark_ml_keywords
-from .shared.spec import COLLECTIVE_TIMEOUT_S, COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
+from .driver.params import EstimatorParams
+from .shared.spec import COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
 
 # the params whose objects the executors rebuild from one pickle (worker/loop/objects.py)
 _BUNDLED = (
@@ -29,7 +28,7 @@ _BUNDLED = (
 )
 
 
-class TorchEstimator(StoreEstimator, EstimatorParams):
+class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams):
     """Trains a ``torch.nn.Module`` on a Spark DataFrame with DistributedDataParallel.
 
     Each feature column becomes one positional argument of ``model.forward``; the loss is
@@ -44,82 +43,6 @@ class TorchEstimator(StoreEstimator, EstimatorParams):
 
     _BUNDLED = _BUNDLED
     _REQUIRED = ("model", "optimizer", "feature_cols", "label_cols", "store")
-
-    @spark_ml_keywords
-    @keyword_only
-    def __init__(
-        self,
-        *,
-        model=None,
-        optimizer=None,
-        loss=None,
-        feature_cols=None,
-        label_cols=None,
-        input_shapes=None,
-        output_cols=None,
-        decode_fn=None,
-        collate_fn=None,
-        padding_value=0.0,
-        decode_workers=None,
-        decode_device="cpu",
-        classification=False,
-        probabilityCol="probability",
-        rawPredictionCol="rawPrediction",
-        probability_col="probability",
-        raw_prediction_col="rawPrediction",
-        learning_rate=None,
-        batch_size=32,
-        epochs=1,
-        num_proc=None,
-        min_num_proc=None,
-        max_restarts=3,
-        elastic_timeout=600.0,
-        validation=None,
-        random_seed=0,
-        store=None,
-        use_gpu="auto",
-        stage_level_scheduling=True,
-        run_id=None,
-        partitions_per_process=4,
-        row_group_size_mb=32.0,
-        compression="snappy",
-        dtype="float32",
-        reader="arrow",
-        shuffle=True,
-        shuffle_buffer_size=None,
-        bucket_by_length=False,
-        reader_num_workers=2,
-        device_cache_fraction=0.5,
-        inmemory_cache_all=False,
-        train_steps_per_epoch=None,
-        validation_steps_per_epoch=None,
-        transformation_fn=None,
-        lr_scaling="none",
-        backward_passes_per_step=1,
-        gradient_compression="none",
-        gradient_reduction="average",
-        mixed_precision="none",
-        parallelism="ddp",
-        fsdp_wrap=None,
-        compile=False,
-        metrics=None,
-        loss_weights=None,
-        sample_weight_col=None,
-        lr_scheduler=None,
-        lr_scheduler_interval="epoch",
-        commit_every_steps=None,
-        callbacks=None,
-        bad_rows="fail",
-        terminate_on_nan=True,
-        train_minibatch_fn=None,
-        loss_constructors=None,
-        keep_checkpoints=None,
-        collective_timeout=COLLECTIVE_TIMEOUT_S,
-        verbose=True,
-        mlflow_logging=False,
-    ):
-        super().__init__()
-        self._set(**self._input_kwargs)
 
     # -- what the executors train with ------------------------------------------------
     def _training(self, num_proc: int) -> Training:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import functools
 
-from pyspark import keyword_only
-
 from .driver import run_manifest, validate_lightning
+from .driver.constructors import LightningEstimatorConstructor
 from .driver.fit import StoreEstimator, Training
-from .driver.params import LightningParams, spark_ml_keywords
-from .shared.spec import COLLECTIVE_TIMEOUT_S
+from .driver.params import LightningParams
 
 
-class LightningEstimator(StoreEstimator, LightningParams):
+class LightningEstimator(LightningEstimatorConstructor, StoreEstimator, LightningParams):
     """Trains a ``LightningModule`` (lightning 2.x) on a Spark DataFrame.
 
     Every batch the module sees is a dict column name -> tensor on its device: the feature
@@ -37,65 +35,6 @@ class LightningEstimator(StoreEstimator, LightningParams):
 
     _BUNDLED = ("model", "callbacks", "trainer_args", "profiler")
     _TRAINER = "lightning"
-
-    @spark_ml_keywords
-    @keyword_only
-    def __init__(
-        self,
-        *,
-        model=None,
-        feature_cols=None,
-        label_cols=None,
-        input_shapes=None,
-        output_cols=None,
-        decode_fn=None,
-        collate_fn=None,
-        padding_value=0.0,
-        decode_workers=None,
-        decode_device="cpu",
-        classification=False,
-        probabilityCol="probability",
-        rawPredictionCol="rawPrediction",
-        probability_col="probability",
-        raw_prediction_col="rawPrediction",
-        batch_size=32,
-        epochs=1,
-        num_proc=None,
-        min_num_proc=None,
-        max_restarts=3,
-        elastic_timeout=600.0,
-        validation=None,
-        random_seed=0,
-        store=None,
-        use_gpu="auto",
-        stage_level_scheduling=True,
-        run_id=None,
-        callbacks=None,
-        bad_rows="fail",
-        trainer_args=None,
-        profiler=None,
-        partitions_per_process=4,
-        row_group_size_mb=32.0,
-        compression="snappy",
-        dtype="float32",
-        reader="arrow",
-        shuffle=True,
-        shuffle_buffer_size=None,
-        bucket_by_length=False,
-        reader_num_workers=2,
-        device_cache_fraction=0.5,
-        inmemory_cache_all=False,
-        train_steps_per_epoch=None,
-        validation_steps_per_epoch=None,
-        transformation_fn=None,
-        keep_checkpoints=None,
-        terminate_on_nan=True,
-        collective_timeout=COLLECTIVE_TIMEOUT_S,
-        verbose=True,
-        mlflow_logging=False,
-    ):
-        super().__init__()
-        self._set(**self._input_kwargs)
 
     def _training(self, num_proc: int) -> Training:
         model, callbacks = self.getModel(), self.getCallbacks()

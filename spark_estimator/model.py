@@ -22,7 +22,6 @@ import functools
 from copy import deepcopy
 
 import torch
-from pyspark import keyword_only
 from pyspark.ml import Model
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import DataFrame
@@ -30,7 +29,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, FloatType, StructField, StructType
 
 from .driver import validate
-from .driver.params import ModelParams, spark_ml_keywords
+from .driver.constructors import TorchModelConstructor
+from .driver.params import ModelParams
 from .driver.persistence import ObjectParamsReadWrite
 from .driver.stage_profile import task_profile
 from .driver.task_python import use_task_python
@@ -39,7 +39,7 @@ from .shared.spec import FLOAT_DTYPES, ROW_NAMES, ColumnSpec, DecodeSpec
 from .worker.predict import predict_batches
 
 
-class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
+class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrite):
     """A trained torch module as a Spark ML Transformer, made by the ``fit`` of
     TorchEstimator and LightningEstimator.
 
@@ -51,43 +51,17 @@ class TorchModel(Model, ModelParams, ObjectParamsReadWrite):
 
     _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary", "feature_kinds")
 
-    @spark_ml_keywords
-    @keyword_only
-    def __init__(
-        self,
-        *,
-        model=None,
-        feature_cols=None,
-        input_shapes=None,
-        dtype="float32",
-        output_cols=None,
-        decode_fn=None,
-        collate_fn=None,
-        padding_value=0.0,
-        decode_workers=None,
-        decode_device="cpu",
-        stage_level_scheduling=True,
-        classification=False,
-        probabilityCol="probability",
-        rawPredictionCol="rawPrediction",
-        probability_col="probability",
-        raw_prediction_col="rawPrediction",
-        history=None,
-        output_shapes=None,
-        run_id=None,
-        training_summary=None,
-        feature_kinds=None,
-    ):
-        super().__init__()
-        given = self._input_kwargs
-        self._set(**{k: v for k, v in given.items() if k not in self._NOT_PARAMS and v is not None})
-        self._history = list(history or [])
-        self._output_shapes = output_shapes
-        self._run_id = run_id
-        self._training_summary = dict(training_summary or {})
+    def _init_keywords(self, keywords: dict) -> None:
+        """Sets the params given, and keeps what fit hands the model (``KEYWORDS``)."""
+        state = {k: keywords.pop(k, None) for k in self._NOT_PARAMS}
+        self._set(**{k: v for k, v in keywords.items() if v is not None})
+        self._history = list(state["history"] or [])
+        self._output_shapes = state["output_shapes"]
+        self._run_id = state["run_id"]
+        self._training_summary = dict(state["training_summary"] or {})
         # column -> [kind, dtype] fit trained it as, where the schema alone cannot tell:
         # arrays of varying length are "sequence"s (padded, a mask after them)
-        self._feature_kinds = dict(feature_kinds or {})
+        self._feature_kinds = dict(state["feature_kinds"] or {})
 
     def copy(self, extra=None) -> TorchModel:
         """A copy with the same uid and the ``extra`` params (a dict Param -> value). It

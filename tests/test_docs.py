@@ -1,6 +1,7 @@
-"""Docs that follow the code: docs/parameters.md and spark_estimator/driver/param_accessors.py are
-what docs/gen_parameters.py writes from the params of TorchEstimator, LightningEstimator and
-TorchModel, and relative links in the user docs resolve."""
+"""Docs that follow the code: docs/parameters.md, spark_estimator/driver/param_accessors.py
+and spark_estimator/driver/constructors.py are what docs/gen_parameters.py writes from the
+params of TorchEstimator, LightningEstimator and TorchModel, and relative links in the user
+docs resolve."""
 
 import importlib.util
 import re
@@ -30,6 +31,38 @@ def test_param_accessors_module_is_up_to_date_with_the_specs():
     assert (ROOT / "spark_estimator/driver/param_accessors.py").read_text() == text, (
         "spark_estimator/driver/param_accessors.py is out of date: run docs/gen_parameters.py"
     )
+
+
+def test_constructors_module_is_up_to_date_with_the_specs():
+    text = load_generator().render_constructors()
+    assert (ROOT / "spark_estimator/driver/constructors.py").read_text() == text, (
+        "spark_estimator/driver/constructors.py is out of date: run docs/gen_parameters.py"
+    )
+
+
+@pytest.mark.parametrize("stage", ["TorchEstimator", "LightningEstimator", "TorchModel"])
+def test_each_constructor_takes_every_param_with_its_default_and_documents_it(stage):
+    """The specs are the one source of the constructors: a keyword per param (and Spark's
+    snake_case spellings), its default the param's, typed, in the Parameters section."""
+    import inspect
+
+    import spark_estimator
+    from spark_estimator.driver.params import SPARK_ALIASES
+
+    cls = getattr(spark_estimator, stage)
+    instance = cls()
+    signature = inspect.signature(cls.__init__)
+    keywords = {n: p for n, p in signature.parameters.items() if n != "self"}
+    extras = {s.name for s in getattr(cls, "KEYWORDS", ())}
+    assert set(keywords) == {p.name for p in instance.params} | set(SPARK_ALIASES) | extras
+    doc = inspect.getdoc(cls.__init__)
+    for param in instance.params:
+        keyword = keywords[param.name]
+        assert keyword.kind is inspect.Parameter.KEYWORD_ONLY
+        assert keyword.annotation is not inspect.Parameter.empty
+        expected = instance.getOrDefault(param) if instance.hasDefault(param) else None
+        assert keyword.default == expected, param.name
+        assert f"\n{param.name} : " in doc, param.name
 
 
 def test_every_param_has_its_accessors_written_out():

@@ -259,12 +259,11 @@ def test_a_learning_rate_that_is_not_a_number_is_refused_when_set():
         make_estimator(learning_rate="fast")
 
 
-def test_the_run_manifest_holds_the_learning_rate_and_resuming_with_another_is_refused(
-    regression_df, store
-):
+def test_a_run_resumed_with_another_learning_rate_goes_on_at_the_new_one(regression_df, store):
+    """learning_rate, as a grid search tunes it: a run resumed (or trained further) with
+    another rate trains its next epochs at that rate, and its history says so."""
     make_estimator(store=store, run_id="r", epochs=1, learning_rate=0.05).fit(regression_df)
-    manifest = store.read_json(store.run("r").manifest)
-    assert manifest["learning_rate"] == 0.05
     store.remove(store.run("r").result)  # as if the driver died after epoch 1
-    with pytest.raises(ValueError, match="run_id: run 'r' .* made with another learning_rate"):
-        make_estimator(store=store, run_id="r", epochs=2, learning_rate=0.1).fit(regression_df)
+    model = make_estimator(store=store, run_id="r", epochs=2, learning_rate=0.1).fit(regression_df)
+    assert [h["lr"] for h in model.getHistory()] == [[0.05], [0.1]]
+    assert model.getTrainingSummary()["resumed_from_epoch"] == 1

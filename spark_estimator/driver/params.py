@@ -118,13 +118,17 @@ class ParamSpec:
     doc: str
     converter: Callable[[Any], Any] = TypeConverters.identity
     default: Any = NO_DEFAULT
+    # the type a user gives, as an annotation (the constructors' and setters'), where the
+    # converter does not say it (object params; their names resolve in the generated
+    # constructors' module)
+    hint: str | None = None
 
     def param(self) -> Param:
         return Param(Params._dummy(), self.name, self.doc, typeConverter=self.converter)
 
-    def with_doc(self, doc: str) -> ParamSpec:
+    def with_doc(self, doc: str, hint: str | None = None) -> ParamSpec:
         """The same param described for another stage (e.g. ``model``: what it trains)."""
-        return dataclasses.replace(self, doc=doc)
+        return dataclasses.replace(self, doc=doc, hint=hint or self.hint)
 
 
 def param_specs(cls: type) -> dict[str, ParamSpec]:
@@ -150,6 +154,11 @@ class SpecParams(Params):
         super().__init__()
         specs = param_specs(type(self)).values()
         self._setDefault(**{s.name: s.default for s in specs if s.default is not NO_DEFAULT})
+
+    def _init_keywords(self, keywords: dict[str, Any]) -> None:
+        """What a stage's constructor (``driver/constructors``) does with the keywords
+        given: sets them as params."""
+        self._set(**keywords)
 
 
 # snake_case spellings of Spark's param names; the Params keep Spark's names
@@ -279,6 +288,7 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             "Pillow), image structs likewise, sequences as 1-D tensors, strings left as they "
             "are (spark_estimator.decoding)",
             default=None,
+            hint="Callable[[dict[str, Any], np.random.Generator | None], dict[str, Any]]",
         ),
         ParamSpec(
             "collate_fn",
@@ -288,6 +298,7 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             "batch's longest with padding_value plus their mask (True at the row's values, "
             "the argument after the column's), strings as lists",
             default=None,
+            hint="Callable[[list[dict[str, Any]]], dict[str, Any]]",
         ),
         ParamSpec(
             "padding_value",
@@ -321,7 +332,9 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
     TorchEstimator and LightningEstimator)."""
 
     _specs = (
-        ParamSpec("model", "the module to train"),
+        ParamSpec(
+            "model", "the module to train", hint="torch.nn.Module | Callable[[], torch.nn.Module]"
+        ),
         ParamSpec(
             "label_cols",
             "label columns; with several, the model returns one output per label (one name "
@@ -382,7 +395,10 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             default=0,
         ),
         ParamSpec(
-            "store", "the Store holding materialized data, checkpoints and results", default=None
+            "store",
+            "the Store holding materialized data, checkpoints and results",
+            default=None,
+            hint="Store",
         ),
         ParamSpec(
             "use_gpu",
@@ -442,6 +458,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "callbacks",
             "list of callbacks run on every process (see each estimator)",
             default=None,
+            hint="list[Any]",
         ),
         ParamSpec(
             "bad_rows",
@@ -548,6 +565,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "function applied to every training and validation batch on the executors: a dict "
             "column -> tensor (CPU) in, a dict with the same columns and rows out",
             default=None,
+            hint="Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]",
         ),
         ParamSpec(
             "keep_checkpoints",
@@ -586,6 +604,8 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "learning_rate or its default lr; or a function model -> Optimizer called on each "
             "process with the model as it trains (a class or a function when model is a "
             "function)",
+            hint="torch.optim.Optimizer | type[torch.optim.Optimizer] "
+            "| Callable[[torch.nn.Module], torch.optim.Optimizer]",
         ),
         ParamSpec(
             "learning_rate",
@@ -601,6 +621,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "a loss module or a function (output, label) -> scalar tensor, or a list of them, "
             "one per label column; not needed with loss_constructors",
             default=None,
+            hint="Callable[..., torch.Tensor] | list[Callable[..., torch.Tensor]]",
         ),
         # -- the training loop ----------------------------------------------------------------
         ParamSpec(
@@ -664,6 +685,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "validation runs the model uncompiled; checkpoints and the fitted model hold the "
             "plain model's weights",
             default=False,
+            hint="bool | dict[str, Any]",
         ),
         ParamSpec(
             "metrics",
@@ -671,6 +693,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "functions named by __name__; averaged over all rows per epoch for train and "
             "validation and stored in the history",
             default=None,
+            hint="dict[str, Callable[..., torch.Tensor]] | list[Callable[..., torch.Tensor]]",
         ),
         ParamSpec(
             "loss_weights",
@@ -688,6 +711,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "lr_scheduler",
             "function optimizer -> torch LR scheduler, called on each process after lr_scaling",
             default=None,
+            hint="Callable[[torch.optim.Optimizer], Any]",
         ),
         ParamSpec(
             "lr_scheduler_interval",
@@ -720,12 +744,14 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "loss) that does zero_grad, forward, backward and optimizer.step; loss_fn(outputs, "
             "labels) is the estimator's loss for the batch",
             default=None,
+            hint="Callable[..., tuple[Any, torch.Tensor]]",
         ),
         ParamSpec(
             "loss_constructors",
             "list of functions () -> loss, called on each process (for losses that cannot be "
             "pickled): one for every label column, or one per label column",
             default=None,
+            hint="list[Callable[[], Callable[..., torch.Tensor]]]",
         ),
     )
 
@@ -750,6 +776,7 @@ class LightningParams(accessors.LightningParamsAccessors, FitParams):
             "sets itself (accelerator, devices, strategy, num_nodes, max_epochs, callbacks, "
             "plugins, ...) are refused",
             default=None,
+            hint="dict[str, Any]",
         ),
         ParamSpec(
             "profiler",
@@ -759,6 +786,7 @@ class LightningParams(accessors.LightningParamsAccessors, FitParams):
             "writes every rank's to <dirpath>/fit-<filename>-0.txt on its host (Lightning "
             "numbers it by local rank: 0 in every task). Default: none",
             default=None,
+            hint="str | Any",
         ),
     )
 
@@ -766,8 +794,39 @@ class LightningParams(accessors.LightningParamsAccessors, FitParams):
 class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
     """The params of TorchModel: the trained module and how to feed it."""
 
+    # TorchModel's keywords that are not params: what fit hands the model it returns
+    KEYWORDS = (
+        ParamSpec(
+            "history",
+            "the per-epoch records of the fit (getHistory())",
+            default=None,
+            hint="list[dict]",
+        ),
+        ParamSpec(
+            "output_shapes",
+            "each output's shape without the batch dimension (a double column for [] or [1], "
+            "else array<float>)",
+            default=None,
+            hint="list[list[int]]",
+        ),
+        ParamSpec("run_id", "the fit's run folder in the store", default=None, hint="str"),
+        ParamSpec(
+            "training_summary",
+            "how the model was trained (getTrainingSummary())",
+            default=None,
+            hint="dict",
+        ),
+        ParamSpec(
+            "feature_kinds",
+            "column -> [kind, dtype] fit read it as, where the schema cannot tell (arrays of "
+            "varying length are 'sequence's)",
+            default=None,
+            hint="dict[str, list[str]]",
+        ),
+    )
+
     _specs = (
-        _FIT["model"].with_doc("the trained torch.nn.Module"),
+        _FIT["model"].with_doc("the trained torch.nn.Module", hint="torch.nn.Module"),
         _FIT["dtype"].with_doc(
             "float type the features are cast to for the model: float32 or float64 (the "
             "estimator's dtype, set by fit)"
