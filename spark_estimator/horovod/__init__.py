@@ -58,13 +58,6 @@ from .basics import (
     size,
 )
 from .collectives import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    ReduceOp,
-    Sum,
     allgather,
     allgather_object,
     allreduce,
@@ -77,6 +70,7 @@ from .collectives import (
     join,
 )
 from .compression import Compression, Compressor
+from .core import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .errors import HorovodInternalError
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .launch import run

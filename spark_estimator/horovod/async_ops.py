@@ -22,20 +22,17 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .basics import rank_info
 from .collectives import (
-    Average,
     Reduction,
-    Sum,
     _named,
     broadcast_start,
     check_root,
     checked,
     gather,
-    reduce_op,
     reductions_by_dtype,
 )
 from .compression import Compression
+from .core import Average, Sum, rank_info, reduce_op
 from .errors import peer_errors
 from .process_sets import ProcessSet, global_process_set, scope
 

@@ -1,10 +1,11 @@
 """Executor: ``hvd.init()`` and the queries of where this process sits in the job.
 
-``init()`` marks this module initialised for the running task's process group (forming
+``init()`` marks this process initialised for the running task's process group (forming
 one first with ``rendezvous.init_default_group`` when there is none, as for a script run
-outside ``run(fn)``). The mark belongs to that group: when the task ends, or after
-``shutdown()``, every query raises until ``init()`` is called again (PySpark reuses its
-Python workers, so a mark left by an earlier task must not count).
+outside ``run(fn)``; the mark is ``core.mark_initialized``'s). The mark belongs to that
+group: when the task ends, or after ``shutdown()``, every query raises until ``init()`` is
+called again (PySpark reuses its Python workers, so a mark left by an earlier task must
+not count).
 """
 
 from __future__ import annotations
@@ -13,49 +14,26 @@ import torch
 import torch.distributed as dist
 
 from ..worker.comm import rendezvous
-from ..worker.comm.rendezvous import RankInfo
-
-_initialized_for: RankInfo | None = None
+from . import core
+from .core import is_initialized as is_initialized  # hvd.is_initialized
+from .core import rank_info
+from .process_sets import setup as setup_process_sets
 
 
 def init(process_sets=None) -> None:
     """Join the job: a no-op where the task already formed the process group (``run(fn)``),
     else the default group is formed first. ``process_sets``: a list of ``hvd.ProcessSet``
     to add, as ``add_process_set`` would (every rank passes the same list)."""
-    global _initialized_for
     if not dist.is_initialized():
         rendezvous.init_default_group()
-    _initialized_for = rendezvous.current_rank_info()
-    from . import process_sets as sets  # it builds on this module
-
-    sets.setup(process_sets)
+    core.mark_initialized(rendezvous.current_rank_info())
+    setup_process_sets(process_sets)
 
 
 def shutdown() -> None:
     """Leave: the queries and collectives raise until ``init()`` again. The process group
     itself belongs to the task and is closed when the task ends."""
-    global _initialized_for
-    _initialized_for = None
-
-
-def is_initialized() -> bool:
-    """Whether ``init()`` was called for the process group this process is in now."""
-    if _initialized_for is None or not dist.is_initialized():
-        return False
-    try:
-        return rendezvous.current_rank_info() is _initialized_for
-    except RuntimeError:
-        return False
-
-
-def rank_info() -> RankInfo:
-    """This process's RankInfo; ValueError before ``init()``, as Horovod's queries raise."""
-    if not is_initialized():
-        raise ValueError(
-            "spark_estimator.horovod is not initialized: call hvd.init() first (in every "
-            "process, before any other hvd call)"
-        )
-    return _initialized_for
+    core.mark_initialized(None)
 
 
 def rank() -> int:

@@ -23,56 +23,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from enum import IntEnum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..worker.comm.adasum import adasum_allreduce_
 from . import joined, timeline
-from .basics import rank_info
 from .compression import Compression, Compressor
+from .core import TORCH_OPS, Adasum, Average, ReduceOp, rank_info, reduce_op
 from .errors import peer_errors
 from .process_sets import ProcessSet, Scope, global_process_set, scope
 
-
-class ReduceOp(IntEnum):
-    """How ``allreduce`` combines the ranks' tensors (Horovod's numbering)."""
-
-    AVERAGE = 0
-    SUM = 1
-    ADASUM = 2
-    MIN = 3
-    MAX = 4
-    PRODUCT = 5
-
-
-Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
-Min, Max, Product = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT
-
-_TORCH_OPS = {
-    Average: dist.ReduceOp.SUM,  # then divided by the size
-    Sum: dist.ReduceOp.SUM,
-    Min: dist.ReduceOp.MIN,
-    Max: dist.ReduceOp.MAX,
-    Product: dist.ReduceOp.PRODUCT,
-}
 _MAX_DIMS = 16  # of a tensor allgather handles
-
-
-def reduce_op(op, average: bool | None = None) -> ReduceOp:
-    """The op Horovod's ``op`` and older ``average`` arguments ask for (default Average)."""
-    if op is not None and average is not None:
-        raise ValueError("op and average: give one of them (average is the older form of op)")
-    if average is not None:
-        return Average if average else Sum
-    if op is None:
-        return Average
-    try:
-        return ReduceOp(op)
-    except ValueError:
-        names = ", ".join(f"hvd.{o.name.title()}" for o in ReduceOp)
-        raise ValueError(f"op: expected one of {names}, got {op!r}") from None
 
 
 def _scale_(tensor: torch.Tensor, factor: float) -> None:
@@ -112,8 +75,6 @@ class Reduction:
         self._post = postscale_factor / (on.size if op == Average else 1)
         self._work = self._control = None
         if op == Adasum:
-            from ..worker.comm.adasum import adasum_allreduce_
-
             if on.group is None:  # joined ranks cannot take part
                 joined.require_all_active("allreduce", name, op=int(Adasum))
             self._buffers, self._ctx = self._compressed(
@@ -128,7 +89,7 @@ class Reduction:
             wire = self._buffers[0]
             self._control = joined.announce("allreduce", int(op), wire.dtype, wire.numel())
         self._work = dist.all_reduce(
-            self._buffers[0], op=_TORCH_OPS[op], group=on.group, async_op=True
+            self._buffers[0], op=TORCH_OPS[op], group=on.group, async_op=True
         )
 
     def _compressed(self, buffers: list[torch.Tensor], prescale: float):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .basics import rank_info
+from .core import TORCH_OPS, ReduceOp, rank_info
 
 KINDS = (
     "allreduce",
@@ -59,7 +59,6 @@ DTYPES = (
     torch.complex128,
 )
 _ACTIVE, _KIND, _OP, _DTYPE, _NUMEL, _ARRIVALS = 0, 1, 2, 3, 4, 5
-ADASUM = 2  # Horovod's op number, which joined ranks cannot take part in
 
 
 class Control:
@@ -112,7 +111,7 @@ def require_all_active(kind: str, name: str | None = None, op: int = 0) -> None:
 
 
 def _what(kind: str, op: int) -> str:
-    return "allreduce with op=Adasum" if kind == "allreduce" and op == ADASUM else kind
+    return "allreduce with op=Adasum" if kind == "allreduce" and op == ReduceOp.ADASUM else kind
 
 
 def _refusal(kind: str, name: str | None, joined: list[int], world: int) -> str:
@@ -128,8 +127,6 @@ def _refusal(kind: str, name: str | None, joined: list[int], world: int) -> str:
 def join() -> int:
     """Wait until every rank has called ``join()``, meanwhile taking part in the other
     ranks' allreduces with zeros; the rank that called it last."""
-    from .collectives import _TORCH_OPS, ReduceOp  # collectives imports this module
-
     info = rank_info()
     if info.world_size == 1:
         return info.rank
@@ -156,11 +153,11 @@ def join() -> int:
         kind, op, dtype = (v[i] // active - 1 for i in (_KIND, _OP, _DTYPE))
         numel = v[_NUMEL] // active
         joined = [r for r, a in enumerate(v[_ARRIVALS:]) if a > 0]
-        if KINDS[kind] != "allreduce" or op == ADASUM:
+        if KINDS[kind] != "allreduce" or op == ReduceOp.ADASUM:  # joined ranks cannot take part
             raise RuntimeError(_refusal(_what(KINDS[kind], op), None, joined, info.world_size))
         op = ReduceOp(op)
         filler = _identity(op.name, DTYPES[dtype], numel, info.device)
-        dist.all_reduce(filler, op=_TORCH_OPS[op])
+        dist.all_reduce(filler, op=TORCH_OPS[op])
 
 
 def _count(store, key: str) -> int:

@@ -52,6 +52,8 @@ def run(
 ) -> list:
     """``func(*args, **kwargs)`` on ``np`` ranks (Spark barrier tasks of the active
     session); their return values ordered by rank. See the module's docstring."""
+    # the driver's launcher, which imports pyspark and driver/: loaded only when a script
+    # calls hvd.run, not by ``import spark_estimator.horovod`` on the ranks
     from ..runner import run as run_on_spark
 
     unknown = sorted(set(launcher) - set(SPARK_DECIDES))

@@ -29,8 +29,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .collectives import Adasum, Average, Reduction, grouped_allreduce, reduce_op
+from .collectives import Reduction, grouped_allreduce
 from .compression import Compression, Compressor
+from .core import Adasum, Average, reduce_op
 from .errors import peer_errors
 from .process_sets import ProcessSet, global_process_set, scope
 

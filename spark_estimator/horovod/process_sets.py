@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..worker.comm.rendezvous import RankInfo
-from .basics import is_initialized, rank_info
+from .core import is_initialized, rank_info
 
 
 class ProcessSet:

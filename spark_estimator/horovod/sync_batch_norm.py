@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .basics import rank_info
-from .collectives import Sum, allreduce
+from .collectives import allreduce
+from .core import Sum, rank_info
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from .basics import rank_info
+from .core import rank_info
 
 _events: list[dict] | None = None  # recording while not None
 _path: str | None = None
