@@ -13,6 +13,7 @@ from .driver import loss_probe, run_manifest, validate, validate_training
 from .driver.constructors import TorchEstimatorConstructor
 from .driver.fit import StoreEstimator, Training
 from .driver.params import EstimatorParams
+from .model import TorchModel
 from .shared.spec import COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
 
 # the params whose objects the executors rebuild from one pickle (worker/loop/objects.py)
@@ -41,6 +42,7 @@ class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams)
     >>> model = est.fit(df)   # a TorchModel
     """
 
+    _MODEL = TorchModel
     _BUNDLED = _BUNDLED
     _REQUIRED = ("model", "optimizer", "feature_cols", "label_cols", "store")
 

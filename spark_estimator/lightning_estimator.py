@@ -15,6 +15,7 @@ from .driver import run_manifest, validate_lightning
 from .driver.constructors import LightningEstimatorConstructor
 from .driver.fit import StoreEstimator, Training
 from .driver.params import LightningParams
+from .model import TorchModel
 
 
 class LightningEstimator(LightningEstimatorConstructor, StoreEstimator, LightningParams):
@@ -33,6 +34,7 @@ class LightningEstimator(LightningEstimatorConstructor, StoreEstimator, Lightnin
     >>> model = est.fit(df)   # a TorchModel
     """
 
+    _MODEL = TorchModel
     _BUNDLED = ("model", "callbacks", "trainer_args", "profiler")
     _TRAINER = "lightning"
 

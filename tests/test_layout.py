@@ -42,9 +42,6 @@ UPWARD = {
     # hvd.run, Horovod's launcher (horovod.run), runs on the driver and calls run(); it
     # imports it when called, so that the ranks' ``import spark_estimator.horovod`` does not
     (f"{NAME}.horovod.launch", f"{NAME}.runner"): "hvd.run, on the driver",
-    # the fit's result is built by the driver's fit; issue 38, item 4 (TorchModel out of
-    # the driver's fit) removes it
-    (f"{NAME}.driver.fit", f"{NAME}.model"): "issue 38, item 4",
 }
 
 

@@ -2,7 +2,8 @@
 
 ``fit(df)`` runs four steps: validate every input (no Spark job yet) -> materialize the
 selected columns to Parquet in the store (reused when already there) -> run one barrier
-job of ``num_proc`` training tasks -> build a TorchModel from rank 0's result in the store.
+job of ``num_proc`` training tasks -> build the fitted model (``_MODEL``, TorchModel) from
+rank 0's result in the store.
 The seconds of each step go into the model's training summary (``fit_seconds``).
 Each subclass answers one hook, ``_training``, called once per fit: what its executors
 train with (the pickled objects, the loop, the run manifest's fields, the callback check,
@@ -21,10 +22,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import NamedTuple
 
-from pyspark.ml import Estimator
+from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame, SparkSession
 
-from ..model import TorchModel
 from ..shared import model_factory
 from ..shared.failures import TrainingError, read_failure
 from ..shared.serialization import dumps, loads, state_from_bytes
@@ -209,6 +209,9 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
     _BUNDLED: tuple[str, ...] = ()  # object params pickled together for the executors
     _REQUIRED: tuple[str, ...] = ("model", "feature_cols", "label_cols", "store")
     _TRAINER = "torch"  # the executor loop (worker/task.py)
+    # the fitted model's class: TorchModel, which the public modules above the driver name
+    # (this module builds it from what the training job returns; it imports no front)
+    _MODEL: type[Model]
 
     def setParams(self, **params):
         """Set several params at once by name, e.g. ``setParams(epochs=5, batch_size=64)``."""
@@ -220,7 +223,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         raise NotImplementedError
 
     # -- fit -----------------------------------------------------------------------------
-    def _fit(self, dataset: DataFrame) -> TorchModel:
+    def _fit(self, dataset: DataFrame) -> Model:
         clock = _Clock()
         with clock("validation"):
             checked = self._validate(dataset.sparkSession, dataset)
@@ -303,7 +306,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 label_ranges=data.label_ranges,
             )
 
-    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> TorchModel:
+    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> Model:
         store, training = checked.store, checked.training
         if checked.loader.decode is not None and checked.loader.decode.bucket_by_length:
             _check_bucketing_data(data, checked.loader.shuffle)
@@ -351,7 +354,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         result = state_from_bytes(store.read_bytes(store.run(run_id).result))
         model = model_factory.build(loads(training.bundle)["model"])
         model.load_state_dict(result["model"], assign=model_factory.on_meta(model))
-        fitted = TorchModel(
+        fitted = self._MODEL(
             model=model.cpu().eval(),
             feature_cols=self.getFeatureCols(),
             input_shapes=self.getInputShapes(),
