@@ -10,7 +10,7 @@ import pytest
 import torch
 from pyspark.sql import functions as F
 
-import spark_estimator.driver.fit as estimator_module
+import spark_estimator.driver.training_job as training_job
 from spark_estimator import Store, TorchEstimator, TorchModel
 from spark_estimator.callbacks import BestModel
 from spark_estimator.driver import loss_probe, run_manifest, validate, validate_training
@@ -287,7 +287,7 @@ def test_a_loss_that_cannot_work_is_refused_before_the_training_job(
     regression_df, store, monkeypatch, params, message
 ):
     launched = []
-    monkeypatch.setattr(estimator_module, "run_barrier_job", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(training_job, "run_barrier_job", lambda *a, **k: launched.append(a))
     est = make_estimator(params.pop("net", linear_net()), store, num_proc=1, **params)
     with pytest.raises(ValueError, match=message):
         est.fit(regression_df.withColumn("w", F.lit(2.0)))
@@ -748,7 +748,7 @@ def test_bad_input_is_rejected_on_the_driver_before_any_job(case, spark, store, 
     store.write_bytes(store.dataset("earlier").meta, b"{}")
     before = _files(store)
     launched = []
-    monkeypatch.setattr(estimator_module, "run_barrier_job", lambda *a, **k: launched.append(a))
+    monkeypatch.setattr(training_job, "run_barrier_job", lambda *a, **k: launched.append(a))
     overrides = dict(overrides)
     est = make_estimator(overrides.pop("net", linear_net()), store, num_proc=1)
     est.setParams(**overrides)

@@ -171,7 +171,7 @@ def test_in_memory_cache_trains_exactly_as_streaming(regression_df, store, tmp_p
 
 
 def test_a_shard_held_on_the_device_trains_exactly_as_streaming_it(regression_df, store, caplog):
-    caplog.set_level(logging.INFO, logger="spark_estimator.driver.fit")
+    caplog.set_level(logging.INFO, logger="spark_estimator.driver.fit_report")
     held = make_estimator(linear_net(), store, validation=0.25).fit(regression_df)
     streamed = make_estimator(linear_net(), store, validation=0.25, device_cache_fraction=0.0).fit(
         regression_df
@@ -184,7 +184,7 @@ def test_a_shard_held_on_the_device_trains_exactly_as_streaming_it(regression_df
     assert set(placements[1]) == {"streaming: device_cache_fraction is 0"}
     assert all(p.startswith("streaming: the shard needs ") for p in placements[2])
     assert all("over the budget" in p for p in placements[2])
-    logged = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.driver.fit"]
+    logged = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.driver.fit_report"]
     assert "ranks 0, 1: data streaming: device_cache_fraction is 0" in logged
     # the same rows in the same batches (the shard fits the shuffle buffer): the same model
     assert digest(store, held) == digest(store, streamed) == digest(store, over)

@@ -187,7 +187,7 @@ def test_the_horovod_api_builds_on_its_ground_floor():
 def test_the_rule_sees_imports():
     """The walk finds relative, absolute, in-function and TYPE_CHECKING imports, and the
     cycle and layer checks find what they look for (else the rules above pass vacuously)."""
-    assert f"{NAME}.worker.task" in imports(f"{NAME}.driver.fit")
+    assert f"{NAME}.worker.task" in imports(f"{NAME}.driver.training_job")
     assert f"{NAME}.horovod.joined" in imports(f"{NAME}.horovod.collectives")
     assert f"{NAME}.runner" in imports(f"{NAME}.horovod.launch")  # in a function
     assert f"{NAME}.worker.comm.fsdp" in imports(f"{NAME}.distributed")  # in a function

@@ -17,16 +17,14 @@ import logging
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, replace
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import NamedTuple
 
 from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame, SparkSession
 
 from ..shared import model_factory
-from ..shared.failures import TrainingError, read_failure
 from ..shared.serialization import dumps, loads, state_from_bytes
 from ..shared.spec import (
     FLOAT_DTYPES,
@@ -36,20 +34,18 @@ from ..shared.spec import (
     LoaderSpec,
     LoopSpec,
     TrainSpec,
-    launch_secret,
 )
-from ..shared.summary import RankSummary
 from ..store import Store
-from ..worker.task import training_task
 from . import mlflow_log, run_manifest, validate
-from .elastic import ElasticSize, lost_reason, request_growth
-from .launch import available_slots, cancel_jobs, run_barrier_job, tasks_print_here
+from .elastic import ElasticSize
+from .fit_report import FitClock, decoding_summary, log_placements, rank_devices, rank_memory
+from .launch import available_slots, tasks_print_here
 from .materialize import COMPRESSIONS, WriteOptions, materialize
-from .monitor import FitMonitor
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
 from .stage_profile import TaskProfile, task_profile
 from .task_python import check_task_python
+from .training_job import run_training_job
 
 
 class Training(NamedTuple):
@@ -110,51 +106,6 @@ _PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
 }
 
 
-def log_placements(summaries: list[RankSummary]) -> None:
-    """One INFO line per way the ranks placed their data (held on the device, or streamed
-    and why), naming the ranks."""
-    ranks: dict[str, list[int]] = {}
-    for s in summaries:
-        ranks.setdefault(s.data_placement, []).append(s.rank)
-    for placement, which in ranks.items():
-        listed = ", ".join(map(str, which))
-        logger.info("rank%s %s: data %s", "s" if len(which) > 1 else "", listed, placement)
-
-
-def rank_devices(summaries: list[RankSummary]) -> list[dict]:
-    """Per rank: its host, the device it trained on and the GPU addresses Spark assigned
-    its task (also where it fell back to the CPU), for the training summary."""
-    return [
-        {"rank": s.rank, "host": s.host, "device": s.device, "gpu_addresses": s.gpu_addresses}
-        for s in sorted(summaries, key=lambda s: s.rank)
-    ]
-
-
-def rank_memory(summaries: list[RankSummary]) -> list[dict]:
-    """Per rank: the parameter elements it held (a shard of the model's with FSDP) and its
-    peak memory, for the training summary."""
-    return [
-        {
-            "rank": s.rank,
-            "parameter_elements": s.parameter_elements,
-            "peak_memory_mib": round(s.peak_memory_bytes / 2**20, 1),
-            "memory": s.peak_memory_kind,
-        }
-        for s in sorted(summaries, key=lambda s: s.rank)
-    ]
-
-
-def decoding_summary(summaries: list[RankSummary]) -> dict:
-    """What decoding the variable columns did, over all ranks: the rows left out
-    (bad_rows='skip') and the share of padded sequences' values that were padding."""
-    real = sum(s.padding[0] for s in summaries)
-    total = sum(s.padding[1] for s in summaries)
-    out = {"rows_skipped": sum(s.rows_skipped for s in summaries)}
-    if total:
-        out["padding"] = {"values": real, "padded": total, "share": round(1 - real / total, 4)}
-    return out
-
-
 def _check_bucketing_data(data: DatasetInfo, shuffle: bool) -> None:
     """``bucket_by_length`` once the data is known: refused without a string or array
     column (``fit_on_parquet``, whose columns were not known before); a warning where no
@@ -167,40 +118,6 @@ def _check_bucketing_data(data: DatasetInfo, shuffle: bool) -> None:
             "keep their shuffled order",
             ", ".join(f"'{c.name}'" for c in columns if c.kind == "array"),
         )
-
-
-class _LostProcesses(Exception):
-    """A launch of the training job failed without an error of the training code."""
-
-
-class _Clock:
-    """The seconds of a fit's steps, as its training summary reports them."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, step: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[step] = time.perf_counter() - start
-
-    def report(self, summaries: list[RankSummary]) -> dict[str, float]:
-        """Seconds of: validation; dataset (materialized, found in the store, or described
-        from the given Parquet); launch (the training job less the ranks' training: Spark
-        scheduling, process group, the ranks' set-up and teardown); training (the longest
-        rank's loop); result (the rest: the run's manifest before the job, reading the
-        result and building the model after it); total. Rounded to ms."""
-        job = self.seconds.pop("job")
-        training = max((s.seconds for s in summaries), default=0.0)
-        out = {**self.seconds, "launch": max(0.0, job - training), "training": training}
-        total = time.perf_counter() - self.started
-        out["result"] = total - sum(out.values())
-        out["total"] = total
-        return {k: round(v, 3) for k, v in out.items()}
 
 
 class StoreEstimator(Estimator, ObjectParamsReadWrite):
@@ -224,7 +141,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
 
     # -- fit -----------------------------------------------------------------------------
     def _fit(self, dataset: DataFrame) -> Model:
-        clock = _Clock()
+        clock = FitClock()
         with clock("validation"):
             checked = self._validate(dataset.sparkSession, dataset)
         with clock("dataset"):
@@ -251,7 +168,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         """
         if params:
             return self.copy(params).fit_on_parquet(path, validation_path)
-        spark, clock = SparkSession.active(), _Clock()
+        spark, clock = SparkSession.active(), FitClock()
         with clock("validation"):
             checked = self._validate(spark, None)
         with clock("dataset"):
@@ -306,7 +223,7 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
                 label_ranges=data.label_ranges,
             )
 
-    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: _Clock) -> Model:
+    def _train(self, spark, data: DatasetInfo, checked: _Checked, clock: FitClock) -> Model:
         store, training = checked.store, checked.training
         if checked.loader.decode is not None and checked.loader.decode.bucket_by_length:
             _check_bucketing_data(data, checked.loader.shuffle)
@@ -339,7 +256,18 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             further_from=further_from,
         )
         with clock("job"):
-            summaries, resizes = self._launch(spark, spec, checked)
+            size = ElasticSize(
+                spark,
+                checked.num_proc,
+                self.getMinNumProc(),
+                checked.start_procs,
+                self.getMaxRestarts(),
+                self.getElasticTimeout(),
+                profile=checked.stage.profile,
+            )
+            summaries, resizes = run_training_job(
+                spark, spec, size, self.getVerbose(), checked.stage.profile
+            )
         store.write_json(store.run(run_id).ranks, [asdict(s) for s in summaries])
         digests = {s.weights_digest for s in summaries}
         if len(digests) != 1:
@@ -387,95 +315,6 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         if self.getMlflowLogging():
             mlflow_log.log_fit(self, fitted)
         return fitted
-
-    def _launch(
-        self, spark: SparkSession, spec: TrainSpec, checked: _Checked
-    ) -> tuple[list[RankSummary], list[dict]]:
-        """Run the training job, starting it again after lost processes, resized when the
-        fit is elastic (``driver/elastic.py``); the ranks' summaries and the resizes.
-        Raises the training code's own error as a TrainingError, with the failing rank's
-        last output lines."""
-        size = ElasticSize(
-            spark,
-            checked.num_proc,
-            self.getMinNumProc(),
-            checked.start_procs,
-            self.getMaxRestarts(),
-            self.getElasticTimeout(),
-            profile=checked.stage.profile,
-        )
-        store, run = spec.store, spec.store.run(spec.run_id)
-        monitor = FitMonitor(store, spec.run_id, spec.launch_id, self.getVerbose())
-        while True:
-            if store.exists(run.grow):
-                store.remove(run.grow)
-            try:
-                summaries = self._launch_once(spark, spec, size, monitor, checked.stage.profile)
-            except _LostProcesses as lost:
-                resumed = (store.checkpoint_epochs(spec.run_id) or [0])[-1]
-                size.after_loss(lost.__cause__, resumed)
-                logger.warning(
-                    "run %s: the training job lost processes (%s); starting it again with "
-                    "%d from epoch %d (restart %d of at most %d)",
-                    spec.run_id,
-                    lost_reason(lost.__cause__),
-                    size.procs,
-                    resumed,
-                    size.restarts,
-                    size.max_restarts,
-                )
-                continue
-            if not any(s["paused"] for s in summaries):
-                return [RankSummary(**s) for s in summaries], [r.as_dict() for r in size.resizes]
-            resumed = store.checkpoint_epochs(spec.run_id)[-1]
-            size.after_growth_request(resumed)
-            logger.info(
-                "run %s: slots returned; starting the job again with %d processes from epoch %d",
-                spec.run_id,
-                size.procs,
-                resumed,
-            )
-
-    def _launch_once(
-        self,
-        spark: SparkSession,
-        spec: TrainSpec,
-        size: ElasticSize,
-        monitor: FitMonitor,
-        profile=None,
-    ) -> list[dict]:
-        """One launch of the training job, followed from the driver by ``monitor``
-        (driver/monitor.py), with the task resource ``profile`` of stage-level scheduling
-        (None: the cluster's task resources). Raises a TrainingError for an error of the
-        training code, ``_LostProcesses`` for any other failure; asks the ranks to grow
-        when slots return (``ElasticSize``)."""
-        store, run_id = spec.store, spec.run_id
-        failure = store.run(run_id).failure(spec.launch_id)
-        tag = f"spark-estimator-{spec.launch_id}"
-        monitor.cancel = functools.partial(cancel_jobs, spark, tag)
-        # Lightning's trainer has no way to stop for the driver: its fits only shrink
-        # the ranks stop at the epoch's end (they read ``run.grow``, see worker/loop/train.py)
-        grow = functools.partial(request_growth, store, store.run(run_id), size)
-        monitor.watch = grow if spec.trainer == "torch" else None
-        try:
-            with monitor:
-                return run_barrier_job(
-                    spark,
-                    size.procs,
-                    # a fresh rendezvous secret for each barrier job (worker/comm/sealed_store)
-                    functools.partial(training_task, replace(spec, secret=launch_secret())),
-                    f"spark-estimator {run_id}",
-                    tag=tag,
-                    profile=profile,
-                )
-        except Exception as e:
-            if (record := read_failure(failure, store)) is not None:
-                error = TrainingError(run_id, record, monitor.tail(record["rank"]))
-                error.spark_error = e  # not chained: its traceback repeats the error's
-                raise error from None
-            if hasattr(e, "add_note") and monitor.tail():
-                e.add_note(f"last output of the ranks of run '{run_id}':\n{monitor.tail()}")
-            raise _LostProcesses() from e
 
     def _check_columns(
         self, dataset: DataFrame | None
@@ -571,17 +410,17 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
             )
         )
         return _Checked(
-            features,
-            labels,
-            sample_weight,
-            training,
-            num_proc,
-            start_procs,
-            store,
-            loader,
-            probed,
-            use_gpu,
-            stage,
+            features=features,
+            labels=labels,
+            sample_weight=sample_weight,
+            training=training,
+            num_proc=num_proc,
+            start_procs=start_procs,
+            store=store,
+            loader=loader,
+            probed=probed,
+            use_gpu=use_gpu,
+            stage=stage,
         )
 
     def _decode_spec(self, features, labels) -> DecodeSpec:

@@ -170,7 +170,7 @@ def namespace_of(pid: int) -> str:
 @pytest.mark.cluster
 def test_a_fit_across_hosts_loses_a_host_shrinks_and_grows_back_on_a_new_one(tmp_path, caplog):
     """Runs first in this module: the module's standalone cluster is not started yet."""
-    caplog.set_level(logging.INFO, logger="spark_estimator.driver.fit")
+    caplog.set_level(logging.INFO, logger="spark_estimator.driver.training_job")
     with NetnsCluster(workers=3) as cluster:
         spark = cluster.session()
         store = Store.create(str(tmp_path / "store"))  # one filesystem: every host sees it
