@@ -102,6 +102,39 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             return [f"prediction_{i}" for i in range(len(self._output_shapes))]
         return ["prediction"]
 
+    def transform(self, dataset: DataFrame, params: dict | None = None) -> DataFrame:
+        """The DataFrame with the model's outputs appended, computed on whole Arrow batches.
+
+        Parameters
+        ----------
+        dataset : pyspark.sql.DataFrame
+            Rows holding the ``feature_cols`` (of the types the model was fit on; images,
+            text and sequences are decoded as in validation, without augmentation). Every
+            column is kept unchanged.
+        params : dict, optional
+            Param values (``{model.output_cols: ["score"]}``) for this call.
+
+        Returns
+        -------
+        pyspark.sql.DataFrame
+            ``dataset`` plus one column per model output (``output_cols``; a double for
+            outputs of shape [B] or [B, 1], else array<float>), or with ``classification``
+            the prediction, ``probabilityCol`` and ``rawPredictionCol`` of Spark ML's
+            classifiers. Lazy, as any transformation: the model runs when it is read.
+
+        Raises
+        ------
+        ValueError, TypeError
+            A missing or mistyped feature column, or an output column that exists already,
+            named before any Spark job.
+
+        Examples
+        --------
+        >>> scored = model.transform(df)                                # doctest: +SKIP
+        >>> scored.select("prediction").show(3)                         # doctest: +SKIP
+        """
+        return super().transform(dataset, params)
+
     def _transform(self, dataset: DataFrame) -> DataFrame:
         if not self.isDefined("model") or not self.isDefined("feature_cols"):
             raise ValueError("model, feature_cols: a TorchModel needs both to transform")

@@ -240,7 +240,34 @@ class Store:
 
     @classmethod
     def create(cls, url: str, storage_options: dict[str, Any] | None = None) -> Store:
-        """Open (creating if needed) a store rooted at ``url``."""
+        """Open a store rooted at ``url``, creating its folder where it does not exist.
+
+        Parameters
+        ----------
+        url : str
+            A local path, ``file://``, ``s3://``, ``hdfs://``, ``/dbfs`` or any fsspec URL.
+            The driver and every executor must reach it (a local path only on one machine).
+        storage_options : dict, optional
+            fsspec's options for the filesystem (credentials, endpoint): kept in memory and
+            shipped to the executors, never written to the store or a saved estimator.
+
+        Returns
+        -------
+        Store
+            The store: materialized datasets under ``datasets/``, runs (checkpoints,
+            results, logs) under ``runs/``.
+
+        Raises
+        ------
+        ValueError
+            A URL fsspec does not know, or a filesystem whose package is not installed.
+
+        Examples
+        --------
+        >>> store = Store.create("/tmp/spark-estimator")                        # doctest: +SKIP
+        >>> store = Store.create("s3://bucket/prefix", {"key": "...", "secret": "..."})
+        ...                                                                     # doctest: +SKIP
+        """
         store = cls(url, storage_options)
         store.fs.makedirs(store.root, exist_ok=True)
         return store

@@ -140,6 +140,53 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         raise NotImplementedError
 
     # -- fit -----------------------------------------------------------------------------
+    def fit(self, dataset: DataFrame, params: dict | list[dict] | None = None):
+        """Train on a DataFrame and return the fitted model.
+
+        Every param and column is checked on the driver before any Spark job; the selected
+        columns are written once to Parquet in the store (found there again by a later fit
+        of the same data); one barrier job of ``num_proc`` processes trains; the fitted
+        model is built from rank 0's result.
+
+        Parameters
+        ----------
+        dataset : pyspark.sql.DataFrame
+            The rows: the ``feature_cols``, ``label_cols`` and, where set,
+            ``sample_weight_col`` and a ``validation`` column; images, text and sequences
+            too (docs/images-and-text.md).
+        params : dict or list of dict, optional
+            Param values (``{estimator.epochs: 5}``) overriding this estimator's for this
+            fit, as in any Spark ML Estimator; a list fits one model per dict.
+
+        Returns
+        -------
+        TorchModel
+            The trained module as a Spark ML Transformer, with ``getHistory()`` and
+            ``getTrainingSummary()`` (a list of them for a list of ``params``).
+
+        Raises
+        ------
+        ValueError, TypeError
+            A param or column that cannot work, named in the message's first word, before
+            any Spark job (bad data: before the training job); nothing in the store changes.
+        TrainingError
+            The training code raised on a rank: its exception and traceback, the rank's last
+            output lines; the run's checkpoints stay, and a fit with the same ``run_id``
+            resumes from them.
+        RuntimeError
+            The training job lost processes more than ``max_restarts`` times.
+
+        Examples
+        --------
+        >>> net = torch.nn.Linear(3, 1)
+        >>> est = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        ...                      loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
+        ...                      epochs=5, store=Store.create("/tmp/store"))
+        >>> model = est.fit(df)
+        >>> model.getHistory()[-1]["train"]["loss"]  # doctest: +SKIP
+        """
+        return super().fit(dataset, params)
+
     def _fit(self, dataset: DataFrame) -> Model:
         clock = FitClock()
         with clock("validation"):
@@ -149,22 +196,63 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
         return self._train(dataset.sparkSession, data, checked, clock)
 
     def materialize(self, dataset: DataFrame) -> str:
-        """Write ``dataset``'s selected columns to Parquet in the store (or find them there)
-        and return the dataset folder, for ``fit_on_parquet``; the same as ``fit`` does first.
+        """Write a DataFrame's selected columns to Parquet in the store, as ``fit`` does
+        first, without training.
+
+        Parameters
+        ----------
+        dataset : pyspark.sql.DataFrame
+            The rows, as ``fit`` takes them.
+
+        Returns
+        -------
+        str
+            The dataset folder in the store (found there when a fit already wrote it), for
+            ``fit_on_parquet``.
+
+        Raises
+        ------
+        ValueError, TypeError
+            As ``fit``: a param, column or value that cannot work, named.
         """
         checked = self._validate(dataset.sparkSession, dataset, log_first=False)
         return self._materialize(dataset, checked).path
 
-    def fit_on_parquet(self, path: str, validation_path: str | None = None, params=None):
+    def fit_on_parquet(
+        self, path: str, validation_path: str | None = None, params: dict | None = None
+    ):
         """Train on Parquet already in the store, without a DataFrame or materialization.
 
-        ``path`` is a dataset folder returned by ``materialize`` (with the validation split
-        made there), or a folder or file of Parquet rows, absolute in the store's filesystem
-        or relative to its root; ``validation_path`` then optionally names validation rows
-        (the ``validation`` param, which splits DataFrames, must be unset).
-        Columns need numbers, lists of numbers or ML vector structs; float labels are read
-        as class indices where ``fit`` reads them so (``classification``, a class-index
-        loss). ``params`` overrides this estimator's params for this call, as in ``fit``.
+        Parameters
+        ----------
+        path : str
+            A dataset folder returned by ``materialize`` (with its validation split), or a
+            folder or file of Parquet rows, absolute in the store's filesystem or relative
+            to its root. Columns: numbers, lists of numbers, ML vector structs, binary,
+            strings or Spark's image struct; float labels are read as class indices where
+            ``fit`` reads them so (``classification``, a class-index loss).
+        validation_path : str, optional
+            Parquet rows to validate on, beside Parquet that is not a materialized dataset
+            (the ``validation`` param, which splits DataFrames, must be unset).
+        params : dict, optional
+            Param values overriding this estimator's for this call, as in ``fit``.
+
+        Returns
+        -------
+        TorchModel
+            The fitted model, as ``fit`` returns it.
+
+        Raises
+        ------
+        ValueError, TypeError
+            A path, param or column that cannot work, named, before the training job.
+        TrainingError
+            The training code raised on a rank, as in ``fit``.
+
+        Examples
+        --------
+        >>> path = est.materialize(df)           # doctest: +SKIP
+        >>> model = est.fit_on_parquet(path)     # doctest: +SKIP
         """
         if params:
             return self.copy(params).fit_on_parquet(path, validation_path)
