@@ -145,19 +145,10 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             for c in self.getFeatureCols()
         ]
         validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols(), features)
-        validate.check_decoding(
-            features,
-            [],
-            "arrow",
-            self.getDecodeFn(),
-            self.getCollateFn(),
-            self.getPaddingValue(),
-            self.getDecodeWorkers(),
-            self.getDecodeDevice(),
-        )
+        decode = validate.decode_spec(self, features, [])
         use_task_python(dataset.sparkSession)  # the driver's Python on a local master
         if self.getClassification():
-            return self._transform_classes(dataset, features)
+            return self._transform_classes(dataset, features, decode)
         names = self._output_names()
         validate.check_output_cols(names, schema.names)
         if self._output_shapes is not None and len(self._output_shapes) != len(names):
@@ -173,7 +164,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             StructField(n, DoubleType() if s else ArrayType(FloatType(), False), False)
             for n, s in zip(names, scalar)
         ]
-        return self._map_batches(dataset, features, fields, scalar_outputs=scalar)
+        return self._map_batches(dataset, features, fields, scalar_outputs=scalar, decode=decode)
 
     def _as_trained(self, spec: ColumnSpec) -> ColumnSpec:
         """An array column fit read as a sequence (its lengths varied) is one here too, its
@@ -183,17 +174,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             return ColumnSpec(spec.name, "sequence", dtype)
         return spec
 
-    def _decode_spec(self) -> DecodeSpec:
-        fn, collate = self.getDecodeFn(), self.getCollateFn()
-        return DecodeSpec(
-            decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
-            collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
-            padding_value=float(self.getPaddingValue()),
-            workers=self.getDecodeWorkers(),
-            device=self.getDecodeDevice(),
-        )
-
-    def _transform_classes(self, dataset: DataFrame, features) -> DataFrame:
+    def _transform_classes(self, dataset: DataFrame, features, decode: DecodeSpec) -> DataFrame:
         """``classification``: mapInArrow writes logits and probabilities as arrays of
         doubles, which ``array_to_vector`` then turns into ML vectors (a projection)."""
         raw, prob, pred = validate.classification_cols(
@@ -210,7 +191,9 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             StructField(prob, doubles, False),
             StructField(pred, DoubleType(), False),
         ]
-        out = self._map_batches(dataset, features, fields, scalar_outputs=[], classification=True)
+        out = self._map_batches(
+            dataset, features, fields, scalar_outputs=[], classification=True, decode=decode
+        )
         return out.withColumns({c: array_to_vector(_col(c)) for c in (raw, prob)})
 
     def _map_batches(self, dataset: DataFrame, features, fields, **options) -> DataFrame:
@@ -226,7 +209,6 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             features=features,
             input_shapes=self.getInputShapes(),
             output_cols=[f.name for f in fields],
-            decode=self._decode_spec(),
             row_names=names if any(c.variable for c in features) else None,
             **options,
         )

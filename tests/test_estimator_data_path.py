@@ -184,7 +184,9 @@ def test_a_shard_held_on_the_device_trains_exactly_as_streaming_it(regression_df
     assert set(placements[1]) == {"streaming: device_cache_fraction is 0"}
     assert all(p.startswith("streaming: the shard needs ") for p in placements[2])
     assert all("over the budget" in p for p in placements[2])
-    logged = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.driver.fit_report"]
+    logged = [
+        r.getMessage() for r in caplog.records if r.name == "spark_estimator.driver.fit_report"
+    ]
     assert "ranks 0, 1: data streaming: device_cache_fraction is 0" in logged
     # the same rows in the same batches (the shard fits the shuffle buffer): the same model
     assert digest(store, held) == digest(store, streamed) == digest(store, over)

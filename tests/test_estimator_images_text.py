@@ -65,24 +65,26 @@ def decode_digit(row, augment):
     return {"content": image}
 
 
-def image_estimator(store, **params) -> TorchEstimator:
-    net = SmallCNN()
+def estimator(net, store, lr: float, **params) -> TorchEstimator:
+    """A fit of ``net`` by 2 processes with Adam and cross entropy; ``params`` override."""
     base = dict(
         model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=0.02),
+        optimizer=torch.optim.Adam(net.parameters(), lr=lr),
         loss=torch.nn.CrossEntropyLoss(),
-        feature_cols=["content"],
         label_cols=["label"],
-        decode_fn=decode_digit,
-        batch_size=16,
-        epochs=10,
         num_proc=2,
-        validation=0.2,
         store=store,
         use_gpu=False,
         verbose=False,
     )
     return TorchEstimator(**{**base, **params})
+
+
+def image_estimator(store, **params) -> TorchEstimator:
+    base = dict(
+        feature_cols=["content"], decode_fn=decode_digit, batch_size=16, epochs=10, validation=0.2
+    )
+    return estimator(SmallCNN(), store, 0.02, **{**base, **params})
 
 
 def accuracy(model, df) -> float:
@@ -139,20 +141,8 @@ def test_spark_image_source_columns_train_with_the_default_decoding(spark, store
         def forward(self, image):  # uint8 [B, 3, 8, 8], RGB
             return self.out(image.float().mean((2, 3)) / 255)
 
-    net = Net()
-    model = TorchEstimator(
-        model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=0.1),
-        loss=torch.nn.CrossEntropyLoss(),
-        feature_cols=["image"],
-        label_cols=["label"],
-        epochs=15,
-        batch_size=8,
-        num_proc=2,
-        store=store,
-        use_gpu=False,
-        verbose=False,
-    ).fit(df)
+    est = estimator(Net(), store, 0.1, feature_cols=["image"], epochs=15, batch_size=8)
+    model = est.fit(df)
     scored = model.transform(df).select("label", "prediction").collect()
     assert all(int(np.argmax(r.prediction)) == r.label for r in scored)
     # RGB order: the blue channel of a bright square is dark
@@ -193,21 +183,9 @@ def sentences(count: int = 200):
 
 def test_a_string_column_trains_with_a_decode_fn_and_dynamic_padding(spark, store):
     df = spark.createDataFrame(sentences(), "text string, label long")
-    net = BagOfTokens()
-    est = TorchEstimator(
-        model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=0.05),
-        loss=torch.nn.CrossEntropyLoss(),
-        feature_cols=["text"],
-        label_cols=["label"],
-        decode_fn=lambda row, augment: {"text": char_ids(row["text"])},
-        epochs=8,
-        batch_size=16,
-        num_proc=2,
-        store=store,
-        use_gpu=False,
-        verbose=False,
-    )
+    decode = {"decode_fn": lambda row, augment: {"text": char_ids(row["text"])}}
+    params = dict(feature_cols=["text"], epochs=8, batch_size=16)
+    est = estimator(BagOfTokens(), store, 0.05, **params, **decode)
     model = est.fit(df)
     padding = model.getTrainingSummary()["padding"]
     assert 0 < padding["values"] < padding["padded"] and 0 < padding["share"] < 1
@@ -237,20 +215,8 @@ def test_token_id_arrays_of_varying_length_train_with_per_token_labels(spark, st
     def token_loss(logits, tags):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tags.flatten())
 
-    net = Tagger()
-    model = TorchEstimator(
-        model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=0.1),
-        loss=token_loss,
-        feature_cols=["ids"],
-        label_cols=["tags"],
-        epochs=10,
-        batch_size=16,
-        num_proc=2,
-        store=store,
-        use_gpu=False,
-        verbose=False,
-    ).fit(df)
+    params = dict(loss=token_loss, feature_cols=["ids"], label_cols=["tags"], epochs=10)
+    model = estimator(Tagger(), store, 0.1, batch_size=16, **params).fit(df)
     assert model.getHistory()[-1]["train"]["loss"] < 0.1
     embed = model.getModel().embed.weight
     assert (embed[10:].argmax(1) == 1).all() and (embed[1:10].argmax(1) == 0).all()

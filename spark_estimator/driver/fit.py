@@ -25,7 +25,7 @@ from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame, SparkSession
 
 from ..shared import model_factory
-from ..shared.serialization import dumps, loads, state_from_bytes
+from ..shared.serialization import loads, state_from_bytes
 from ..shared.spec import (
     FLOAT_DTYPES,
     ColumnSpec,
@@ -513,28 +513,15 @@ class StoreEstimator(Estimator, ObjectParamsReadWrite):
 
     def _decode_spec(self, features, labels) -> DecodeSpec:
         """The decoding params, checked with the columns they apply to (``validate``)."""
-        validate.check_decoding(
+        columns = None if features is None else features + labels
+        validate.check_bucketing(self.getBucketByLength(), columns, self.getShuffle())
+        return validate.decode_spec(
+            self,
             features,
             labels,
             self.getReader(),
-            self.getDecodeFn(),
-            self.getCollateFn(),
-            self.getPaddingValue(),
-            self.getDecodeWorkers(),
-            self.getDecodeDevice(),
             self.getBadRows(),
-        )
-        columns = None if features is None else features + labels
-        validate.check_bucketing(self.getBucketByLength(), columns, self.getShuffle())
-        fn, collate = self.getDecodeFn(), self.getCollateFn()
-        return DecodeSpec(
-            decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
-            collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
-            padding_value=float(self.getPaddingValue()),
-            workers=self.getDecodeWorkers(),
-            bad_rows=self.getBadRows(),
-            device=self.getDecodeDevice(),
-            bucket_by_length=self.getBucketByLength(),
+            self.getBucketByLength(),
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:

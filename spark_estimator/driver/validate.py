@@ -29,6 +29,7 @@ from ..shared.spec import (
     IMAGE_FIELDS,
     READERS,
     ColumnSpec,
+    DecodeSpec,
     column_param,
 )
 from .data_checks import check_shape_fits
@@ -79,6 +80,35 @@ def sequence_element_integral(schema: StructType, name: str) -> bool:
     """Whether the array column ``name`` holds integers (token ids: int64 when ragged)."""
     dt = schema[name].dataType
     return isinstance(dt, ArrayType) and isinstance(dt.elementType, IntegralType)
+
+
+def decode_spec(
+    stage,
+    features: list[ColumnSpec] | None,
+    labels: list[ColumnSpec] | None,
+    reader: str = "arrow",
+    bad_rows: str = "fail",
+    bucket_by_length: bool = False,
+) -> DecodeSpec:
+    """How the executors decode ``stage``'s variable columns (its decode_fn, collate_fn,
+    padding_value, decode_workers and decode_device params; a fit's ``bad_rows`` and
+    ``bucket_by_length``), checked with the columns they apply to (``check_decoding``)."""
+    fn, collate = stage.getDecodeFn(), stage.getCollateFn()
+    padding, workers, device = (
+        stage.getPaddingValue(),
+        stage.getDecodeWorkers(),
+        stage.getDecodeDevice(),
+    )
+    check_decoding(features, labels, reader, fn, collate, padding, workers, device, bad_rows)
+    return DecodeSpec(
+        decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
+        collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
+        padding_value=float(padding),
+        workers=workers,
+        bad_rows=bad_rows,
+        device=device,
+        bucket_by_length=bucket_by_length,
+    )
 
 
 def check_decoding(
