@@ -57,7 +57,7 @@ from spark_estimator.shared.spec import (  # noqa: E402
     LoopSpec,
     TrainSpec,
 )
-from spark_estimator.worker.comm.rendezvous import RankInfo  # noqa: E402
+from spark_estimator.worker.comm.ranks import RankInfo  # noqa: E402
 from spark_estimator.worker.loop.train import train  # noqa: E402
 
 MODELS = {"Linear(32, 1)": (), "MLP 32-256-256-1": bc.HIDDEN}

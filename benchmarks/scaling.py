@@ -5,7 +5,7 @@ A hand-run benchmark, not a test. The job: 1M rows x 32 float32 features + a flo
 (``use_gpu=False``) on ``local[P x C]``, where P is the largest process count measured and
 C is ``--task-cpus``, set as ``spark.task.cpus``: each training process gets C cores, and the
 library sets its torch threads to C (``torch.set_num_threads(TaskContext.cpus())`` in
-``worker/comm/rendezvous.py``). Process counts that need more cores than the machine has are
+``worker/comm/device.py``). Process counts that need more cores than the machine has are
 skipped (``--procs`` chooses the counts).
 
 Two batch settings (``--batch-mode``, default both):

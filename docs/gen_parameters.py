@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pyspark.ml.param import Params
 
-from spark_estimator.driver import params
+from spark_estimator.driver import param_specs, params
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs/parameters.md"
@@ -166,10 +166,9 @@ def render_accessors() -> str:
         cls
         for cls in vars(params).values()
         if isinstance(cls, type)
-        and issubclass(cls, params.SpecParams)
+        and issubclass(cls, param_specs.SpecParams)
         and cls.__module__ == params.__name__
         and "_specs" in vars(cls)
-        and cls is not params.SpecParams
     ]
     return ACCESSORS_HEADER + "".join(_mixin(cls) for cls in declaring)
 
@@ -192,7 +191,7 @@ from typing import TYPE_CHECKING, Any
 
 from pyspark import keyword_only
 
-from .params import spark_ml_keywords
+from .param_specs import spark_ml_keywords
 
 if TYPE_CHECKING:  # the names the annotations use
     from collections.abc import Callable
@@ -222,7 +221,7 @@ def _annotation(spec) -> str:
     """The keyword's annotation: the spec's hint, else the converter's type; ``| None``
     where None is accepted (the default, or no default: unset)."""
     hint = spec.hint or _types(spec.converter)[0]
-    default = spec.default if spec.default is not params.NO_DEFAULT else None
+    default = spec.default if spec.default is not param_specs.NO_DEFAULT else None
     if default is None and "None" not in hint.replace("NoneType", "None").split(" | "):
         hint = "Any" if hint == "Any" else f"{hint} | None"
     return hint
@@ -230,7 +229,7 @@ def _annotation(spec) -> str:
 
 def _keyword(spec) -> tuple[str, str, str]:
     """(name, annotation, default's source) of a spec's keyword."""
-    default = spec.default if spec.default is not params.NO_DEFAULT else None
+    default = spec.default if spec.default is not param_specs.NO_DEFAULT else None
     return spec.name, _annotation(spec), repr(default)
 
 
@@ -247,7 +246,7 @@ def _numpydoc(keywords: list[tuple[str, str, str, str]]) -> str:
 
 def _constructor(stage: str, declaring: str, summary: str) -> str:
     cls = getattr(params, declaring)
-    specs = list(params.param_specs(cls).values())
+    specs = list(param_specs.param_specs(cls).values())
     specs.sort(key=lambda s: s.name != "model")  # the module first, then as declared
     keywords = [(*_keyword(s), s.doc) for s in specs]
     if issubclass(cls, params.HasClassification):

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .worker.comm.rendezvous import RankInfo, current_rank_info
+from .worker.comm.ranks import RankInfo
+from .worker.comm.rendezvous import current_rank_info
 
 _mesh: tuple[RankInfo, DeviceMesh] | None = None  # the running task's, made on first use
 

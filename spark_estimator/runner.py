@@ -45,7 +45,7 @@ from .driver.launch import (
     tasks_print_here,
 )
 from .driver.monitor import FitMonitor, print_lines_by_default, rank_lines, show_line
-from .driver.params import to_use_gpu
+from .driver.param_specs import to_use_gpu
 from .driver.stage_profile import task_profile
 from .driver.task_python import check_task_python
 from .driver.validate import check_min_num_proc, check_num_proc, check_positive, check_use_gpu

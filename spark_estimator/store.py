@@ -139,7 +139,7 @@ class RunFolder:
 
     def meeting(self, launch_id: str, stage: int | str) -> str:
         """Rank 0's TCPStore address for barrier job (Spark stage) ``stage`` of a launch
-        (``rendezvous.Meeting``)."""
+        (``meeting.Meeting``)."""
         return posixpath.join(self.rendezvous, launch_id, f"{stage}.json")
 
     def process(self, rank: int | str) -> str:

@@ -38,7 +38,8 @@ def all_reduce_ranks(folder: str) -> dict:
     from pyspark import BarrierTaskContext
 
     from spark_estimator.store import Store
-    from spark_estimator.worker.comm.rendezvous import Meeting, process_group
+    from spark_estimator.worker.comm.meeting import Meeting
+    from spark_estimator.worker.comm.rendezvous import process_group
 
     ctx = BarrierTaskContext.get()
     store = Store(folder)

@@ -47,7 +47,7 @@ def test_each_constructor_takes_every_param_with_its_default_and_documents_it(st
     import inspect
 
     import spark_estimator
-    from spark_estimator.driver.params import SPARK_ALIASES
+    from spark_estimator.driver.param_specs import SPARK_ALIASES
 
     cls = getattr(spark_estimator, stage)
     instance = cls()

@@ -311,7 +311,7 @@ def test_no_step_after_an_epochs_first_synchronises_with_the_gpu(
     the calls that would)."""
     import torch.distributed as dist
 
-    from spark_estimator.worker.comm.rendezvous import RankInfo
+    from spark_estimator.worker.comm.ranks import RankInfo
     from spark_estimator.worker.loop import train as train_module
     from spark_estimator.worker.loop.metrics import EpochSums
     from spark_estimator.worker.loop.step import Stepper

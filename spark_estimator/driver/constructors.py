@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pyspark import keyword_only
 
-from .params import spark_ml_keywords
+from .param_specs import spark_ml_keywords
 
 if TYPE_CHECKING:  # the names the annotations use
     from collections.abc import Callable

@@ -1,4 +1,8 @@
-"""Spark ML Params of TorchEstimator, LightningEstimator and TorchModel (driver side).
+"""Spark ML Params of TorchEstimator, LightningEstimator and TorchModel (driver side): the
+declarations of the params. Over 500 lines by design: it declares some 70 params and
+keywords, each with its doc (the text of ``explainParams()``, docs/parameters.md and the
+constructors' docstrings); the machinery they are declared with is in
+``driver/param_specs.py``.
 
 Each param is written once, as a ``ParamSpec`` (name, doc, type converter, default) in the
 ``_specs`` of the class that declares it; ``SpecParams`` makes the real
@@ -13,207 +17,32 @@ keep them; Spark's ``probabilityCol`` and ``rawPredictionCol`` are also accepted
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import numbers
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
-from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param import Params, TypeConverters
 from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
 
 from ..shared.spec import COLLECTIVE_TIMEOUT_S
 from . import param_accessors as accessors
 from .elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
-
-
-def _to_optional_int(value: Any) -> int | None:
-    return None if value is None else TypeConverters.toInt(value)
-
-
-def _to_optional_str(value: Any) -> str | None:
-    return None if value is None else TypeConverters.toString(value)
-
-
-def _to_optional_list_str(value: Any) -> list[str] | None:
-    return None if value is None else TypeConverters.toListString(value)
-
-
-def _to_column_names(value: Any) -> list[str]:
-    """A list of column names; one name alone is a one-element list."""
-    return [value] if isinstance(value, str) else TypeConverters.toListString(value)
-
-
-def _to_optional_list_float(value: Any) -> list[float] | None:
-    return None if value is None else TypeConverters.toListFloat(value)
-
-
-def _to_optional_float(value: Any) -> float | None:
-    return None if value is None else TypeConverters.toFloat(value)
-
-
-def _to_input_shapes(value: Any) -> list[list[int]] | None:
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or not all(
-        isinstance(s, (list, tuple)) and all(isinstance(d, int) for d in s) for s in value
-    ):
-        raise TypeError(f"input_shapes: expected a list of int lists, got {value!r}")
-    return [list(s) for s in value]
-
-
-def _to_validation(value: Any) -> float | str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"validation: expected a fraction in (0, 1) or a boolean column name, got {value!r}"
-        )
-    return float(value)
-
-
-def to_use_gpu(value: Any) -> bool | str:
-    """``"auto"``, True or False (saved estimators hold True or False); also ``run``'s."""
-    if isinstance(value, bool) or value == "auto":
-        return value
-    raise TypeError(f"use_gpu: expected 'auto', True or False, got {value!r}")
-
-
-def _to_class_names(value: Any) -> list[str] | None:
-    """``fsdp_wrap``: module classes, or their names, as class names (saved as JSON)."""
-    if value is None:
-        return None
-    items = [value] if isinstance(value, (str, type)) else list(value or [])
-    names = []
-    for item in items:
-        if isinstance(item, type):
-            names.append(item.__name__)
-        elif isinstance(item, str) and item:
-            names.append(item)
-        else:
-            raise TypeError(f"fsdp_wrap: expected module classes or class names, got {item!r}")
-    return names
-
-
-def _to_verbose(value: bool | int) -> bool:
-    """A boolean, or Horovod's levels 0, 1 and 2 (2, per-epoch lines there, shows the same
-    as 1 here: the bar already shows every epoch)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, numbers.Integral):
-        if value not in (0, 1, 2):
-            raise ValueError(f"verbose: expected True/False or 0, 1 or 2, got {value!r}")
-        return bool(value)
-    raise TypeError(f"verbose: expected True/False or 0, 1 or 2, got {value!r}")
-
-
-NO_DEFAULT: Any = object()  # a param that has no default (isDefined is False until set)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    """The one definition of a param: its name, doc, type converter and default."""
-
-    name: str
-    doc: str
-    converter: Callable[[Any], Any] = TypeConverters.identity
-    default: Any = NO_DEFAULT
-    # the type a user gives, as an annotation (the constructors' and setters'), where the
-    # converter does not say it (object params; their names resolve in the generated
-    # constructors' module)
-    hint: str | None = None
-
-    def param(self) -> Param:
-        return Param(Params._dummy(), self.name, self.doc, typeConverter=self.converter)
-
-    def with_doc(self, doc: str, hint: str | None = None) -> ParamSpec:
-        """The same param described for another stage (e.g. ``model``: what it trains)."""
-        return dataclasses.replace(self, doc=doc, hint=hint or self.hint)
-
-
-def param_specs(cls: type) -> dict[str, ParamSpec]:
-    """Every ParamSpec ``cls`` declares or inherits, by name (a subclass's own comes last)."""
-    specs: dict[str, ParamSpec] = {}
-    for klass in reversed(cls.__mro__):
-        specs.update({spec.name: spec for spec in vars(klass).get("_specs", ())})
-    return specs
-
-
-class SpecParams(Params):
-    """Params declared as ``_specs``: a class gets the Param of each of its own specs as the
-    attribute of that name, and an instance gets every spec's default."""
-
-    _specs: ClassVar[tuple[ParamSpec, ...]] = ()
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for spec in vars(cls).get("_specs", ()):
-            setattr(cls, spec.name, spec.param())
-
-    def __init__(self):
-        super().__init__()
-        specs = param_specs(type(self)).values()
-        self._setDefault(**{s.name: s.default for s in specs if s.default is not NO_DEFAULT})
-
-    def _init_keywords(self, keywords: dict[str, Any]) -> None:
-        """What a stage's constructor (``driver/constructors``) does with the keywords
-        given: sets them as params."""
-        self._set(**keywords)
-
-
-# snake_case spellings of Spark's param names; the Params keep Spark's names
-SPARK_ALIASES = {"probability_col": "probabilityCol", "raw_prediction_col": "rawPredictionCol"}
-
-
-def spark_names(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with the snake_case spellings of SPARK_ALIASES given Spark's names; both
-    spellings of one param are refused unless they agree."""
-    named = dict(kwargs)
-    for alias, name in SPARK_ALIASES.items():
-        if alias in named:
-            value = named.pop(alias)
-            if name in named and named[name] != value:
-                raise ValueError(
-                    f"{alias}, {name}: two spellings of one param with different values "
-                    f"({value!r} and {named[name]!r}); give one of them"
-                )
-            named[name] = value
-    return named
-
-
-# Spark ML's names of column params these stages name otherwise: a keyword or param set by
-# one of them is refused, naming ours (Spark ML's `featuresCol` is one vector column; ours
-# take a list)
-SPARK_ML_NAMES = {
-    "featuresCol": "feature_cols",
-    "labelCol": "label_cols",
-    "predictionCol": "output_cols",
-}
-
-
-def check_spark_ml_names(stage: Params, kwargs: dict[str, Any]) -> None:
-    """A TypeError naming ``SPARK_ML_NAMES``' param of ``stage`` for any of Spark ML's names
-    in ``kwargs``."""
-    for name, ours in SPARK_ML_NAMES.items():
-        if name in kwargs and ours in param_specs(type(stage)):
-            value = kwargs[name]
-            given = [value] if isinstance(value, str) else value
-            raise TypeError(
-                f"{name}: is Spark ML's name; {type(stage).__name__} takes {ours}, a list of "
-                f"column names: {ours}={given!r}"
-            )
-
-
-def spark_ml_keywords(init):
-    """Wraps a stage's ``__init__`` (outside ``keyword_only``) so that Spark ML's names of
-    its column params are refused naming ours, not with Python's bare TypeError."""
-
-    @functools.wraps(init)
-    def wrapper(self, *args, **kwargs):
-        check_spark_ml_names(self, kwargs)
-        return init(self, *args, **kwargs)
-
-    return wrapper
+from .param_specs import (
+    ParamSpec,
+    SpecParams,
+    check_spark_ml_names,
+    param_specs,
+    spark_names,
+    to_class_names,
+    to_column_names,
+    to_input_shapes,
+    to_optional_float,
+    to_optional_int,
+    to_optional_list_float,
+    to_optional_list_str,
+    to_optional_str,
+    to_use_gpu,
+    to_validation,
+    to_verbose,
+)
 
 
 class HasClassification(
@@ -260,20 +89,20 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             "input columns; each becomes one positional argument of the model's forward() (one "
             "name alone is taken as a one-element list; Spark ML's featuresCol is not a param "
             "here)",
-            _to_column_names,
+            to_column_names,
         ),
         ParamSpec(
             "input_shapes",
             "optional shape per feature column: one row's shape, e.g. [[1, 8, 8]] for rows "
             "of 64 values, or the batch's with -1 first (the rows), [[-1, 1, 8, 8]]",
-            _to_input_shapes,
+            to_input_shapes,
             default=None,
         ),
         ParamSpec(
             "output_cols",
             "names of the output columns of transform(); default 'prediction' for one model "
             "output, 'prediction_0', 'prediction_1', ... for several",
-            _to_optional_list_str,
+            to_optional_list_str,
             default=None,
         ),
         # -- variable columns (images, text, sequences): worker/data/decode.py --------------
@@ -311,7 +140,7 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             "decode_workers",
             "threads decoding the rows of variable columns on each process (Pillow and "
             "tokenizers release the GIL while they work); default: the task's CPUs",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
@@ -339,7 +168,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "label_cols",
             "label columns; with several, the model returns one output per label (one name "
             "alone is taken as a one-element list; Spark ML's labelCol is not a param here)",
-            _to_column_names,
+            to_column_names,
         ),
         ParamSpec(
             "batch_size",
@@ -355,7 +184,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
         ParamSpec(
             "num_proc",
             "number of training processes (barrier tasks); default: every task slot of the cluster",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
@@ -365,7 +194,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "cluster can run then, at least min_num_proc and at most num_proc, and grows back "
             "toward num_proc at an epoch's end when slots return; default: num_proc (a fixed "
             "size, started again once the cluster has num_proc slots)",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
@@ -385,7 +214,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "validation",
             "fraction of rows held out for validation (a seeded random split), or the name of a "
             "boolean or 0/1 column marking validation rows; default none",
-            _to_validation,
+            to_validation,
             default=None,
         ),
         ParamSpec(
@@ -426,7 +255,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "name of this run's folder in the store; generated when not set. A fit with the "
             "run_id of an unfinished run resumes from its last checkpoint; of a finished run, "
             "with more epochs, trains the missing epochs from its last checkpoint",
-            _to_optional_str,
+            to_optional_str,
             default=None,
         ),
         ParamSpec(
@@ -443,7 +272,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "logging is configured for the 'spark_estimator.worker' logger (their lines are "
             "logged there either way). True/False, or Horovod's 0, 1, 2: 0 is False, 1 and 2 "
             "are True (2 shows the same as 1)",
-            _to_verbose,
+            to_verbose,
             default=True,
         ),
         ParamSpec(
@@ -511,7 +340,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
         ParamSpec(
             "shuffle_buffer_size",
             "rows in each process's shuffle buffer; default: as many as fit in 256 MiB",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
@@ -551,13 +380,13 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "train_steps_per_epoch",
             "batches (forward and backward passes) per epoch, with any "
             "backward_passes_per_step; default one exact pass over the training rows",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
             "validation_steps_per_epoch",
             "validation batches per process and epoch; default all validation rows",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
@@ -571,7 +400,7 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             "keep_checkpoints",
             "how many of the latest epochs' checkpoints to keep in the store (TorchEstimator "
             "also keeps the best epoch's, with a BestModel callback); default all",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         ParamSpec(
@@ -613,7 +442,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "(before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object "
             "itself is left unchanged. A run trained further at another rate goes on at the "
             "new one. Default: the optimizer's own rates",
-            _to_optional_float,
+            to_optional_float,
             default=None,
         ),
         ParamSpec(
@@ -674,7 +503,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "parallelism='fsdp': the submodule classes (or class names, e.g. your transformer "
             "block) sharded as units of their own, each gathered only while it computes; the "
             "whole model is always one unit; default: none (the model is one unit)",
-            _to_class_names,
+            to_class_names,
             default=None,
         ),
         ParamSpec(
@@ -698,13 +527,13 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
         ParamSpec(
             "loss_weights",
             "one weight per label column: the loss is sum(weight_i * loss_i)",
-            _to_optional_list_float,
+            to_optional_list_float,
             default=None,
         ),
         ParamSpec(
             "sample_weight_col",
             "numeric column of per-row loss weights: the batch loss is mean(weight * row loss)",
-            _to_optional_str,
+            to_optional_str,
             default=None,
         ),
         ParamSpec(
@@ -731,7 +560,7 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             "an elastic fit (min_num_proc set) once in the middle of the first epoch, then "
             "every epoch as often as keeps the commits under 5% of the training time, timed "
             "again each epoch, at most 4 times and at least once an epoch, else 0",
-            _to_optional_int,
+            to_optional_int,
             default=None,
         ),
         _FIT["callbacks"].with_doc(

@@ -15,7 +15,7 @@ from enum import IntEnum
 import torch.distributed as dist
 
 from ..worker.comm import rendezvous
-from ..worker.comm.rendezvous import RankInfo
+from ..worker.comm.ranks import RankInfo
 
 _initialized_for: RankInfo | None = None
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..worker.comm import rendezvous
+from ..worker.comm.ranks import RankInfo
 from ..worker.run_task import EndLaunchToGrow, current_run
 from .elastic_sampler import ElasticSampler as ElasticSampler  # hvd.elastic.ElasticSampler
 
@@ -59,7 +60,7 @@ class HostsUpdatedInterrupt(RuntimeError):
         self.skip_sync = skip_sync
 
 
-def _rank_info() -> rendezvous.RankInfo:
+def _rank_info() -> RankInfo:
     if not dist.is_initialized():
         rendezvous.init_default_group()
     return rendezvous.current_rank_info()

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..worker.comm.rendezvous import RankInfo
+from ..worker.comm.ranks import RankInfo
 from .core import is_initialized, rank_info
 
 

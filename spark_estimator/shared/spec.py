@@ -223,7 +223,7 @@ def launch_secret() -> str:
     """A fresh random secret for the process group of one barrier job (a launch, or a
     restart of it), made on the driver with the job's spec; it reaches the tasks only inside
     their closure, and seals what they exchange through rank 0's TCPStore
-    (``rendezvous.Meeting``, ``sealed_store``)."""
+    (``meeting.Meeting``, ``sealed_store``)."""
     return secrets.token_hex(16)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ..shared.serialization import loads
 from ..shared.spec import ColumnSpec, DecodeSpec
-from .comm.rendezvous import task_device
+from .comm.device import task_device
 from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow, variable_to_numpy
 from .data.decode import Decoder
 from .loop.loss import as_outputs

@@ -35,7 +35,8 @@ from ..shared.failures import carry_failure, is_peer_failure, record_failure
 from ..shared.serialization import loads
 from ..shared.spec import launch_secret
 from ..store import Store
-from .comm.rendezvous import Meeting, process_group
+from .comm.meeting import Meeting
+from .comm.rendezvous import process_group
 from .environ import environ
 from .observe.run_log import RankLog
 

@@ -6,7 +6,8 @@ from dataclasses import asdict
 
 from ..shared.failures import record_failure
 from ..shared.spec import TrainSpec
-from .comm.rendezvous import Meeting, process_group
+from .comm.meeting import Meeting
+from .comm.rendezvous import process_group
 from .loop.train import train
 from .observe.run_log import RankLog
 

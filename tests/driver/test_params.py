@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from spark_estimator import LightningEstimator, Store, TorchEstimator, TorchModel
-from spark_estimator.driver.params import SPARK_ALIASES
+from spark_estimator.driver.param_specs import SPARK_ALIASES
 
 
 def make(**kw):

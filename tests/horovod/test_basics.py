@@ -54,9 +54,10 @@ def test_an_init_of_an_earlier_task_does_not_count_in_the_next(one_rank):
     """PySpark reuses Python workers: the mark belongs to the group it was made in."""
     hvd.init()
     from spark_estimator.worker.comm import rendezvous
+    from spark_estimator.worker.comm.ranks import RankInfo
 
     with pytest.MonkeyPatch.context() as patch:  # the next task's group
-        patch.setattr(rendezvous, "_current", rendezvous.RankInfo(0, 1, 0, 1, one_rank.device))
+        patch.setattr(rendezvous, "_current", RankInfo(0, 1, 0, 1, one_rank.device))
         assert not hvd.is_initialized()
 
 

@@ -150,7 +150,7 @@ def _poisoned_join(monkeypatch, wrap):
     import torch.distributed as dist
 
     from spark_estimator.horovod import joined
-    from spark_estimator.worker.comm.rendezvous import RankInfo
+    from spark_estimator.worker.comm.ranks import RankInfo
 
     timeout = timedelta(seconds=5)
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)

@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...shared.spec import PRECISION_DTYPES, torch_dtype
 from .adasum import adasum_allreduce_
-from .rendezvous import RankInfo, at_leave
+from .ranks import RankInfo
+from .rendezvous import at_leave
 from .shm_allreduce import SharedMemoryAllreduce
 
 

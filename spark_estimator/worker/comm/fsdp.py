@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from ...shared.spec import PRECISION_DTYPES, torch_dtype
 from ..data.device_shard import available_ram
-from .rendezvous import RankInfo
+from .ranks import RankInfo
 
 
 def policy(mixed_precision: str, root: bool) -> MixedPrecisionPolicy:

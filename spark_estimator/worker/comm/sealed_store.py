@@ -2,7 +2,7 @@
 
 Rank 0's TCPStore answers anyone who reaches its port, and torch's store has no
 authentication: such a client can list the keys, read every value, and write or delete any
-key. So the secret of the launch (``rendezvous.Meeting``) never goes into the store, neither
+key. So the secret of the launch (``meeting.Meeting``) never goes into the store, neither
 as (part of) a key nor as a value; the ranks use it only as the key of what they write.
 ``SealedStore`` wraps the TCPStore client that the ranks and their process group use, and
 seals every value with an AEAD from ``cryptography``:
@@ -21,7 +21,7 @@ sealed count is no number to the server, which refuses a stranger's ``add`` to i
 plain count a stranger could set one (a rank would believe that another rank failed first)
 or make it no number (torch's server drops the connection of every rank that adds to it).
 Now a count a stranger wrote raises ``ForgedValue``, and the rank's connection stays open;
-``rendezvous._first_failure`` replaces it (``replace_forged``) to claim the job's first
+``meeting.first_failure`` replaces it (``replace_forged``) to claim the job's first
 failure. Not sealed: whether a key exists (``check``, ``wait``, ``delete_key``): a stranger
 can still make a launch fail or wait, or replay an earlier value of the same key of this
 launch, but not feed a rank an address, an id or a count of its own. The secret's own bytes

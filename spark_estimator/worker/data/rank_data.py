@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from ...shared.spec import SPLITS, TrainSpec
 from ...shared.summary import RankSummary
 from ..comm.ddp import AdasumState, CompressionState, communicated_dtypes, gradient_path
-from ..comm.rendezvous import RankInfo
+from ..comm.ranks import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from .decode import Decoder
 from .device_shard import DeviceShard, placement

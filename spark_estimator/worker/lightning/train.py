@@ -32,7 +32,7 @@ from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import TrainSpec
 from ...shared.summary import RankSummary, training_summary
 from ..comm.ddp import open_shared_memory
-from ..comm.rendezvous import RankInfo
+from ..comm.ranks import RankInfo
 from ..data.batch import Batch
 from ..data.rank_data import RankData, rank_summary
 from ..loop.loss import as_outputs

@@ -24,7 +24,7 @@ import torch
 from ...shared import model_factory
 from ...shared.serialization import loads
 from ...shared.spec import TrainSpec
-from ..comm.rendezvous import RankInfo
+from ..comm.ranks import RankInfo
 from .loss import BatchLoss
 
 

@@ -40,7 +40,7 @@ from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import COMMIT_AUTO, TrainSpec, compile_backend, metric_keys
 from ...shared.summary import RankSummary, seconds_per_rank, training_summary
 from ..comm.ddp import wrap_model
-from ..comm.rendezvous import RankInfo
+from ..comm.ranks import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
 from ..data.device_shard import DeviceShard

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from spark_estimator.worker.comm import fsdp
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 
 ONE = RankInfo(0, 1, 0, 1, torch.device("cpu"))
 
@@ -59,7 +59,7 @@ def mapped_by(nbytes):
 big = torch.empty(16 << 20, dtype=torch.uint8)
 del big  # a mapped block freed: glibc's threshold rises to 16 MiB
 if sys.argv[1] == "shard":  # a CPU rank's model sharded (a one-process group)
-    from spark_estimator.worker.comm.rendezvous import RankInfo
+    from spark_estimator.worker.comm.ranks import RankInfo
     torch.distributed.init_process_group(
         "gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
     fsdp.shard_model(torch.nn.Linear(2, 2), RankInfo(0, 1, 0, 1, torch.device("cpu")), (), "none")

@@ -2,9 +2,7 @@ import contextlib
 import json
 import multiprocessing
 import re
-import shutil
 import socket
-import subprocess
 import threading
 import time
 import traceback
@@ -16,94 +14,14 @@ import torch.distributed as dist
 
 from spark_estimator.shared.failures import record_failure
 from spark_estimator.store import Store
+from spark_estimator.worker.comm.meeting import _FAILURES_KEY, Meeting
 from spark_estimator.worker.comm.rendezvous import (
-    _FAILURES_KEY,
     LATER_FAILURE_DELAY_S,
-    Meeting,
     RendezvousError,
-    cross_ranks,
-    cuda_ordinal,
     current_rank_info,
-    gloo_interface,
-    homogeneous,
-    interface_of,
-    local_ranks,
     process_group,
-    select_device,
-    task_gpu_addresses,
 )
-from spark_estimator.worker.comm.sealed_store import SealedStore
-
-
-class FakeResource:
-    def __init__(self, addresses):
-        self.addresses = addresses
-
-
-def test_cpu_when_gpu_not_wanted():
-    assert select_device(False, ["0"], True) == (torch.device("cpu"), None)
-
-
-def test_uses_the_gpu_address_spark_assigned():
-    device, reason = select_device(True, ["3"], cuda_available=True)
-    assert device == torch.device("cuda", 3) and reason is None
-
-
-def test_auto_without_gpus_configured_is_the_cpu_silently():
-    # the driver tells the tasks use_gpu=False when the cluster has no GPUs configured
-    assert select_device(False, [], cuda_available=False) == (torch.device("cpu"), None)
-
-
-def test_auto_uses_the_assigned_gpu():
-    assert select_device("auto", ["2"], cuda_available=True) == (torch.device("cuda", 2), None)
-
-
-def test_auto_falls_back_to_cpu_with_a_reason_where_a_task_got_no_gpu():
-    device, reason = select_device("auto", [], cuda_available=True)
-    assert device.type == "cpu" and "GPUs are configured" in reason and "got none" in reason
-
-
-def test_auto_falls_back_to_cpu_with_a_reason_without_cuda():
-    device, reason = select_device("auto", ["0"], cuda_available=False)
-    assert device.type == "cpu" and "no CUDA" in reason
-
-
-def test_use_gpu_true_requires_an_assigned_gpu():
-    with pytest.raises(RuntimeError, match=r"use_gpu: True .*Spark assigned no GPU to this task"):
-        select_device(True, [], cuda_available=True)
-
-
-def test_use_gpu_true_requires_cuda():
-    with pytest.raises(RuntimeError, match=r"use_gpu: True .*GPU 0.* torch has no CUDA"):
-        select_device(True, ["0"], cuda_available=False)
-
-
-def test_task_gpu_addresses_reads_spark_resources():
-    assert task_gpu_addresses({"gpu": FakeResource(["1", "2"])}) == ["1", "2"]
-    assert task_gpu_addresses({}) == []
-
-
-def test_spark_gpu_address_maps_to_the_visible_device_index():
-    assert cuda_ordinal("3", None) == 3
-    assert cuda_ordinal("3", "2,3") == 1  # CUDA_VISIBLE_DEVICES renumbers the GPUs
-    assert cuda_ordinal("0", "") == 0
-    device, _ = select_device(True, ["5"], True, visible_devices="4,5,6")
-    assert device == torch.device("cuda", 1)
-
-
-def test_local_rank_counts_tasks_on_the_same_host():
-    hosts = ["a", "b", "a", "a", "b"]
-    assert [local_ranks(hosts, r) for r in range(5)] == [(0, 3), (0, 2), (1, 3), (2, 3), (1, 2)]
-
-
-def test_a_job_is_homogeneous_when_every_host_runs_as_many_ranks():
-    assert homogeneous(["a", "b", "a", "b"]) and homogeneous(["a"])
-    assert not homogeneous(["a", "a", "b"])
-
-
-def test_cross_rank_counts_tasks_with_the_same_local_rank():
-    hosts = ["a", "b", "a", "a", "b"]  # local ranks 0, 0, 1, 2, 1
-    assert [cross_ranks(hosts, r) for r in range(5)] == [(0, 2), (1, 2), (0, 2), (0, 1), (1, 2)]
+from tests.worker.comm.test_device import FakeResource
 
 
 def test_no_rank_info_outside_a_task():
@@ -290,26 +208,6 @@ def test_a_failure_count_a_stranger_overwrote_still_records_the_first_failure(tm
     assert "failure count" in written["traceback"] and "tampered" in written["traceback"]
 
 
-def test_once_a_rank_replaced_a_forged_failure_count_the_next_failing_rank_is_not_first():
-    from spark_estimator.worker.comm.rendezvous import _first_failure
-
-    timeout = timedelta(seconds=5)
-    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-    secret = "3a7d1f09c4e2b8656d0e9a1f7c3b5e28"
-
-    def rank_store():
-        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
-        return SealedStore(dist.PrefixStore("spark-estimator/", client), secret)
-
-    rank_1, rank_2 = rank_store(), rank_store()
-    stranger = dist.PrefixStore("spark-estimator/", server)
-    stranger.set(_FAILURES_KEY, b"not-a-number")
-    assert _first_failure(rank_1) == (True, True)  # first, over a tampered count
-    assert _first_failure(rank_2) == (False, False)
-    stranger.delete_key(_FAILURES_KEY)
-    assert _first_failure(rank_2) == (True, False)  # a deleted count starts again
-
-
 def _join_and_sum(rank: int, world: int, folder: str) -> None:
     torch.set_num_threads(1)
     with process_group(FakeBarrierContext(rank, world), meeting_in(folder), False, 60) as info:
@@ -366,32 +264,3 @@ def test_a_rank_whose_rank_0_never_wrote_its_address_fails_within_the_timeout(tm
             pass
     assert time.monotonic() - started < 10
     assert not dist.is_initialized()
-
-
-def ipv4_interfaces() -> list[tuple[str, str]]:
-    """(interface, IPv4 address) pairs as ``ip`` lists them."""
-    if shutil.which("ip") is None:
-        pytest.skip("no ip command to list the interfaces")
-    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True)
-    return [(f[1], f[3].split("/")[0]) for f in (line.split() for line in out.stdout.splitlines())]
-
-
-def test_interface_of_finds_the_interface_that_carries_an_address():
-    assert interface_of("127.0.0.1") == "lo"
-    for name, address in ipv4_interfaces():
-        assert interface_of(address) == name
-    assert interface_of("198.51.100.254") is None  # TEST-NET-2: on no interface here
-
-
-def test_gloo_uses_the_interface_of_the_task_address_only_across_hosts(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    outside = [(n, a) for n, a in ipv4_interfaces() if not a.startswith("127.")]
-    if outside:
-        name, address = outside[0]
-        assert gloo_interface(["198.51.100.254", address], 1) == {"GLOO_SOCKET_IFNAME": name}
-        assert gloo_interface([address, address], 1) == {}  # one host: gloo finds it
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "chosen")
-        assert gloo_interface(["198.51.100.254", address], 1) == {}  # the user's choice stays
-        monkeypatch.delenv("GLOO_SOCKET_IFNAME")
-    assert gloo_interface(["198.51.100.254", "127.0.0.1"], 1) == {}  # loopback: left to gloo
-    assert gloo_interface(["198.51.100.254", "198.51.100.253"], 1) == {}  # not here either

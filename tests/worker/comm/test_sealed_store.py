@@ -105,7 +105,7 @@ def test_a_counter_a_stranger_overwrote_is_refused_and_the_ranks_store_still_ans
         rank.add("failures", 1)
     rank.set("after", b"still answers")
     assert rank.get("after") == b"still answers"
-    # replaced where asked (``rendezvous._first_failure``): counted from 0 again
+    # replaced where asked (``meeting.first_failure``): counted from 0 again
     assert rank.add("failures", 1, replace_forged=True) == 1
     assert rank.add("failures", 1) == 2
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 from spark_estimator.worker.data.device_shard import DeviceShard, placement
 from spark_estimator.worker.data.loader import ShardLoader, open_loader
 from spark_estimator.worker.data.rank_data import RankData

@@ -8,7 +8,7 @@ import torch
 
 from spark_estimator.shared.serialization import state_from_bytes
 from spark_estimator.shared.spec import COMMIT_AUTO, LoopSpec
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 from spark_estimator.worker.loop import commits
 from spark_estimator.worker.loop import train as train_module
 from tests.worker.loop.test_train import regression_spec

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, LoopSpec, TrainSpec
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 from spark_estimator.worker.loop.objects import build_losses, build_objects
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from spark_estimator.shared.model_factory import materialize
 from spark_estimator.store import Store
 from spark_estimator.worker.comm.fsdp import shard_model
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 from spark_estimator.worker.loop import sharded
 
 

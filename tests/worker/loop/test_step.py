@@ -7,7 +7,7 @@ import torch
 
 from spark_estimator.shared.spec import ColumnSpec, LoopSpec
 from spark_estimator.worker.comm.ddp import wrap_model
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 from spark_estimator.worker.loop.loss import BatchLoss
 from spark_estimator.worker.loop.objects import TrainingObjects
 from spark_estimator.worker.loop.step import Stepper

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, LoaderSpec, LoopSpec, TrainSpec
-from spark_estimator.worker.comm.rendezvous import RankInfo
+from spark_estimator.worker.comm.ranks import RankInfo
 from spark_estimator.worker.loop import train as train_module
 from spark_estimator.worker.loop.metrics import EpochSums
 from spark_estimator.worker.loop.step import Stepper
