@@ -26,6 +26,8 @@ setup(
         "s3": ["s3fs>=2024.2"],
         "mlflow": ["mlflow-skinny>=2.10"],
         "lightning": ["lightning>=2.0"],
+        "vision": ["Pillow>=9.2"],  # spark_estimator.decoding.decode_image, image examples
+        "text": ["tokenizers>=0.13.3", "transformers>=4.40"],  # the text and GPT-2 examples
         "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn", "lightning>=2.0"],
         "examples": ["scikit-learn"],
         "test": [
@@ -44,6 +46,9 @@ setup(
             "nbformat",
             "ipykernel",
             "matplotlib",
+            "Pillow>=9.2",
+            "tokenizers>=0.13.3",
+            "transformers>=4.40",
         ],
     },
 )

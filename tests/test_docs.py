@@ -107,6 +107,7 @@ def test_parameters_md_lists_every_param_with_its_default():
         "docs/parameters.md",
         "conf/README.md",
         "examples/README.md",
+        "docs/images-and-text.md",
         "README.md",
     ],
 )

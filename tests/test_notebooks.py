@@ -49,7 +49,7 @@ def run_notebook(name: str, jupyter_path: Path, cwd: Path, monkeypatch) -> tuple
     return text, figures
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "tabular_regression.ipynb"])
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebooks_are_committed_without_outputs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -79,3 +79,38 @@ def test_tabular_regression_notebook(jupyter_path, tmp_path, monkeypatch):
     rmse, r2 = float(found.group(1)), float(found.group(2))
     baseline = float(re.search(r"baseline RMSE \(always the training mean\): ([0-9.]+)", text)[1])
     assert r2 >= 0.3 and rmse < 0.85 * baseline, text
+
+
+def in_repository_layout(tmp_path: Path) -> Path:
+    """A folder ``notebooks/`` (the cwd to run a notebook in) with ``examples/`` beside it,
+    as in the repository: the notebooks that import an example's data helpers find it
+    there, and what they write stays out of the repository."""
+    (tmp_path / "examples").symlink_to(NOTEBOOKS.parent / "examples")
+    (tmp_path / "notebooks").mkdir()
+    return tmp_path / "notebooks"
+
+
+def test_image_classification_notebook(jupyter_path, tmp_path, monkeypatch):
+    pytest.importorskip("PIL")
+    cwd = in_repository_layout(tmp_path)
+    text, figures = run_notebook("image_classification.ipynb", jupyter_path, cwd, monkeypatch)
+    assert figures == 2  # the augmented crops, the history
+    history = re.findall(r"^epoch (\d+): train loss ([0-9.]+)", text, re.M)
+    assert [int(epoch) for epoch, _ in history] == list(range(1, 7)), text
+    assert float(history[-1][1]) < float(history[0][1]) / 2, text
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+) on \d+ images", text).group(1))
+    assert accuracy >= 0.8, text  # chance: 1/3
+    assert sorted(p.name for p in cwd.iterdir()) == []
+
+
+def test_text_classification_notebook(jupyter_path, tmp_path, monkeypatch):
+    pytest.importorskip("tokenizers")
+    cwd = in_repository_layout(tmp_path)
+    text, figures = run_notebook("text_classification.ipynb", jupyter_path, cwd, monkeypatch)
+    assert figures == 1
+    assert re.search(r"'The stadum was too fast' -> \['the', 'st[^]]*'##", text)  # a typo's pieces
+    history = re.findall(r"^epoch (\d+): train loss ([0-9.]+)", text, re.M)
+    assert [int(epoch) for epoch, _ in history] == list(range(1, 6)), text
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+) on \d+ sentences", text).group(1))
+    assert accuracy >= 0.75, text  # chance: 1/4
+    assert sorted(p.name for p in cwd.iterdir()) == []
