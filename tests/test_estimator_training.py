@@ -493,3 +493,21 @@ def test_compile_true_runs_inductor_on_cpu(df, store):
     assert [r["compiled"] for r in ranks(store, compiled)] == ["inductor"] * 2
     # inductor's fused kernels round differently from eager's
     assert torch.allclose(weights(compiled), weights(eager), atol=1e-4)
+
+
+def test_batch_norm_statistics_end_the_same_on_every_rank_as_rank_zeros(df, store):
+    """DDP gives every rank rank 0's buffers at each forward, so each epoch ends with the
+    ranks' own running statistics of their last batch: they are made rank 0's there, so
+    validation, the checkpoint and the fitted model agree (the fit compares the ranks'
+    final weights, buffers included)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(3, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1)
+    )
+    model = make_estimator(net, store, epochs=2, validation=0.2, run_id="bn").fit(df)
+    norm = model.getModel()[1]
+    assert norm.num_batches_tracked.item() > 0 and not torch.equal(
+        norm.running_mean, torch.zeros(8)
+    )
+    checkpoint = state_from_bytes(store.read_bytes(store.run("bn").checkpoint(2)))["model"]
+    torch.testing.assert_close(checkpoint["1.running_var"], norm.running_var)

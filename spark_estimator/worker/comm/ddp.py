@@ -164,3 +164,13 @@ def communicated_dtypes(
     ):
         return sorted(state.sent)
     return None
+
+
+def broadcast_buffers(model: torch.nn.Module, world_size: int) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank. DDP gives each
+    forward rank 0's buffers, so after an epoch's last step every rank holds its own: made
+    rank 0's there, validation, the checkpoint and the final weights agree on every rank."""
+    if world_size < 2:
+        return
+    for buffer in model.buffers():
+        dist.broadcast(buffer.data, src=0)

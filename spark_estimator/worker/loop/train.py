@@ -39,7 +39,7 @@ from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_valu
 from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import COMMIT_AUTO, TrainSpec, compile_backend, metric_keys
 from ...shared.summary import RankSummary, seconds_per_rank, training_summary
-from ..comm.ddp import wrap_model
+from ..comm.ddp import broadcast_buffers, wrap_model
 from ..comm.ranks import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
 from ..data.batch import Batch
@@ -229,6 +229,8 @@ class _TrainingLoop:
             sums = EpochSums(self.metric_names, self.device, self.info.world_size)
             source, first, count = self._epoch_batches(epoch, sums)
             times = self._train_epoch(epoch, sums, source, first, count)
+            if not self.sharded:  # the ranks' own running statistics of their last batch
+                broadcast_buffers(self.objects.model, self.info.world_size)
             if self.has_validation:
                 self._validate(epoch, sums)
             sums.reduce(self.info.rank, times)  # the epoch's one collective for metrics
