@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -45,8 +46,9 @@ import torch.distributed as dist
 
 from ...shared.serialization import state_from_bytes, state_to_bytes
 from ...shared.spec import COMMIT_AUTO, TrainSpec
+from ..data.device_shard import DeviceShard
 from ..data.loader import empty_batch, open_loader
-from ..data.remainder import Run, after, remainder_batches, reshard
+from ..data.remainder import Run, after, own_runs, remainder_batches, reshard
 from ..data.shards import StepPlan
 
 COMMITS_PER_EPOCH = 4  # commit_every_steps=COMMIT_AUTO (elastic fits' default): at most
@@ -188,3 +190,95 @@ def resumed_sums(commit: dict, rank: int, world: int) -> tuple[list[float], int 
     total = [sum(values) for values in zip(*(s["sums"] for s in saved))]
     bad = [s["first_bad"] for s in saved if s["first_bad"] is not None]
     return total, min(bad) if bad else None
+
+
+class EpochCommits:
+    """Commits inside an epoch, as the training loop makes and resumes them (a mixin of
+    the loop): the interval, the commit to go on from, this epoch's rows and runs."""
+
+    def _open_commits(self) -> None:
+        """The commit to resume from (one of this launch's size, or whose rows can be
+        re-sharded), restored; the interval in optimizer steps (an epoch's batches form
+        groups of backward_passes_per_step); the counts reported."""
+        spec, rank = self.spec, self.info.rank
+        self.commit_path = spec.store.run(spec.run_id).step_commit
+        self.group = spec.loop.backward_passes_per_step
+        self.epoch_optimizer_steps = optimizer_steps(self.steps_per_epoch, self.group)
+        self.every = interval(spec.loop.commit_every_steps, self.epoch_optimizer_steps)
+        self.commit_s: list[float] = []  # this epoch's commits' seconds (rank 0's)
+        self.commits_made, self.commit_seconds = 0, 0.0
+        self.commit = None
+        if spec.loop.commit_every_steps:
+            self.commit = agree(spec.store, self.commit_path, rank, self.start_epoch, self.device)
+        if self.commit is not None and not self._can_reshard(self.commit):
+            self.commit = None  # the epoch's checkpoint is where this size can go on from
+        self.resumed_commit = None  # {"epoch", "step"} of the commit this launch went on from
+        if self.commit is not None:
+            self._restore(self.commit)
+            self.resumed_commit = {"epoch": self.commit["epoch"], "step": self.commit["step"]}
+        self.epoch_runs, self.epoch_rows, self.resharded, self.sources = [], 0, False, None
+
+    def _can_reshard(self, commit: dict) -> bool:
+        """Whether this launch can go on from ``commit``: with its number of processes, or
+        with another when an epoch is one pass (its rows can be re-sharded)."""
+        same = commit["world_size"] == self.info.world_size and not commit["resharded"]
+        return same or self.spec.loader.train_steps_per_epoch is None
+
+    def _epoch_batches(self, epoch: int, sums) -> tuple:
+        """Where the epoch's batches come from: (stream, steps already done, steps to do).
+        Normally the stream of passes, all ``steps_per_epoch``; in the epoch of a commit
+        the rest of it (``resharded_epoch``): the same stream after the commit's step, or the rows
+        not yet trained on, re-sharded over this launch's ranks."""
+        rank, world = self.info.rank, self.info.world_size
+        commit, self.commit = self.commit, None
+        self.epoch_rows = 0
+        if commit is None:
+            self.epoch_runs = own_runs(self.spec.data.rows("train"), world)[rank]
+            self.resharded, self.sources = False, None
+            return self.steps, 0, self.steps_per_epoch
+        sums.resume(*resumed_sums(commit, rank, world))
+        saved = commit["ranks"]
+        self.sources = commit["sources"] or {
+            (len(saved), r): s["held"] for r, s in enumerate(saved)
+        }
+        if commit["world_size"] == world and not commit["resharded"]:
+            set_rng_state(saved[rank]["rng"])
+            self.epoch_runs = [tuple(r) for r in saved[rank]["runs"]]
+            self.epoch_rows = saved[rank]["consumed"]
+            self.resharded = False
+            return self.steps, commit["step"], self.steps_per_epoch - commit["step"]
+        self.resharded = True
+        stream, steps, self.epoch_runs = resharded_epoch(
+            commit, self.spec, rank, world, self.device, epoch, self.sources
+        )
+        return stream, 0, steps
+
+    def _commit(self, epoch: int, step: int, sums) -> None:
+        """Commit the training state after ``step`` of ``epoch`` (``sums``: the epoch's
+        ``EpochSums`` so far)."""
+        began = time.perf_counter()
+        values, first_bad = sums.partial()
+        mine = {
+            "rng": rng_state(),
+            "sums": values,
+            "first_bad": first_bad,
+            "runs": [tuple(run) for run in self.epoch_runs],
+            "consumed": self.epoch_rows,
+            "held": isinstance(self.data.train, DeviceShard),
+        }
+        shards = self._save_shards("commit") if self.sharded else None
+        shared = {}
+        if self.info.rank == 0:
+            shared = {
+                **self._state(False, shards),
+                "epoch": epoch,
+                "step": step,
+                "resharded": self.resharded,
+                "sources": self.sources,
+            }
+        write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
+        if shards is not None and self.info.rank == 0:  # the commit it replaced
+            self._remove_shards("commit-", keep=shards)
+        self.commit_s.append(time.perf_counter() - began)
+        self.commits_made += 1
+        self.commit_seconds += self.commit_s[-1]

@@ -1,44 +1,48 @@
 """Executor: the training loop run by every barrier task (one rank each).
 
-Each rank rebuilds the user's objects from the pickled bundle (``objects.py``), wraps the
-model in DistributedDataParallel (``ddp.py``; DDP broadcasts rank 0's initial weights),
-streams its shard through the loader (``rank_data.py``) and trains ``epochs`` epochs. An
-epoch is one exact pass over the training rows, or ``train_steps_per_epoch`` batches of an
-endless sequence of passes (a batch is one forward and backward pass). With
+Each rank rebuilds the user's objects from the pickled bundle (``build_objects``), wraps
+the model in DistributedDataParallel (``wrap_model``; DDP broadcasts rank 0's initial
+weights), streams its shard through the loader (``RankData``) and trains ``epochs`` epochs.
+An epoch is one exact pass over the training rows, or ``train_steps_per_epoch`` batches of
+an endless sequence of passes (a batch is one forward and backward pass). With
 ``backward_passes_per_step = k`` an epoch's batches form groups of k, one optimizer step
 each, across pass boundaries; the epoch's last group may be short, so an epoch always ends
-with an optimizer step (``shards.py``). ``step.py`` does the work of one batch. Per epoch
-the ranks run exactly two collectives besides DDP's: one allreduce of the epoch's loss and
-metric sums (``metrics.py``), and one broadcast of rank 0's decision to stop (callbacks)
-or to pause so the driver can grow the job (elastic fits). Rank 0 then writes the epoch's
-checkpoint (``checkpoints.py``); with ``commit_every_steps`` the ranks also commit inside
-the epoch (one gather each time, ``commits.py``). At the end rank 0 writes the result, and
-every rank returns its ``RankSummary``. A run that finds checkpoints of its ``run_id``
-continues after the newest, or from a newer commit (``resume.py``).
+with an optimizer step (``StepPlan``). ``Stepper`` does the work of one batch. Per epoch
+the ranks run, besides DDP's: a broadcast of rank 0's buffers (``broadcast_buffers``:
+BatchNorm's running statistics, which each rank updated on its own last batch), one
+allreduce of the epoch's loss and metric sums (``EpochSums``), and one broadcast of rank
+0's decision (``AfterEpoch``): go on, stop (callbacks) or pause so the driver can grow the
+job (elastic fits). Rank 0 then writes the epoch's checkpoint; with ``commit_every_steps``
+the ranks also commit inside the epoch (one gather each time). At the end rank 0 writes
+the result, and every rank returns its ``RankSummary``. A run that finds checkpoints of
+its ``run_id`` continues after the newest, or from a newer commit.
 
-With ``parallelism="fsdp"`` the model is sharded over the ranks instead of wrapped in DDP
-(``comm/fsdp.py``): checkpoints and commits then hold every rank's shard
-(``sharded.py``), validation runs the same number of batches on every rank (FSDP's
-forward is a collective), and the result's weights are gathered to rank 0's CPU.
+The loop's other parts are mixins of their own concern: ``SavedState`` (what a checkpoint
+or commit holds, written and taken back), ``EpochCommits`` (commits inside an epoch, and
+an epoch resumed from one, re-sharded after a resize) and ``LoopResult`` (the end).
+
+With ``parallelism="fsdp"`` the model is sharded over the ranks instead of wrapped in DDP:
+checkpoints and commits then hold every rank's shard, validation runs the same number of
+batches on every rank (FSDP's forward is a collective), and the result's weights are
+gathered to rank 0's CPU.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import logging
-import posixpath
 import time
-import uuid
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ...callbacks import BestModel, EarlyStopping, TrainingState, monitored_value
-from ...shared.serialization import loads, state_dict_digest, state_to_bytes
-from ...shared.spec import COMMIT_AUTO, TrainSpec, compile_backend, metric_keys
-from ...shared.summary import RankSummary, seconds_per_rank, training_summary
+from ...callbacks import BestModel, TrainingState, monitored_value
+from ...shared.serialization import loads
+from ...shared.spec import COMMIT_AUTO, TrainSpec, metric_keys
+from ...shared.summary import RankSummary
 from ..comm.ddp import broadcast_buffers, wrap_model
 from ..comm.ranks import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
@@ -46,26 +50,29 @@ from ..data.batch import Batch
 from ..data.device_shard import DeviceShard
 from ..data.loader import empty_batch
 from ..data.prefetch import Prefetched
-from ..data.rank_data import RankData, rank_summary
-from ..data.remainder import own_runs
+from ..data.rank_data import RankData
 from ..observe.run_log import FLUSH_S
 from ..observe.tensorboard import TensorBoardLog
 from . import commits
-from .checkpoints import SHARDS, Checkpoints
+from .checkpoints import Checkpoints
+from .commits import EpochCommits
 from .loss import as_outputs, batch_metrics
 from .metrics import EpochSums, non_finite_loss_error
-from .objects import build_objects, rescale_restored, take_new_rates
-from .resume import (
-    agree_on_checkpoint,
-    callback_states,
-    continue_stopped,
-    load_checkpoint,
-    restore_callbacks,
-    seed_epoch,
-)
+from .objects import build_objects
+from .result import LoopResult
+from .resume import agree_on_checkpoint, load_checkpoint, seed_epoch
+from .saved_state import SavedState
 from .step import Stepper, compile_module
 
 _PLATEAU = torch.optim.lr_scheduler.ReduceLROnPlateau
+
+
+class AfterEpoch(enum.IntEnum):
+    """What every rank does after an epoch, as rank 0 decides it (``_agree_after_epoch``)."""
+
+    ON = 0  # the next epoch
+    STOP = 1  # a callback asked to stop training
+    PAUSE = 2  # stop for the driver to start the job again with more processes
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +90,7 @@ def train(
         loop.data.close()
 
 
-class _TrainingLoop:
+class _TrainingLoop(SavedState, EpochCommits, LoopResult):
     """One rank's training run: set up in ``__init__``, ``run`` the epochs, ``finish``."""
 
     def __init__(self, spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None):
@@ -131,88 +138,10 @@ class _TrainingLoop:
         resume_epoch = agree_on_checkpoint(self.checkpoints, rank, self.device)
         if resume_epoch:
             self._restore(load_checkpoint(self.checkpoints, resume_epoch))
-        # commits inside an epoch (commits.py): the one to resume from, the interval (in
-        # optimizer steps: an epoch's batches form groups of backward_passes_per_step)
-        self.commit_path = spec.store.run(spec.run_id).step_commit
-        self.group = spec.loop.backward_passes_per_step
-        self.epoch_optimizer_steps = commits.optimizer_steps(self.steps_per_epoch, self.group)
-        self.every = commits.interval(spec.loop.commit_every_steps, self.epoch_optimizer_steps)
-        self.commit_s: list[float] = []  # this epoch's commits' seconds (rank 0's)
-        self.commits_made, self.commit_seconds = 0, 0.0
-        self.commit = None
-        if spec.loop.commit_every_steps:
-            self.commit = commits.agree(
-                spec.store, self.commit_path, rank, self.start_epoch, self.device
-            )
-        if self.commit is not None and not self._can_reshard(self.commit):
-            self.commit = None  # the epoch's checkpoint is where this size can go on from
-        self.resumed_commit = None  # {"epoch", "step"} of the commit this launch went on from
-        if self.commit is not None:
-            self._restore(self.commit)
-            self.resumed_commit = {"epoch": self.commit["epoch"], "step": self.commit["step"]}
+        self._open_commits()
         # the rates training starts with: scaled and scheduled, or restored on resume
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         self.steps = self.data.training_steps(self.group, self.batches_drawn)
-        self.epoch_runs, self.epoch_rows, self.resharded, self.sources = [], 0, False, None
-
-    def _can_reshard(self, commit: dict) -> bool:
-        """Whether this launch can go on from ``commit``: with its number of processes, or
-        with another when an epoch is one pass (its rows can be re-sharded)."""
-        same = commit["world_size"] == self.info.world_size and not commit["resharded"]
-        return same or self.spec.loader.train_steps_per_epoch is None
-
-    def _restore(self, saved: dict) -> None:
-        """Continue from an epoch's checkpoint (see resume.py) or from a commit inside the
-        next epoch (commits.py), which holds the same keys and the epoch's position."""
-        epoch = saved["epoch"]
-        objects, store = self.objects, self.spec.store
-        if SHARDS in saved:
-            from . import sharded
-
-            folder = store.run(self.spec.run_id).shards(saved[SHARDS])
-            sharded.load(store, folder, objects.model, objects.optimizer)
-        else:
-            objects.model.load_state_dict(saved["model"])
-            objects.optimizer.load_state_dict(saved["optimizer"])
-        self.stepper.load_state_dict(saved)
-        restore_callbacks(objects.callbacks, saved["callbacks"])
-        if self.best is not None and self.best.best_epoch is not None:
-            best = self.best.best_epoch
-            if SHARDS in saved:  # the best epoch's checkpoint is never pruned
-                from . import sharded
-
-                folder = self.checkpoints.shards(best)
-                self.best.best_state = sharded.model_state(store, folder, objects.model)
-            else:
-                source = saved if best == epoch else load_checkpoint(self.checkpoints, best)
-                self.best.best_state = source["model"]
-        self.state.history = list(saved["history"])
-        self.output_shapes = saved["output_shapes"]
-        self.batches_drawn = saved["batches_drawn"]
-        self.stopped = saved["stop_training"]
-        # a commit is inside its epoch: the loop starts that epoch again from its position
-        self.start_epoch = epoch - 1 if "step" in saved else epoch
-        if self.stopped and "step" not in saved and epoch == self.spec.further_from:
-            self.stopped = False  # a finished run stopped early, trained further
-            continue_stopped(objects.callbacks, epoch, self.info.rank)
-        saved_world = saved.get("world_size", self.info.world_size)
-        linear = self.spec.loop.lr_scaling == "linear"
-        if saved_world != self.info.world_size:  # an elastic fit started again resized
-            if linear:
-                rescale_restored(objects, self.info.world_size / saved_world)
-            # the stream of passes goes on as if this size had trained from the start (a
-            # commit's epoch ends on its re-sharded rows: the stream starts after it)
-            self.batches_drawn = epoch * self.steps_per_epoch
-        trained_at = saved.get("base_lrs")  # None in checkpoints written before they were
-        if trained_at is not None and trained_at != objects.base_lrs:
-            take_new_rates(objects, self.info.world_size, linear)
-            if self.info.rank == 0:
-                log.info(
-                    "learning rates %s (this fit's) replace the run's %s from epoch %d",
-                    objects.base_lrs,
-                    trained_at,
-                    self.start_epoch + 1,
-                )
 
     # -- the epochs -----------------------------------------------------------------------
     def run(self) -> None:
@@ -278,35 +207,6 @@ class _TrainingLoop:
             loss=sums.running_loss("train") if sums else last["train"]["loss"],
             last=last,
         )
-
-    def _epoch_batches(self, epoch: int, sums: EpochSums) -> tuple:
-        """Where the epoch's batches come from: (stream, steps already done, steps to do).
-        Normally the stream of passes, all ``steps_per_epoch``; in the epoch of a commit
-        the rest of it (commits.py): the same stream after the commit's step, or the rows
-        not yet trained on, re-sharded over this launch's ranks."""
-        rank, world = self.info.rank, self.info.world_size
-        commit, self.commit = self.commit, None
-        self.epoch_rows = 0
-        if commit is None:
-            self.epoch_runs = own_runs(self.spec.data.rows("train"), world)[rank]
-            self.resharded, self.sources = False, None
-            return self.steps, 0, self.steps_per_epoch
-        sums.resume(*commits.resumed_sums(commit, rank, world))
-        saved = commit["ranks"]
-        self.sources = commit["sources"] or {
-            (len(saved), r): s["held"] for r, s in enumerate(saved)
-        }
-        if commit["world_size"] == world and not commit["resharded"]:
-            commits.set_rng_state(saved[rank]["rng"])
-            self.epoch_runs = [tuple(r) for r in saved[rank]["runs"]]
-            self.epoch_rows = saved[rank]["consumed"]
-            self.resharded = False
-            return self.steps, commit["step"], self.steps_per_epoch - commit["step"]
-        self.resharded = True
-        stream, steps, self.epoch_runs = commits.resharded_epoch(
-            commit, self.spec, rank, world, self.device, epoch, self.sources
-        )
-        return stream, 0, steps
 
     def _train_epoch(
         self, epoch: int, sums: EpochSums, source, first: int, count: int
@@ -453,102 +353,11 @@ class _TrainingLoop:
                     steps, train_s, self.commit_s, self.every, self.epoch_optimizer_steps
                 )
         self.commit_s = []
-        decision = 2.0 if pause else 1.0 if requested else 0.0
-        flag = torch.tensor([decision, float(every)], device=self.device)
+        decision = AfterEpoch.PAUSE if pause else AfterEpoch.STOP if requested else AfterEpoch.ON
+        flag = torch.tensor([int(decision), every], dtype=torch.int64, device=self.device)
         dist.broadcast(flag, src=0)
-        decision, every = flag.tolist()
-        return decision == 1.0, decision == 2.0, int(every)
-
-    def _commit(self, epoch: int, step: int, sums: EpochSums) -> None:
-        """Commit the training state after ``step`` of ``epoch`` (commits.py)."""
-        began = time.perf_counter()
-        values, first_bad = sums.partial()
-        mine = {
-            "rng": commits.rng_state(),
-            "sums": values,
-            "first_bad": first_bad,
-            "runs": [tuple(run) for run in self.epoch_runs],
-            "consumed": self.epoch_rows,
-            "held": isinstance(self.data.train, DeviceShard),
-        }
-        shards = self._save_shards("commit") if self.sharded else None
-        shared = {}
-        if self.info.rank == 0:
-            shared = {
-                **self._state(False, shards),
-                "epoch": epoch,
-                "step": step,
-                "resharded": self.resharded,
-                "sources": self.sources,
-            }
-        commits.write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
-        if shards is not None and self.info.rank == 0:  # the commit it replaced
-            self._remove_shards("commit-", keep=shards)
-        self.commit_s.append(time.perf_counter() - began)
-        self.commits_made += 1
-        self.commit_seconds += self.commit_s[-1]
-
-    def _state(self, stop: bool, shards: str | None = None) -> dict:
-        """What an epoch's checkpoint and a commit both hold; a sharded model's and its
-        optimizer's state is in the folder of ``shards`` (``_save_shards``)."""
-        if shards is None:
-            weights = {
-                "model": self.objects.model.state_dict(),
-                "optimizer": self.objects.optimizer.state_dict(),
-            }
-        else:
-            weights = {SHARDS: shards}
-        return {
-            **weights,
-            "history": self.state.history,
-            "callbacks": callback_states(self.objects.callbacks),
-            "output_shapes": self.output_shapes,
-            "batches_drawn": self.batches_drawn,
-            "world_size": self.info.world_size,
-            "base_lrs": self.objects.base_lrs,  # the rates trained at, before lr_scaling
-            "stop_training": stop,
-            **self.stepper.state_dict(),
-        }
-
-    def _write_checkpoint(self, epoch: int, stop: bool) -> None:
-        """Rank 0 writes the epoch's checkpoint; with FSDP every rank its shard first."""
-        shards = None
-        if self.sharded:
-            from . import sharded
-
-            shards = f"epoch-{epoch:04d}"
-            sharded.save(
-                self.spec.store,
-                self.checkpoints.shards(epoch),
-                self.objects.model,
-                self.objects.optimizer,
-            )
-        if self.info.rank != 0:
-            return
-        best_epoch = self.best.best_epoch if self.best else None
-        state = self._state(stop, shards)
-        self.checkpoints.write(epoch, state, {best_epoch} if best_epoch else set())
-
-    def _save_shards(self, prefix: str) -> str:
-        """Every rank's shard of model and optimizer in a new folder (a collective); its
-        name, ``<prefix>-<id>``, is rank 0's."""
-        name = [f"{prefix}-{uuid.uuid4().hex[:12]}" if self.info.rank == 0 else None]
-        dist.broadcast_object_list(name, src=0)
-        store = self.spec.store
-        folder = store.run(self.spec.run_id).shards(name[0])
-        from . import sharded
-
-        sharded.save(store, folder, self.objects.model, self.objects.optimizer)
-        return name[0]
-
-    def _remove_shards(self, prefix: str, keep: str) -> None:
-        """Remove the shard folders named ``<prefix>...`` but ``keep``."""
-        store = self.spec.store
-        parent = posixpath.dirname(store.run(self.spec.run_id).shards(keep))
-        for path in store.fs.ls(parent, detail=False):
-            name = posixpath.basename(path.rstrip("/"))
-            if name.startswith(prefix) and name != keep:
-                store.remove(path)
+        decision, every = AfterEpoch(int(flag[0])), int(flag[1])
+        return decision is AfterEpoch.STOP, decision is AfterEpoch.PAUSE, every
 
     def _nan_error(self, sums: EpochSums, epoch: int) -> Exception:
         """The error every rank raises when a training loss was not finite this epoch."""
@@ -561,77 +370,3 @@ class _TrainingLoop:
             self.device,
             self.checkpoints.last(),
         )
-
-    # -- the end --------------------------------------------------------------------------
-    def finish(self) -> RankSummary:
-        """Rank 0 writes the result; every rank returns its summary."""
-        model = self.objects.model
-        selection = self.best.selection() if self.best else None
-        elements = sum(p.numel() for p in model.parameters())
-        if self.sharded:
-            from ..comm import fsdp
-
-            elements = fsdp.local_elements(model)
-            if selection:  # every rank's shard of the best epoch
-                model.load_state_dict(self.best.best_state)
-            weights = fsdp.full_state_dict(model)  # on rank 0; gathered by every rank
-            digest = [state_dict_digest(weights) if self.info.rank == 0 else None]
-            dist.broadcast_object_list(digest, src=0)
-            best = weights
-        else:
-            weights = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
-            digest = [state_dict_digest(weights)]
-            best = self.best.best_state if selection else weights
-        if self.info.rank == 0 and not self.paused:
-            result = {
-                "model": best,
-                "history": self.state.history,
-                "output_shapes": self.output_shapes,
-                "summary": self._training_summary(selection),
-            }
-            store = self.spec.store
-            store.write_bytes(store.run(self.spec.run_id).result, state_to_bytes(result))
-        # process_group's closing barrier keeps every rank until rank 0 has written it
-        return rank_summary(
-            self.info,
-            self.data,
-            self.hook,
-            digest[0],
-            elements,
-            self.batches_run,
-            self.optimizer_steps_run,
-            self.started,
-            compile_backend(self.spec.loop.compile),
-            self.paused,
-        )
-
-    def _training_summary(self, selection: dict | None) -> dict:
-        loop, history = self.spec.loop, self.state.history
-        stopped_by = [
-            cb.stopped_epoch
-            for cb in self.objects.callbacks
-            if isinstance(cb, EarlyStopping) and cb.stopped_epoch
-        ]
-        return {
-            **training_summary(
-                self.info.world_size,
-                self.spec.epochs,
-                history,
-                self.start_epoch,
-                stopped_by[0] if stopped_by else None,
-                selection,
-                self.checkpoints.epochs(),
-            ),
-            "resumed_from_commit": self.resumed_commit,
-            "commits": self.commits_made,
-            "commit_seconds": round(self.commit_seconds, 4),
-            "lr_scaling": loop.lr_scaling,
-            "base_learning_rates": self.objects.base_lrs,
-            "learning_rates": self.start_lrs,
-            "backward_passes_per_step": loop.backward_passes_per_step,
-            "gradient_compression": loop.gradient_compression,
-            "gradient_reduction": loop.gradient_reduction,
-            "mixed_precision": loop.mixed_precision,
-            "parallelism": loop.parallelism,
-            "seconds_per_rank": seconds_per_rank(history),
-        }
