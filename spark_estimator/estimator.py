@@ -11,7 +11,8 @@ import functools
 
 from .driver import loss_probe, run_manifest, validate, validate_training
 from .driver.constructors import TorchEstimatorConstructor
-from .driver.fit import StoreEstimator, Training
+from .driver.fit import StoreEstimator
+from .driver.fit_checks import Training
 from .driver.params import EstimatorParams
 from .model import TorchModel
 from .shared.spec import COMMIT_AUTO, SPLITS, LoopSpec, metric_keys

@@ -13,7 +13,8 @@ import functools
 
 from .driver import run_manifest, validate_lightning
 from .driver.constructors import LightningEstimatorConstructor
-from .driver.fit import StoreEstimator, Training
+from .driver.fit import StoreEstimator
+from .driver.fit_checks import Training
 from .driver.params import LightningParams
 from .model import TorchModel
 

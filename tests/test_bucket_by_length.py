@@ -94,7 +94,7 @@ def test_both_estimators_take_the_param():
 
 
 def test_arrays_of_one_length_are_trained_on_with_a_warning(caplog):
-    from spark_estimator.driver.fit import _check_bucketing_data
+    from spark_estimator.driver.fit_checks import check_bucketing_data
     from spark_estimator.shared.spec import ColumnSpec, DatasetInfo
 
     fixed = DatasetInfo(
@@ -104,9 +104,9 @@ def test_arrays_of_one_length_are_trained_on_with_a_warning(caplog):
         files={},
     )
     with caplog.at_level("WARNING", logger="spark_estimator.driver.fit"):
-        _check_bucketing_data(fixed, shuffle=True)
+        check_bucketing_data(fixed, shuffle=True)
     assert "bucket_by_length: every array column's rows have one length ('x')" in caplog.text
     caplog.clear()
     ragged = DatasetInfo("d", [ColumnSpec("x", "sequence", "int64")], fixed.labels, files={})
-    _check_bucketing_data(ragged, shuffle=True)
+    check_bucketing_data(ragged, shuffle=True)
     assert not caplog.text

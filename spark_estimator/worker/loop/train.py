@@ -73,6 +73,8 @@ class AfterEpoch(enum.IntEnum):
     ON = 0  # the next epoch
     STOP = 1  # a callback asked to stop training
     PAUSE = 2  # stop for the driver to start the job again with more processes
+
+
 log = logging.getLogger(__name__)
 
 
