@@ -91,7 +91,8 @@ class _TrainingLoop:
         lead = info.rank == 0
         self.report = report if lead else None
         self.reported = 0.0  # when progress was last reported (time.monotonic)
-        self.tensorboard = TensorBoardLog(spec.store, spec.run_id) if lead else None
+        every = spec.loop.log_every_steps
+        self.tensorboard = TensorBoardLog(spec.store, spec.run_id, every) if lead else None
         rank, world = info.rank, info.world_size
         self.objects = build_objects(spec, info)
         fn = spec.loader.transformation_fn
@@ -154,6 +155,9 @@ class _TrainingLoop:
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         self.steps = self.data.training_steps(self.group, self.batches_drawn)
         self.epoch_runs, self.epoch_rows, self.resharded, self.sources = [], 0, False, None
+        if self.tensorboard is not None:  # where this launch goes on on the step axis
+            into = self.resumed_commit["step"] if self.resumed_commit else 0
+            self.tensorboard.start(self.state.history, into, self.batches_drawn)
 
     def _can_reshard(self, commit: dict) -> bool:
         """Whether this launch can go on from ``commit``: with its number of processes, or
@@ -253,7 +257,7 @@ class _TrainingLoop:
             )
             self._write_checkpoint(epoch, stop)
             if self.info.rank == 0:
-                self.tensorboard.write(state.history)
+                self.tensorboard.write(state.history, self.batches_drawn)
             if stop or self.paused:
                 break
         if self.paused:  # the driver starts the job again with more processes
@@ -387,6 +391,9 @@ class _TrainingLoop:
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
                 sums.add("train", loss, batch.size, metrics, step if check_nan else None)
+            if self.tensorboard is not None and self.tensorboard.due(self.batches_drawn):
+                lrs = [g["lr"] for g in objects.optimizer.param_groups]
+                self.tensorboard.add_step(self.batches_drawn, sums.take_window(), lrs)
             if step < total:  # the epoch's end is reported (and checkpointed) by run()
                 self._progress(epoch, step, sums)
                 if last and self.every and (stepped + optimizer_steps) % self.every == 0:
@@ -479,6 +486,8 @@ class _TrainingLoop:
                 "resharded": self.resharded,
                 "sources": self.sources,
             }
+        if self.tensorboard is not None:  # the step points up to here, kept by a resume
+            self.tensorboard.flush()
         commits.write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
         if shards is not None and self.info.rank == 0:  # the commit it replaced
             self._remove_shards("commit-", keep=shards)
