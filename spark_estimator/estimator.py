@@ -97,6 +97,13 @@ class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams)
             return self.getCommitEverySteps()
         return COMMIT_AUTO if self.getMinNumProc() is not None else 0
 
+    def _log_every_steps(self) -> int:
+        """log_every_steps for the loop: None is 0 (per-epoch scalars only)."""
+        every = self.getLogEverySteps()
+        if every is not None:
+            validate.check_non_negative("log_every_steps", every)
+        return every or 0
+
     def _manifest(self, num_proc: int, optimizer, metrics: dict | None) -> dict:
         """What this fit's checkpoints and history depend on (but the data), with the
         optimizer it trains (``learning_rate`` applied) and the ``metrics`` as checked."""
@@ -131,6 +138,7 @@ class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams)
             lr_scheduler_interval=self.getLrSchedulerInterval(),
             terminate_on_nan=self.getTerminateOnNan(),
             commit_every_steps=self._commit_every_steps(),
+            log_every_steps=self._log_every_steps(),
             parallelism=self.getParallelism(),
             fsdp_wrap=tuple(self.getFsdpWrap() or ()),
         )

@@ -504,6 +504,11 @@ def _bad_inputs():
             ValueError,
             "commit_every_steps: must be >= 0",
         ),
+        "log_every_steps < 0": (
+            dict(log_every_steps=-1),
+            ValueError,
+            "log_every_steps: must be >= 0",
+        ),
         "elastic_timeout <= 0": (
             dict(elastic_timeout=0.0),
             ValueError,

@@ -2,6 +2,7 @@
 TensorBoard event files, MLflow logging, and the last lines in a TrainingError."""
 
 import logging
+import math
 import subprocess
 import sys
 
@@ -60,6 +61,27 @@ def test_a_fit_reports_to_the_driver_tensorboard_and_mlflow(
     assert run.info.run_name == model.getRunId()
     assert run.data.params["epochs"] == "2"
     assert run.data.metrics["train/loss"] == pytest.approx(history[-1]["train"]["loss"])
+
+
+def test_tensorboard_has_the_loss_every_n_steps_on_one_axis_across_a_resume(regression_df, store):
+    """log_every_steps=2: rank 0's step scalars every 2 batches; fitting the run again with
+    more epochs goes on along the same axis, each step once."""
+    params = dict(store=store, run_id="steps", log_every_steps=2, verbose=False)
+    make_estimator(epochs=1, **params).fit(regression_df)
+    model = make_estimator(epochs=2, **params).fit(regression_df)
+    assert model.getTrainingSummary()["resumed_from_epoch"] == 1
+
+    acc = event_accumulator.EventAccumulator(str(store.run("steps").tensorboard))
+    acc.Reload()
+    [(steps, first), (end, second)] = [(e.step, e.value) for e in acc.Scalars("step/epoch")]
+    assert (first, second, end) == (1.0, 2.0, 2 * steps)  # 200 rows, 2 ranks, 16 a batch: 7
+    losses = [(e.step, e.value) for e in acc.Scalars("step/train_loss")]
+    assert [step for step, _ in losses] == list(range(2, end + 1, 2))
+    assert all(math.isfinite(v) and v > 0 for _, v in losses) and losses[-1][1] < losses[0][1]
+    assert [e.value for e in acc.Scalars("step/lr_group_0")] == [pytest.approx(0.1)] * len(losses)
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (r["epoch"], pytest.approx(r["train"]["loss"], rel=1e-6)) for r in model.getHistory()
+    ]
 
 
 def test_not_verbose_shows_no_bar(regression_df, store, capsys):

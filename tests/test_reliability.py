@@ -221,13 +221,26 @@ def test_a_fit_started_again_goes_on_exactly_from_its_last_commit_inside_the_epo
     clean = momentum_estimator(store, run_id="clean", commit_every_steps=1).fit(regression_df)
     # 5 batches an epoch: rank 1 dies in its 3rd batch of epoch 3, after the commit of step 2
     fault = Fault("kill", rank=1, epoch=3, marker=tmp_path / "m", after_batches=3)
-    est = momentum_estimator(store, callbacks=[fault], commit_every_steps=1, run_id="commits")
+    est = momentum_estimator(
+        store, callbacks=[fault], commit_every_steps=1, run_id="commits", log_every_steps=1
+    )
     resumed = est.fit(regression_df)
     assert (tmp_path / "m").exists()
     summary = resumed.getTrainingSummary()
     assert summary["resumed_from_commit"] == {"epoch": 3, "step": 2}
     assert summary["resumed_from_epoch"] == 2
     assert_same_training(resumed, clean)  # random state, sums and batches went on exactly
+    # TensorBoard's step axis: every batch once, the failed attempt's 3rd batch not twice
+    tb = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    acc = tb.EventAccumulator(str(store.run("commits").tensorboard))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("step/train_loss")] == list(range(1, 21))
+    assert [(e.step, e.value) for e in acc.Scalars("step/epoch")] == [
+        (5, 1),
+        (10, 2),
+        (15, 3),
+        (20, 4),
+    ]
 
 
 def mean_absolute_error(output, label):

@@ -99,6 +99,7 @@ class TorchEstimatorConstructor:
         lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
         lr_scheduler_interval: str = "epoch",
         commit_every_steps: int | None = None,
+        log_every_steps: int | None = 50,
         train_minibatch_fn: Callable[..., tuple[Any, torch.Tensor]] | None = None,
         loss_constructors: list[Callable[[], Callable[..., torch.Tensor]]] | None = None,
         probabilityCol: str = "probability",
@@ -332,6 +333,13 @@ class TorchEstimatorConstructor:
             (min_num_proc set) once in the middle of the first epoch, then every epoch as often
             as keeps the commits under 5% of the training time, timed again each epoch, at most
             4 times and at least once an epoch, else 0
+        log_every_steps : int | None
+            every this many training batches (the steps of train_steps_per_epoch, not optimizer
+            steps), rank 0 adds to the run's TensorBoard file its training loss (the mean over
+            the batches since the previous point of the epoch) and learning rates, as
+            step/train_loss and step/lr_group_<i>, on a step axis that counts the run's batches
+            across epochs and resumes (step/epoch marks each epoch's end); 0 or None: the per-
+            epoch scalars only
         train_minibatch_fn : Callable[..., tuple[Any, Tensor]] | None
             your own training step fn(model, optimizer, loss_fn, inputs, labels) -> (outputs,
             loss) that does zero_grad, forward, backward and optimizer.step; loss_fn(outputs,

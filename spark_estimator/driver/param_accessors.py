@@ -705,6 +705,7 @@ class EstimatorParamsAccessors(Params):
     lr_scheduler: Param[Any]
     lr_scheduler_interval: Param[str]
     commit_every_steps: Param[int | None]
+    log_every_steps: Param[int | None]
     callbacks: Param[Any]
     train_minibatch_fn: Param[Any]
     loss_constructors: Param[Any]
@@ -978,6 +979,26 @@ class EstimatorParamsAccessors(Params):
         again each epoch, at most 4 times and at least once an epoch, else 0
         """
         return self._set(commit_every_steps=value)
+
+    def getLogEverySteps(self) -> int | None:
+        """Gets the value of `log_every_steps`: every this many training batches (the steps of
+        train_steps_per_epoch, not optimizer steps), rank 0 adds to the run's TensorBoard
+        file its training loss (the mean over the batches since the previous point of the
+        epoch) and learning rates, as step/train_loss and step/lr_group_<i>, on a step axis
+        that counts the run's batches across epochs and resumes (step/epoch marks each
+        epoch's end); 0 or None: the per-epoch scalars only
+        """
+        return self.getOrDefault(self.log_every_steps)
+
+    def setLogEverySteps(self: _P, value: int | None) -> _P:
+        """Sets the value of `log_every_steps`: every this many training batches (the steps of
+        train_steps_per_epoch, not optimizer steps), rank 0 adds to the run's TensorBoard
+        file its training loss (the mean over the batches since the previous point of the
+        epoch) and learning rates, as step/train_loss and step/lr_group_<i>, on a step axis
+        that counts the run's batches across epochs and resumes (step/epoch marks each
+        epoch's end); 0 or None: the per-epoch scalars only
+        """
+        return self._set(log_every_steps=value)
 
     def getCallbacks(self) -> Any:
         """Gets the value of `callbacks`: list of spark_estimator.callbacks.Callback

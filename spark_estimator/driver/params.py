@@ -563,6 +563,17 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
             to_optional_int,
             default=None,
         ),
+        ParamSpec(
+            "log_every_steps",
+            "every this many training batches (the steps of train_steps_per_epoch, not "
+            "optimizer steps), rank 0 adds to the run's TensorBoard file its training loss "
+            "(the mean over the batches since the previous point of the epoch) and learning "
+            "rates, as step/train_loss and step/lr_group_<i>, on a step axis that counts the "
+            "run's batches across epochs and resumes (step/epoch marks each epoch's end); 0 "
+            "or None: the per-epoch scalars only",
+            to_optional_int,
+            default=50,
+        ),
         _FIT["callbacks"].with_doc(
             "list of spark_estimator.callbacks.Callback (EarlyStopping, BestModel or your "
             "own), run on every process"

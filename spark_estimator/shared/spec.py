@@ -191,6 +191,8 @@ class LoopSpec:
     terminate_on_nan: bool = True
     # steps between commits inside an epoch; 0: none; COMMIT_AUTO: a few per epoch
     commit_every_steps: int = 0
+    # training batches between two points of rank 0's step scalars (TensorBoard); 0: none
+    log_every_steps: int = 0
     parallelism: str = "ddp"  # "ddp" | "fsdp" (worker/comm/fsdp.py)
     # FSDP: the class names of the submodules sharded as units of their own (the root always)
     fsdp_wrap: tuple[str, ...] = ()

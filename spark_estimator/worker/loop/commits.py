@@ -276,6 +276,8 @@ class EpochCommits:
                 "resharded": self.resharded,
                 "sources": self.sources,
             }
+        if self.tensorboard is not None:  # the step points up to here, kept by a resume
+            self.tensorboard.flush()
         write(self.spec.store, self.commit_path, self.info.rank, shared, mine)
         if shards is not None and self.info.rank == 0:  # the commit it replaced
             self._remove_shards("commit-", keep=shards)

@@ -37,6 +37,8 @@ class EpochSums:
         self.first_bad = torch.full((), _NONE, dtype=torch.int64, device=device)
         self.pending: dict[str, list] = {split: [] for split in SPLITS}
         self.copied = None  # (pinned host tensor, CUDA event) of running_loss on a GPU
+        # training (loss x rows, rows) folded since the last take_window (the step scalars)
+        self.window = torch.zeros(2, dtype=torch.float64, device=device)
 
     def _offset(self, split: str) -> int:
         return SPLITS.index(split) * self.width
@@ -73,8 +75,12 @@ class EpochSums:
         ]
         at = self._offset(split)
         values = torch.stack(columns) @ rows
+        count = float(sum(r for _, r, _, _ in pending))
         self.sums[at] += values[0]
-        self.sums[at + 1] += float(sum(r for _, r, _, _ in pending))
+        self.sums[at + 1] += count
+        if split == "train":
+            self.window[0] += values[0]
+            self.window[1] += count
         self.sums[at + 2 : at + self.width] += values[1:]
         steps = [s for _, _, _, s in pending]
         if steps[0] is not None:
@@ -101,6 +107,14 @@ class EpochSums:
             event.record()
             self.copied = (host, event)
         return value
+
+    def take_window(self) -> torch.Tensor:
+        """This rank's training (loss x rows, rows) since the previous call (or the epoch's
+        start, not counting a commit's sums it resumed with), on the device: no host
+        synchronisation."""
+        self._fold("train")
+        window, self.window = self.window, torch.zeros_like(self.window)
+        return window
 
     def partial(self) -> tuple[list[float], int | None]:
         """This rank's sums so far (not the times) and its first bad step, for a commit."""

@@ -100,7 +100,8 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
         lead = info.rank == 0
         self.report = report if lead else None
         self.reported = 0.0  # when progress was last reported (time.monotonic)
-        self.tensorboard = TensorBoardLog(spec.store, spec.run_id) if lead else None
+        every = spec.loop.log_every_steps
+        self.tensorboard = TensorBoardLog(spec.store, spec.run_id, every) if lead else None
         rank, world = info.rank, info.world_size
         self.objects = build_objects(spec, info)
         fn = spec.loader.transformation_fn
@@ -144,6 +145,9 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
         # the rates training starts with: scaled and scheduled, or restored on resume
         self.start_lrs = [g["lr"] for g in self.objects.optimizer.param_groups]
         self.steps = self.data.training_steps(self.group, self.batches_drawn)
+        if self.tensorboard is not None:  # where this launch goes on on the step axis
+            into = self.resumed_commit["step"] if self.resumed_commit else 0
+            self.tensorboard.start(self.state.history, into, self.batches_drawn)
 
     # -- the epochs -----------------------------------------------------------------------
     def run(self) -> None:
@@ -186,7 +190,7 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
             )
             self._write_checkpoint(epoch, stop)
             if self.info.rank == 0:
-                self.tensorboard.write(state.history)
+                self.tensorboard.write(state.history, self.batches_drawn)
             if stop or self.paused:
                 break
         if self.paused:  # the driver starts the job again with more processes
@@ -291,6 +295,9 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
             if batch.size:
                 metrics = batch_metrics(objects.metrics, outputs, batch.labels)
                 sums.add("train", loss, batch.size, metrics, step if check_nan else None)
+            if self.tensorboard is not None and self.tensorboard.due(self.batches_drawn):
+                lrs = [g["lr"] for g in objects.optimizer.param_groups]
+                self.tensorboard.add_step(self.batches_drawn, sums.take_window(), lrs)
             if step < total:  # the epoch's end is reported (and checkpointed) by run()
                 self._progress(epoch, step, sums)
                 if last and self.every and (stepped + optimizer_steps) % self.every == 0:

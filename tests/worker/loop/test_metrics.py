@@ -51,3 +51,16 @@ def test_a_split_without_rows_has_no_record(process_group):
     sums = EpochSums([], torch.device("cpu"))
     sums.reduce(0, TIMES)
     assert sums.record("validation") is None
+
+
+def test_a_window_holds_the_training_batches_since_it_was_last_taken(process_group):
+    sums = EpochSums([], torch.device("cpu"))
+    sums.resume([5.0, 5.0] + [0.0] * 3, None)  # a commit's sums: not in any window
+    for loss, rows in [(1.0, 2), (4.0, 2)]:
+        sums.add("train", torch.tensor(loss), rows, [], 1)
+    sums.add("validation", torch.tensor(7.0), 3, [])  # validation is not in it
+    assert sums.take_window().tolist() == [10.0, 4.0]
+    sums.add("train", torch.tensor(3.0), 1, [], 3)
+    assert sums.take_window().tolist() == [3.0, 1.0]
+    assert sums.take_window().tolist() == [0.0, 0.0]
+    assert sums.running_loss("train") == (5 + 10 + 3) / (5 + 4 + 1)  # the epoch's, unchanged
