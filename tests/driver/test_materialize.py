@@ -224,7 +224,7 @@ def test_vectors_and_labels_are_checked_by_the_write_and_failures_leave_no_trace
         ),
         (
             [(Vectors.dense([1.0, 2.0]), 1), (Vectors.sparse(3, [0], [1.0]), 0)],
-            r"feature_cols: column 'v' has arrays of varying length \(2 to 3\)",
+            r"feature_cols: column 'v' has vectors of varying size \(2 to 3\)",
         ),
     ]
     for rows, message in cases:
