@@ -1,5 +1,6 @@
-"""The Spark Connect half of the dataset key (driver/connect_plan.py), on plan messages
-built by hand; tests/test_connect.py checks it against a real Connect server."""
+"""The dataset key: the input files' sizes and times as Spark listed them
+(``cache_key._file_metadata``), and the Spark Connect half (``connect_plan``), on plan
+messages built by hand; tests/test_connect.py checks that against a real Connect server."""
 
 import pytest
 
@@ -85,3 +86,19 @@ def test_sources_are_the_relations_without_children():
     sql = pb.Relation(sql=pb.SQL(query="select 1"))
     assert sources(pb.Plan(root=local)) == ["local_relation"]
     assert sources(pb.Plan(root=sql)) == ["sql"]
+
+
+def test_input_files_come_from_sparks_listing_as_hadoop_states_them(spark, tmp_path):
+    """One JVM call per file source instead of a dozen per file (a folder of images), and
+    the same [path, size, modification time] as Hadoop's status of each file."""
+    from spark_estimator.driver.cache_key import _file_metadata, _leaves, _listed, _same_file
+
+    for i in range(30):
+        (tmp_path / f"{i}.bin").write_bytes(bytes(range(i % 7 + 1)) * (i + 1))
+    df = spark.read.format("binaryFile").load(str(tmp_path))
+    leaves = _leaves(df._jdf.queryExecution().analyzed())
+    listed = _file_metadata(df, leaves)
+    one_by_one = _file_metadata(df, [])  # nothing listed: Hadoop's status of each file
+    assert listed == one_by_one and len(listed) == 30
+    assert {_same_file(f) for f in df.inputFiles()} == set(_listed(leaves))  # all listed
+    assert listed[0][0] == sorted(df.inputFiles())[0] and listed[0][1] > 0
