@@ -282,6 +282,38 @@ def rank_timings(store, run_id: str) -> dict:
     return out
 
 
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` within the block."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def thread_counts(text: str) -> list[int]:
+    """``--hand-threads``: comma-separated torch thread counts ("1,2"), each positive."""
+    counts = sorted({int(t) for t in text.split(",") if t.strip()})
+    if not counts or counts[0] < 1:
+        raise ValueError(f"thread counts must be positive integers, got {text!r}")
+    return counts
+
+
+def time_share(history: list[dict], kind: str = "data") -> float | None:
+    """A share the progress bar shows (``data=``, ``comp=``, ``comm=``), over a whole fit:
+    the seconds of ``kind`` ("data": the steps waited for their batches, "compute",
+    "communication") / the training seconds, each summed over ranks and epochs of the
+    history's per-epoch ``seconds`` (one epoch's: ``spark_estimator.shared.history.
+    time_shares``); None for a history without timings."""
+    records = [r["seconds"] for r in history if r.get("seconds")]
+    train = sum(sum(s["train"]) for s in records)
+    return sum(sum(s[kind]) for s in records) / train if train else None
+
+
 def dataset_files(store) -> dict[str, float]:
     """Every file under the store's ``datasets/`` with its modification time."""
     root = Path(store.datasets)
@@ -389,6 +421,37 @@ def machine_lines(env: dict, extra: tuple[str, ...] = ()) -> list[str]:
         f"- Code: {env['commit']}; 1-minute load average {env['load']:.2f} before the run, "
         f"{os.getloadavg()[0]:.2f} after (other processes may share the cores; re-run if high)",
     ]
+
+
+def add_run_args(parser, quick: str) -> None:
+    """The arguments of ``image_fit.py`` and ``text_fit.py`` beside their sizes: the fit's
+    processes and master, the hand loop's DataLoader workers and torch threads, where data
+    and stores go, the quiet-machine wait, ``--quick`` (``quick`` says what it runs) and
+    the record arguments."""
+    parser.add_argument("--num-proc", type=int, default=2, help="training processes of the fit")
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument(
+        "--loader-workers", type=int, default=os.cpu_count(), help="the hand loop's workers"
+    )
+    parser.add_argument(
+        "--hand-threads",
+        default=f"1,{os.cpu_count()}",
+        help="torch thread counts of the hand loop's training process, each timed; the "
+        "fastest is the baseline",
+    )
+    parser.add_argument("--data", default=str(DATA), help="folder of the generated data")
+    parser.add_argument("--store-dir", default=tempfile.gettempdir(), help="where stores go")
+    parser.add_argument("--quiet-timeout", type=float, default=60.0)
+    parser.add_argument("--quick", action="store_true", help=f"a validation run: {quick}")
+    add_record_args(parser)
+
+
+def fill_sizes(args, sizes: dict[str, tuple[int, int]]) -> None:
+    """Each argument of ``sizes`` (name -> (full, quick)) left unset: its quick value with
+    ``--quick``, else its full one."""
+    for name, (full, quick) in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
 
 
 def add_record_args(parser) -> None:

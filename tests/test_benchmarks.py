@@ -135,3 +135,63 @@ def test_fsdp_memory_per_rank_measures_targets_and_limit():
     ddp2, fsdp4 = (module.needed_bytes(params, n, p, base) for n, p in ((2, "ddp"), (4, "fsdp")))
     assert ddp2 == 2 * (base + 20 * params) + 12 * params
     assert fsdp4 == 4 * (base + 4 * params) + 8 * params
+
+
+# -- benchmarks/image_fit.py and text_fit.py: their pieces, without Spark or timing -------------
+def benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # bench_common registers itself for pickling by value
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_data_and_communication_shares_are_summed_over_ranks_and_epochs():
+    bench_common = benchmark("bench_common")
+    history = [
+        {"seconds": {"train": [4.0, 4.0], "data": [1.0, 3.0], "communication": [0.5, 0.5]}},
+        {"seconds": {"train": [2.0, 2.0], "data": [0.0, 2.0], "communication": [0.0, 0.0]}},
+        {"train": {"loss": 1.0}},  # a record without timings
+    ]
+    assert bench_common.time_share(history) == 0.5
+    assert bench_common.time_share(history, "communication") == pytest.approx(1 / 12)
+    assert bench_common.time_share([{"train": {"loss": 1.0}}]) is None
+    assert bench_common.thread_counts("2,1,2") == [1, 2]
+
+
+def test_image_fit_decodes_its_generated_jpegs_to_crops_both_models_take():
+    pytest.importorskip("PIL")
+    import numpy as np
+
+    module = benchmark("image_fit")
+    data = module.make_image(13)
+    assert data[:2] == b"\xff\xd8" and data == module.make_image(13)  # JPEG, reproducible
+    train = module.decode({"content": data}, np.random.default_rng(0))["content"]
+    assert train.dtype == torch.uint8 and tuple(train.shape) == (3, module.CROP, module.CROP)
+    centre = module.decode({"content": data}, None)["content"]
+    assert tuple(centre.shape) == (3, module.CROP, module.CROP)
+    batch = torch.stack([train, centre])
+    for name in module.MODELS:
+        assert tuple(module.build(name)(batch).shape) == (2, module.CLASSES)
+
+
+def test_text_fit_tokenizes_pickles_without_its_tokenizer_and_pads_with_a_mask(tmp_path):
+    import cloudpickle
+    import numpy as np
+
+    module = benchmark("text_fit")
+    texts, labels = module.sentences(8)
+    assert module.sentences(4)[0] == texts[:4] and set(labels) <= set(range(module.CLASSES))
+    (tmp_path / "words.json").write_text(__import__("json").dumps(module.vocabulary()))
+    tokenize = module.Tokenize(tmp_path)  # the word -> id dict (no tokenizer.json here)
+    ids = tokenize({"text": texts[0]}, None)["text"]
+    assert ids.dtype == torch.int64 and len(ids) == len(texts[0].split()) and ids.min() >= 2
+    again = cloudpickle.loads(cloudpickle.dumps(tokenize))
+    assert again._encode is None and torch.equal(again.ids(texts[0]), ids)
+    rows = [(tokenize.ids(t), int(y)) for t, y in zip(texts[:3], labels[:3])]
+    padded, mask, y = module.pad_collate(rows)
+    lengths = [len(r[0]) for r in rows]
+    assert padded.shape == (3, max(lengths)) and mask.sum(1).tolist() == lengths
+    assert (padded[~mask] == 0).all() and y.tolist() == [int(v) for v in labels[:3]]
+    assert tuple(module.build()(padded, mask).shape) == (3, module.CLASSES)
+    assert np.isfinite(module.build()(padded, mask).detach().numpy()).all()
