@@ -46,8 +46,7 @@ class BadRow(ValueError):
 
 class Decoded(Mapping):
     """One batch after decoding: column name -> tensor (or list, for strings left as
-    they are), ``masks`` of the padded feature sequences, ``kept`` the positions of the
-    batch's rows that decoded (None: all)."""
+    they are), the ``masks`` of its padded feature sequences, and its ``rows``."""
 
     def __init__(self, columns: dict[str, Any], masks: dict[str, torch.Tensor], rows: int):
         self.columns, self.masks, self.rows = columns, masks, rows
