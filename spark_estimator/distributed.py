@@ -25,37 +25,98 @@ _mesh: tuple[RankInfo, DeviceMesh] | None = None  # the running task's, made on 
 
 
 def rank() -> int:
-    """This process's rank in the job, 0 .. size() - 1."""
+    """This process's rank in the job.
+
+    Returns
+    -------
+    int
+        0 .. ``size() - 1``.
+
+    Raises
+    ------
+    RuntimeError
+        Outside a task of ``spark_estimator.run`` (or of a fit's training loop).
+    """
     return current_rank_info().rank
 
 
 def size() -> int:
-    """The number of processes in the job."""
+    """The number of processes in the job.
+
+    Returns
+    -------
+    int
+        The job's number of ranks.
+
+    Raises
+    ------
+    RuntimeError
+        Outside a task of ``spark_estimator.run`` (or of a fit's training loop).
+    """
     return current_rank_info().world_size
 
 
 def local_rank() -> int:
-    """This process's rank among the job's processes on the same host."""
+    """This process's rank among the job's processes on the same host.
+
+    Returns
+    -------
+    int
+        0 .. ``local_size() - 1``.
+
+    Raises
+    ------
+    RuntimeError
+        Outside a task of ``spark_estimator.run`` (or of a fit's training loop).
+    """
     return current_rank_info().local_rank
 
 
 def local_size() -> int:
-    """The number of the job's processes on this host."""
+    """The number of the job's processes on this host.
+
+    Returns
+    -------
+    int
+        How many of the job's ranks run on this host.
+    """
     return current_rank_info().local_size
 
 
 def device() -> torch.device:
-    """The device this task pinned: the GPU Spark assigned it, or the CPU."""
+    """The device this task pinned: the GPU Spark assigned it, or the CPU.
+
+    Returns
+    -------
+    torch.device
+        ``cuda:<index>`` of the task's GPU, or ``cpu``.
+    """
     return current_rank_info().device
 
 
 def device_mesh() -> DeviceMesh:
-    """A 1-D DeviceMesh over every rank of the job, of ``device()``'s type ("cuda" or
-    "cpu"): what ``fully_shard(module, mesh=...)`` (FSDP2) and DTensor shard over.
+    """A 1-D DeviceMesh over every rank of the job, for FSDP2 and DTensor.
 
     It spans the job's process group (no new group is formed) and is made once per task
     (a collective: call it on every rank): a later task in the same (reused) Python worker,
-    in a new group, gets a new mesh, named anew (see ``worker/comm/fsdp.mesh``).
+    in a new group, gets a new mesh, named anew (see ``worker.comm.fsdp.mesh``).
+
+    Returns
+    -------
+    torch.distributed.device_mesh.DeviceMesh
+        A mesh of ``device()``'s type ("cuda" or "cpu"): what
+        ``fully_shard(module, mesh=...)`` (FSDP2) and DTensor shard over.
+
+    Raises
+    ------
+    RuntimeError
+        Outside a task of ``spark_estimator.run`` (or of a fit's training loop).
+
+    Examples
+    --------
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> from spark_estimator import distributed as sd
+    >>> fully_shard(model, mesh=sd.device_mesh())                       # doctest: +SKIP
     """
     global _mesh
     info = current_rank_info()
@@ -79,9 +140,34 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
 def allreduce(value, average: bool = True):
     """The sum over ranks of ``value``, divided by ``size()`` when ``average``.
 
-    ``value`` is a tensor, a Python int or float, or a numpy integer or float scalar, and
-    the result is of the same kind (an integer average is a float). The input is not
-    modified.
+    A collective: every rank calls it, with values of the same kind and shape.
+
+    Parameters
+    ----------
+    value : torch.Tensor, int, float or numpy scalar
+        A tensor (on the CPU or the task's device), a Python int or float, or a numpy
+        integer or float scalar. It is not modified.
+    average : bool, default True
+        Divide the sum by ``size()``.
+
+    Returns
+    -------
+    torch.Tensor, int, float or numpy scalar
+        The result, of the same kind as ``value`` (an integer average is a float); a tensor
+        comes back on ``value``'s device.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is of another type.
+    RuntimeError
+        Outside a task of ``spark_estimator.run`` (or of a fit's training loop).
+
+    Examples
+    --------
+    >>> from spark_estimator import distributed as sd
+    >>> mean_loss = sd.allreduce(loss.detach())                         # doctest: +SKIP
+    >>> total = sd.allreduce(len(batch), average=False)                 # doctest: +SKIP
     """
     world = size()
     if isinstance(value, torch.Tensor):
@@ -101,7 +187,34 @@ def allreduce(value, average: bool = True):
 
 
 def broadcast_object(obj: Any, root: int = 0) -> Any:
-    """``root``'s ``obj`` on every rank (any picklable object; the others pass anything)."""
+    """``root``'s ``obj`` on every rank.
+
+    A collective: every rank calls it.
+
+    Parameters
+    ----------
+    obj : object
+        On ``root``, any picklable object; the other ranks pass anything (it is ignored).
+    root : int, default 0
+        The rank whose ``obj`` is sent.
+
+    Returns
+    -------
+    object
+        ``root``'s ``obj``, unpickled on every rank.
+
+    Raises
+    ------
+    ValueError
+        ``root`` is not a rank of the job.
+    RuntimeError
+        Outside a task of ``spark_estimator.run`` (or of a fit's training loop).
+
+    Examples
+    --------
+    >>> from spark_estimator import distributed as sd
+    >>> config = sd.broadcast_object(read_config() if sd.rank() == 0 else None)  # doctest: +SKIP
+    """
     info = current_rank_info()
     if not 0 <= root < info.world_size:
         raise ValueError(f"root: must be a rank in [0, {info.world_size}), got {root}")

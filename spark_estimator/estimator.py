@@ -1,8 +1,8 @@
 """Driver: TorchEstimator, the Spark ML Estimator that trains a torch model on a DataFrame
-with our own DistributedDataParallel loop (``worker/loop/train.py``).
+with our own DistributedDataParallel loop (``worker.loop.train``).
 
-The fit itself (validate, materialize, launch, build the TorchModel) is in
-``driver/fit.py``; this module checks what the loop trains with.
+The fit itself (validate, materialize, launch, build the TorchModel) is
+``StoreEstimator.fit``; this module checks what the loop trains with.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .driver.params import EstimatorParams
 from .model import TorchModel
 from .shared.spec import COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
 
-# the params whose objects the executors rebuild from one pickle (worker/loop/objects.py)
+# the params whose objects the executors rebuild from one pickle (worker.loop.objects)
 _BUNDLED = (
     "model",
     "optimizer",
@@ -33,14 +33,26 @@ _BUNDLED = (
 class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams):
     """Trains a ``torch.nn.Module`` on a Spark DataFrame with DistributedDataParallel.
 
-    Each feature column becomes one positional argument of ``model.forward``; the loss is
-    ``loss(output, label)`` summed over label columns (one model output per label column).
-    ``loss`` should average over the batch (PyTorch's default ``reduction="mean"``).
-    See ``explainParams()`` for every parameter.
+    A Spark ML Estimator: ``fit`` checks every param and column on the driver, writes the
+    selected columns once to Parquet in the ``store``, trains on ``num_proc`` barrier tasks
+    with our own training loop and returns a ``TorchModel``. Each feature column becomes one
+    positional argument of ``model.forward``; the loss is ``loss(output, label)`` summed over
+    label columns (one model output per label column). ``loss`` should average over the
+    batch (PyTorch's default ``reduction="mean"``).
 
-    >>> est = TorchEstimator(model=net, optimizer=opt, loss=torch.nn.MSELoss(),
-    ...                      feature_cols=["x"], label_cols=["y"], store=Store.create(path))
-    >>> model = est.fit(df)   # a TorchModel
+    The constructor's Parameters section (``help(TorchEstimator.__init__)``),
+    ``explainParams()`` and docs/parameters.md describe every parameter.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from spark_estimator import Store, TorchEstimator
+    >>> net = torch.nn.Linear(3, 1)
+    >>> est = TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+    ...                      loss=torch.nn.MSELoss(), feature_cols=["x"], label_cols=["y"],
+    ...                      epochs=5, store=Store.create("/tmp/store"))
+    >>> model = est.fit(df)                                             # doctest: +SKIP
+    >>> model.transform(df).select("prediction").show(3)                # doctest: +SKIP
     """
 
     _MODEL = TorchModel
@@ -91,7 +103,7 @@ class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams)
         )
 
     def _commit_every_steps(self) -> int:
-        """commit_every_steps for the loop: its default resolved (loop/commits.py)."""
+        """commit_every_steps for the loop: its default resolved (``worker.loop.commits``)."""
         if self.getCommitEverySteps() is not None:
             validate.check_non_negative("commit_every_steps", self.getCommitEverySteps())
             return self.getCommitEverySteps()

@@ -4,7 +4,7 @@
         [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
         [--min-np N] [--max-np N] [--elastic-timeout S]
         [--start-timeout S] [--gpu | --no-gpu] [--no-stage-level-scheduling]
-        train.py [script args ...]
+        SCRIPT [script args ...]
 
 (also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
 ``--master`` (default ``local[<np>]``: this machine, one core per rank) and every
@@ -149,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
 def _defaults(conf: dict[str, str]) -> dict[str, str]:
     """``conf`` with the launcher's defaults where it says nothing: no console progress bar
     (its lines would break the ranks'). Which Python the tasks run is ``run``'s choice, as
-    for any program (``driver/task_python.py``): this launcher's on this machine's masters,
+    for any program (``use_task_python``): this launcher's on this machine's masters,
     unless ``spark.pyspark.python`` or ``PYSPARK_PYTHON`` names another."""
     return {"spark.ui.showConsoleProgress": "false", **conf}
 
@@ -174,6 +174,8 @@ def _resizes_shown() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``spark-estimator-run`` command: parse ``argv`` (by default the command line),
+    run the script on Spark and return the exit status (0, 1 or 2, as the module says)."""
     options = parser().parse_args(argv)
     from pyspark.sql import SparkSession
 

@@ -2,8 +2,8 @@
 
 The module's own ``training_step``, ``validation_step`` and ``configure_optimizers`` run in
 a Lightning Trainer on every barrier task, with DDP over the job's process group, fed by
-the same data path as TorchEstimator (``worker/lightning/train.py``). The fit itself
-(validate, materialize, launch, build the TorchModel) is in ``driver/fit.py``.
+the same data path as TorchEstimator (``worker.lightning.train``). The fit itself
+(validate, materialize, launch, build the TorchModel) is ``StoreEstimator.fit``.
 Lightning is an optional extra: ``pip install 'spark-estimator[lightning]'``.
 """
 
@@ -22,6 +22,12 @@ from .model import TorchModel
 class LightningEstimator(LightningEstimatorConstructor, StoreEstimator, LightningParams):
     """Trains a ``LightningModule`` (lightning 2.x) on a Spark DataFrame.
 
+    A Spark ML Estimator: ``fit`` checks every param and column on the driver, writes the
+    selected columns once to Parquet in the ``store``, runs the module's own
+    ``training_step``, ``validation_step`` and ``configure_optimizers`` in a Lightning
+    Trainer on ``num_proc`` barrier tasks (DDP over the job's process group) and returns a
+    ``TorchModel``.
+
     Every batch the module sees is a dict column name -> tensor on its device: the feature
     columns (shaped by ``input_shapes``) and the label columns, so ``training_step`` reads
     e.g. ``batch["features"]`` and ``batch["label"]``. What it logs per epoch with
@@ -30,9 +36,18 @@ class LightningEstimator(LightningEstimatorConstructor, StoreEstimator, Lightnin
     ``training_step``'s loss. Lightning callbacks run on every process. The fitted
     TorchModel's ``transform`` calls the module's ``forward`` with the feature columns.
 
+    The constructor's Parameters section (``help(LightningEstimator.__init__)``),
+    ``explainParams()`` and docs/parameters.md describe every parameter; docs/lightning.md
+    the rest. Lightning is an optional extra: ``pip install 'spark-estimator[lightning]'``.
+
+    Examples
+    --------
+    >>> from spark_estimator import LightningEstimator, Store
     >>> est = LightningEstimator(model=MyModule(), feature_cols=["features"],
-    ...                          label_cols=["label"], store=Store.create(path), epochs=5)
-    >>> model = est.fit(df)   # a TorchModel
+    ...                          label_cols=["label"], store=Store.create("/tmp/store"),
+    ...                          epochs=5)                              # doctest: +SKIP
+    >>> model = est.fit(df)                                             # doctest: +SKIP
+    >>> model.getHistory()[-1]["train"]["loss"]                         # doctest: +SKIP
     """
 
     _MODEL = TorchModel

@@ -43,10 +43,27 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
     """A trained torch module as a Spark ML Transformer, made by the ``fit`` of
     TorchEstimator and LightningEstimator.
 
+    ``transform`` appends the model's outputs to a DataFrame, batch by batch on the
+    executors (``mapInArrow``); with ``classification``, Spark ML's classifier columns.
     ``getHistory()`` has one dict per epoch, e.g. ``{"epoch": 1, "train": {"loss": 0.3},
-    "validation": {"loss": 0.4}}``; ``getModel()`` is the trained module on CPU.
-    ``copy(extra)`` keeps the uid and gives the copy its own module, history and summary.
-    A param given as None is left unset (at its default).
+    "validation": {"loss": 0.4}}``; ``getModel()`` is the trained module on CPU;
+    ``getTrainingSummary()`` says how it was trained. ``save`` and ``TorchModel.load``
+    persist it as any Spark ML stage (the module as ``weights.pt`` and ``objects.pkl``, a
+    cloudpickle that ``load`` trusts: docs/security.md). ``copy(extra)`` keeps the uid and
+    gives the copy its own module, history and summary.
+
+    The constructor's Parameters section (``help(TorchModel.__init__)``) lists its params;
+    a param given as None is left unset (at its default).
+
+    Examples
+    --------
+    >>> model = est.fit(df)                                             # doctest: +SKIP
+    >>> model.getHistory()[-1]                                          # doctest: +SKIP
+    {'epoch': 5, 'train': {'loss': 0.02}, 'validation': {'loss': 0.03}}
+    >>> scored = model.transform(df)                                    # doctest: +SKIP
+    >>> model.save("/tmp/model")                                        # doctest: +SKIP
+    >>> same = TorchModel.load("/tmp/model")                            # doctest: +SKIP
+    >>> TorchModel(model=net, feature_cols=["x"]).transform(df)         # doctest: +SKIP
     """
 
     _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary", "feature_kinds")

@@ -6,9 +6,9 @@ torch.distributed process group (gloo on CPU, NCCL on GPU) with the GPU Spark as
 already pinned; inside it, ``spark_estimator.distributed`` gives rank, size,
 device and collectives. A script runs as ``__main__`` with torchrun's variables set, and
 forms the group itself (``hvd.init()`` or ``init_process_group``). The ranks' output
-comes back through the run's folder in a store while they run (``driver/monitor.py``);
-a launch whose ranks entered ``hvd.elastic.run`` is started again after a lost rank, and
-with more ranks when the cluster offers more slots (``horovod/elastic.py``). Every input is
+comes back through the run's folder in a store while they run (``FitMonitor``); a launch
+whose ranks entered ``hvd.elastic.run`` is started again after a lost rank, and with more
+ranks when the cluster offers more slots (``hvd.elastic``, ``ElasticSize``). Every input is
 checked before any Spark job starts.
 """
 
@@ -167,75 +167,132 @@ def run(
     stage_level_scheduling: bool = True,
     max_num_proc: int | None = None,
 ) -> list | Any:
-    """Run ``fn(*args, **kwargs)``, or the script ``fn`` with ``args``, on ``num_proc``
-    Spark barrier tasks, one rank each.
+    """Run a training function, or an unmodified script, on Spark barrier tasks, one rank each.
 
-    ``fn`` is a function, or the path of a Python script (a ``str`` or ``os.PathLike``):
-    the script is read here and shipped, so executors need not see this filesystem, and
-    runs as ``__main__`` with ``sys.argv = [fn, *args]`` (``args``: strings; no
-    ``kwargs``). A function runs inside the job's process group; a script forms it itself
-    (``hvd.init()``, or ``torch.distributed.init_process_group()`` from the ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-    ``MASTER_PORT`` set on each rank, as torchrun does). ``sys.exit(0)`` ends a script
-    successfully.
+    ``fn(*args, **kwargs)``, or the script ``fn`` with ``args``, runs once per rank on
+    ``num_proc`` Spark barrier tasks: the Horovod-on-Spark way of working. A function runs
+    inside the job's initialised torch.distributed process group (gloo on CPU, NCCL on GPU)
+    with the GPU Spark assigned already pinned; inside it, ``spark_estimator.distributed``
+    gives rank, size, device and collectives. A script forms the group itself. What the
+    ranks print reaches the driver while they run. Every input is checked before any Spark
+    job starts.
 
-    ``num_proc`` defaults to every task slot of the cluster; ``spark`` to the active
-    session. ``start_timeout`` is how many seconds to wait for the executors of a cluster
-    to offer ``num_proc`` slots (a local master's are known at once). ``use_gpu``: with
-    ``"auto"`` (the default) each rank pins the GPU Spark assigned to its task, and runs on
-    the CPU where the cluster has no GPUs configured (where it has, a rank that got none is
-    reported by one warning on the driver); True requires a GPU for every rank (a
-    ValueError before any job where Spark gives tasks none); False is the CPU. On a cluster
-    whose executors have one GPU and whose tasks get less than a whole one (a fractional
-    ``spark.task.resource.gpu.amount``, or none), the job runs with a task resource profile
-    of one GPU and all of an executor's cores per rank (stage-level scheduling: one rank per
-    executor, with its GPU; ``num_proc`` then counts GPU slots), where Spark allows it, else
-    with the cluster's task resources and one log line saying why (docs/gpu.md);
-    ``stage_level_scheduling=False`` keeps the cluster's task resources. ``env`` sets
-    environment variables on every rank before ``fn`` runs.
-    Returns the ranks' return values ordered by rank, or only rank 0's with ``rank0_only``
-    (the other ranks then send nothing back); a script returns None. Return values go
-    through the driver's memory; tensors arrive on CPU. ``collective_timeout`` is how many
-    seconds a rank waits for the others, to form the group and in each collective, before
-    it raises.
+    Parameters
+    ----------
+    fn : callable, str or os.PathLike
+        A function, or the path of a Python script. The script is read here and shipped, so
+        executors need not see this filesystem, and runs as ``__main__`` with
+        ``sys.argv = [fn, *args]``; it forms the process group itself (``hvd.init()``, or
+        ``torch.distributed.init_process_group()`` from the ``RANK``, ``WORLD_SIZE``,
+        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set on
+        each rank, as torchrun does). ``sys.exit(0)`` ends a script successfully.
+    args : tuple or list, optional
+        The function's positional arguments, or the script's command line (strings).
+    kwargs : dict, optional
+        The function's keyword arguments (str keys); a script takes none.
+    num_proc : int, optional
+        The number of ranks the job starts with (Horovod's ``-np``). By default every task
+        slot of the cluster (at most ``max_num_proc``).
+    use_gpu : bool or "auto", default "auto"
+        With ``"auto"`` each rank pins the GPU Spark assigned to its task, and runs on the
+        CPU where the cluster has no GPUs configured (where it has, a rank that got none is
+        reported by one warning on the driver). True requires a GPU for every rank (a
+        ValueError before any job where Spark gives tasks none); False is the CPU.
+    spark : pyspark.sql.SparkSession, optional
+        The session whose cluster runs the job; by default the active session.
+    rank0_only : bool, default False
+        Return rank 0's return value only; the other ranks then send nothing back.
+    collective_timeout : float, default 600.0
+        How many seconds a rank waits for the others, to form the group and in each
+        collective, before it raises.
+    env : dict of str to str, optional
+        Environment variables set on every rank before ``fn`` runs.
+    stdout, stderr : file-like, optional
+        Objects with ``write()`` that receive the ranks' lines, each as ``[rank <r>]
+        <line>``: ``stdout`` the ranks' stdout, ``stderr`` their stderr and logging. Where
+        one is None, its lines are logged on the ``spark_estimator.worker`` logger and,
+        with ``verbose`` >= 1 and no logging configured for it, printed to stderr.
+    start_timeout : float, default 30.0
+        How many seconds to wait for the executors of a cluster to offer ``num_proc``
+        slots (a local master's are known at once).
+    verbose : int, default 1
+        0 prints nothing by default; 1 shows the ranks' lines; 2 also has each rank report
+        its host, pid, device and task attempt first.
+    store : Store or str, optional
+        A Store or URL holding the run's folder ``runs/<run_id>/``, through which what the
+        ranks print or log reaches the driver while they run;
+        ``runs/<run_id>/processes/rank-<r>.json`` says where rank r runs (host, pid,
+        launch, attempt). By default a fresh temporary folder, removed afterwards, which
+        only a local or local-cluster master's executors share: give a multi-host cluster a
+        shared ``store``.
+    run_id : str, optional
+        The name of the run's folder in ``store`` (no ``/``); by default a new one. A
+        ``run_id`` with an ``hvd.elastic`` commit resumes from it.
+    max_restarts : int, default 3
+        A rank lost without an error of its own (a killed process, a lost executor) fails
+        the job, unless the ranks had entered ``hvd.elastic.run``: then the job is started
+        again, at most ``max_restarts`` times, and resumes from the last ``state.commit()``
+        in ``runs/<run_id>/elastic/``.
+    min_num_proc : int, optional
+        A restarted job starts with as many ranks as the cluster can run then: with
+        ``min_num_proc``, any number from ``min_num_proc`` to the largest size (the
+        script's reset callbacks see the new size), else at least ``num_proc``.
+    elastic_timeout : float, default 600.0
+        How many seconds a restart waits for those slots.
+    stage_level_scheduling : bool, default True
+        On a cluster whose executors have one GPU and whose tasks get less than a whole one
+        (a fractional ``spark.task.resource.gpu.amount``, or none), run the job with a task
+        resource profile of one GPU and all of an executor's cores per rank (one rank per
+        executor, with its GPU; ``num_proc`` then counts GPU slots), where Spark allows it,
+        else with the cluster's task resources and one log line saying why (docs/gpu.md).
+        False keeps the cluster's task resources.
+    max_num_proc : int, optional
+        The largest size (Horovod's ``--max-np``); by default ``num_proc``. While a launch
+        that entered ``hvd.elastic.run`` runs with fewer ranks (after losing some, or from
+        the start) and the cluster offers more slots, the ranks stop at their next
+        ``state.commit()`` or ``state.check_host_updates()``, and the job starts again with
+        as many ranks as the cluster then runs, up to ``max_num_proc``, from that commit.
+        Growing is no restart: it does not count against ``max_restarts``.
 
-    What the ranks print or log reaches the driver while they run, through the run's
-    folder ``runs/<run_id>/`` of ``store`` (a Store or URL; by default a fresh temporary
-    folder, removed afterwards, which only a local or local-cluster master's executors
-    share: give a multi-host cluster a shared ``store``). Each line, as ``[rank <r>]
-    <line>``, is written to ``stdout`` (the rank's stdout) or ``stderr`` (its stderr and
-    logging) when given; otherwise it is logged on the ``spark_estimator.worker`` logger
-    and, with ``verbose`` >= 1 and no logging configured for it, printed to stderr.
-    ``verbose`` 0 prints nothing by default, 2 also has each rank report its host, pid,
-    device and task attempt first. ``runs/<run_id>/processes/rank-<r>.json`` says where
-    rank r runs (host, pid, launch, attempt).
+    Returns
+    -------
+    list or object
+        The ranks' return values ordered by rank, or only rank 0's with ``rank0_only``;
+        None for a script. Return values go through the driver's memory; tensors arrive on
+        CPU.
 
-    A rank whose ``fn`` raises (or calls ``sys.exit`` with an error) fails the job at once:
-    ``run`` raises a ``TrainingError`` with that rank, its exception's type, message and
-    traceback, and its last lines of output, as a fit does. A rank lost without such an
-    error (a killed process, a lost executor) fails the job too, unless the ranks had
-    entered ``hvd.elastic.run``: then the job is started again, at most ``max_restarts``
-    times, and resumes from the last ``state.commit()`` in ``runs/<run_id>/elastic/``.
-    ``run_id`` names that folder (by default a new one); a ``run_id`` with a commit
-    resumes from it. It starts again with as many ranks as the cluster can run then: with
-    ``min_num_proc``, any number from ``min_num_proc`` to the largest size (the script's
-    reset callbacks see the new size), else at least ``num_proc``; it waits at most
-    ``elastic_timeout`` seconds for those slots (see ``driver/elastic.py``).
+    Raises
+    ------
+    TypeError, ValueError
+        An argument that cannot work (its name first in the message), or a cluster that
+        cannot run the job (too few slots for ``num_proc``, no GPU for ``use_gpu=True``),
+        before any Spark job.
+    FileNotFoundError
+        ``fn`` is a path with no script file.
+    TrainingError
+        A rank's ``fn`` raised (or called ``sys.exit`` with an error): the job fails at
+        once, and the error carries that rank, its exception's type, message and traceback,
+        and its last lines of output, as a fit's does.
+    RuntimeError
+        The tasks' Python cannot run a task or import what training needs (checked by one
+        tiny job first); an elastic job lost ranks more than ``max_restarts`` times, or the
+        cluster did not offer enough slots within ``elastic_timeout``.
 
-    ``num_proc`` is the size the job starts with and ``max_num_proc`` (default
-    ``num_proc``) the largest (Horovod's ``-np`` and ``--max-np``). While a launch that
-    entered ``hvd.elastic.run`` runs with fewer ranks than the largest size (after losing
-    some, or from the start) and the cluster offers more slots, the ranks stop at their
-    next ``state.commit()`` or ``state.check_host_updates()``, and the job starts again
-    with as many ranks as the cluster then runs, up to ``max_num_proc``, from that commit.
-    Growing is no restart: it does not count against ``max_restarts``. Each resize is one
-    log line on the ``spark_estimator.runner`` logger (a loss: WARNING; a growth: INFO).
+    Notes
+    -----
+    Each resize of an elastic job is one log line on the ``spark_estimator.runner`` logger
+    (a loss: WARNING; a growth: INFO). A rank lost outside ``hvd.elastic.run`` fails the
+    job with Spark's own error.
 
+    Examples
+    --------
+    >>> from spark_estimator import run
     >>> def train(lr):
     ...     from spark_estimator import distributed as sd
     ...     return sd.allreduce(sd.rank() * lr, average=False)
-    >>> run(train, args=(0.1,), num_proc=2)
+    >>> run(train, args=(0.1,), num_proc=2)                             # doctest: +SKIP
     [0.1, 0.1]
+    >>> run("train.py", args=["--epochs", "5"], num_proc=4)             # doctest: +SKIP
     """
     script = isinstance(fn, (str, os.PathLike))
     if not script and not callable(fn):

@@ -178,8 +178,8 @@ class RunFolder:
 
 def layout() -> list[str]:
     """Every kind of path in a store, relative to its root, with placeholders (folders end
-    with ``/``): what this module's docstring and docs/store.md list (tests/test_store.py
-    holds them to it)."""
+    with ``/``): what this module's docstring and docs/store.md list (the store's tests
+    hold them to it)."""
     store = Store("/")  # only its paths are used: the filesystem is never opened
     data, run = store.dataset("<key>"), store.run("<run_id>")
     paths = [

@@ -1,7 +1,8 @@
 """Docs that follow the code: docs/parameters.md, spark_estimator/driver/param_accessors.py
 and spark_estimator/driver/constructors.py are what docs/gen_parameters.py writes from the
-params of TorchEstimator, LightningEstimator and TorchModel, and relative links in the user
-docs resolve."""
+params of TorchEstimator, LightningEstimator and TorchModel, relative links in the user
+docs resolve, ``help()`` of each public entry point shows its numpydoc sections, and the
+package's docstrings and comments name no ``.py`` file."""
 
 import importlib.util
 import re
@@ -220,3 +221,125 @@ def test_every_row_of_the_horovod_names_table_gives_a_verdict():
     assert [v for _, v in rows if not v.startswith(VERDICTS)] == []
     # "same" alone or with a note after a colon
     assert all(re.match(r"same($|: | \()", v) for _, v in rows if v.startswith("same"))
+
+
+# -- the package's docstrings and comments ----------------------------------------------------
+
+PACKAGE = ROOT / "spark_estimator"
+GENERATED = {"driver/constructors.py", "driver/param_accessors.py"}  # docs/gen_parameters.py's
+# A ``<name>.py`` in a docstring or comment names a file, which breaks when files move: name
+# the function, class or module meant instead. The exceptions, each a pattern of the text
+# allowed (removed before the search), with its reason:
+PY_NAMES_ALLOWED = {
+    # the script in run()'s examples (its docstring and its module's): a file of the user's,
+    # whose path is what run() takes, not a file of this package
+    r'\brun\("train\.py"',
+}
+PY_NAME = re.compile(r"[\w./-]*\w\.py\b")
+
+
+def test_no_python_file_paths_in_the_package_docstrings_or_comments():
+    """Docstrings and comments name functions, classes, modules (``worker.data.shuffle``)
+    or docs (docs/data-path.md), never ``<name>.py`` files; the generated modules are the
+    generator's business. Scans the whole source text: code holds no such names either."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        if where in GENERATED:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for allowed in PY_NAMES_ALLOWED:
+                line = re.sub(allowed, "", line)
+            found += [f"spark_estimator/{where}:{number}: {n}" for n in PY_NAME.findall(line)]
+    assert found == []
+
+
+def _public(dotted: str):
+    """The object at ``dotted`` (``spark_estimator.horovod.elastic.run``), by attributes."""
+    import importlib
+
+    module, _, rest = dotted.partition(":")
+    obj = importlib.import_module(module)
+    for part in rest.split(".") if rest else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+P, R, X, E = "Parameters", "Returns", "Raises", "Examples"
+# Each public entry point: the numpydoc sections its own docstring has (for a stage class,
+# Examples in the class's and Parameters in its generated constructor's).
+PUBLIC_DOCS = {
+    "spark_estimator:run": (P, R, X, E),
+    "spark_estimator:TorchEstimator": (E,),
+    "spark_estimator:TorchEstimator.__init__": (P,),
+    "spark_estimator:TorchEstimator.fit": (P, R, X, E),
+    "spark_estimator:TorchEstimator.fit_on_parquet": (P, R, X, E),
+    "spark_estimator:TorchEstimator.materialize": (P, R, X),
+    "spark_estimator:LightningEstimator": (E,),
+    "spark_estimator:LightningEstimator.__init__": (P,),
+    "spark_estimator:TorchModel": (E,),
+    "spark_estimator:TorchModel.__init__": (P,),
+    "spark_estimator:TorchModel.transform": (P, R, X, E),
+    "spark_estimator:Store.create": (P, R, X, E),
+    "spark_estimator.launcher:main": (),  # the CLI's: its usage is the module's docstring
+    "spark_estimator.distributed:rank": (R, X),
+    "spark_estimator.distributed:size": (R, X),
+    "spark_estimator.distributed:local_rank": (R, X),
+    "spark_estimator.distributed:allreduce": (P, R, X, E),
+    "spark_estimator.distributed:broadcast_object": (P, R, X, E),
+    "spark_estimator.distributed:device_mesh": (R, X, E),
+    "spark_estimator.horovod:init": (P, X, E),
+    "spark_estimator.horovod:shutdown": (),
+    "spark_estimator.horovod:rank": (R, X),
+    "spark_estimator.horovod:size": (R, X),
+    "spark_estimator.horovod:local_rank": (R, X),
+    "spark_estimator.horovod:allreduce": (P, R, X, E),
+    "spark_estimator.horovod:allreduce_async": (P, R, X, E),
+    "spark_estimator.horovod:allgather": (P, R, X, E),
+    "spark_estimator.horovod:broadcast": (P, R, X, E),
+    "spark_estimator.horovod:broadcast_parameters": (P, X, E),
+    "spark_estimator.horovod:broadcast_optimizer_state": (P, X, E),
+    "spark_estimator.horovod:DistributedOptimizer": (P, R, X, E),
+    "spark_estimator.horovod:join": (R, X, E),
+    "spark_estimator.horovod:elastic.run": (P, R, E),
+    "spark_estimator.horovod:elastic.TorchState": (P, E),
+    "spark_estimator.horovod:run": (P, R, X, E),
+    "spark_estimator.horovod:add_process_set": (P, R, X, E),
+}
+
+
+def _has_section(text: str, header: str) -> bool:
+    """A numpydoc section header: the name on its own line, underlined by as many dashes
+    (in pydoc's text too, where class members' lines start with `` |  ``)."""
+    return re.search(rf"^[ |]*{header}\n[ |]*-{{{len(header)}}}$", text, re.M) is not None
+
+
+@pytest.mark.parametrize("dotted", sorted(PUBLIC_DOCS))
+def test_help_of_each_public_entry_point_shows_its_numpydoc_sections(dotted):
+    import inspect
+    import pydoc
+
+    obj = _public(dotted)
+    own = inspect.getdoc(obj)
+    assert own and own.splitlines()[0].strip(), f"{dotted}: no one-line summary"
+    shown = pydoc.plaintext.document(obj)  # what help() prints (less its pager header)
+    for header in PUBLIC_DOCS[dotted]:
+        assert _has_section(own, header), f"{dotted}: no {header} section"
+        assert _has_section(shown, header), f"{dotted}: help() shows no {header} section"
+    # Parameters wherever the call takes any (beyond self and a method's params override)
+    if callable(obj) and not isinstance(obj, type) and dotted.split(".")[-1] != "__init__":
+        takes = [n for n in inspect.signature(obj).parameters if n not in ("self", "params")]
+        if takes and dotted != "spark_estimator.launcher:main":
+            assert P in PUBLIC_DOCS[dotted], f"{dotted} takes {takes}: list Parameters"
+
+
+def test_help_of_the_stage_classes_shows_their_constructor_parameters():
+    """``help(TorchEstimator)`` prints the class's Examples and, under ``__init__``, the
+    generated Parameters section."""
+    import pydoc
+
+    import spark_estimator
+
+    for name in ("TorchEstimator", "LightningEstimator", "TorchModel"):
+        shown = pydoc.render_doc(getattr(spark_estimator, name), renderer=pydoc.plaintext)
+        assert _has_section(shown, P) and _has_section(shown, E), name

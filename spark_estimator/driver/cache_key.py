@@ -15,7 +15,7 @@ leaves out the files. So the key is built from
   this Spark application, so such data is reused within a session and never across,
 - the selected columns, their dtypes, the validation split and the write options.
 
-On Spark Connect the JVM's plan is not reachable from Python; ``connect_plan.py`` builds
+On Spark Connect the JVM's plan is not reachable from Python; ``connect_fingerprint`` builds
 the fingerprint from the client's plan message, the server's analyzed plan text and the
 input files instead, with the same rules (valid across sessions only where the plan
 describes its rows).

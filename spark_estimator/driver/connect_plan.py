@@ -1,4 +1,4 @@
-"""Driver: what identifies the rows of a Spark Connect DataFrame (for ``cache_key.py``).
+"""Driver: what identifies the rows of a Spark Connect DataFrame (for ``cache_key``).
 
 A Connect DataFrame holds its plan as the protobuf message the client sends to the server;
 the server's analyzed plan is reachable only as text. The fingerprint is built from

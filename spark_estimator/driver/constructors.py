@@ -1,5 +1,5 @@
 """Typed keyword constructors of TorchEstimator, LightningEstimator and TorchModel: each
-keyword is a param declared once, as a ParamSpec, in driver/params.py (with its default
+keyword is a param declared once, as a ParamSpec, in ``driver.params`` (with its default
 and its doc in the docstring's Parameters section), so the three signatures cannot drift
 from the params or from each other.
 

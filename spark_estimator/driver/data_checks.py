@@ -1,10 +1,10 @@
 """Driver: the checks of a dataset's values, counted by the materialization's own write.
 
 ``counted_columns`` tells the executors' writer what to count in the batches it writes
-(``shared/column_stats.py``), so the data is not read twice: per column its null rows; per
+(``column_stats``), so the data is not read twice: per column its null rows; per
 array column its null elements and min/max length; per feature and float label its NaN and
 infinite values; per scalar label of class indices its min and max (the probe tries the
-loss on them, ``loss_probe.py``), and where the DataFrame holds them as floats
+loss on them, ``check_loss``), and where the DataFrame holds them as floats
 (StringIndexer's labels), the values that are not whole numbers. ``check_observed`` turns
 the merged counts into the error naming the column, and ``check_row_lengths`` checks
 ``input_shapes`` against the row lengths (also for a dataset reused from the store, whose

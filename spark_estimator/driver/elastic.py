@@ -2,7 +2,7 @@
 
 A fit's barrier job fails as a whole when one of its processes is lost (a killed process,
 a lost executor, a host gone). Unless a rank recorded an error of the training code
-(``shared/failures.py``), the driver starts the job again, at most ``max_restarts`` times,
+(``record_failure``), the driver starts the job again, at most ``max_restarts`` times,
 and the ranks resume from the last checkpoint. ``ElasticSize`` decides with how many
 processes: a fixed-size fit (``min_num_proc`` unset) waits for ``num_proc`` task slots; an
 elastic one takes what the cluster offers, between ``min_num_proc`` and ``num_proc``. Either
@@ -12,7 +12,7 @@ While an elastic fit runs with fewer than ``num_proc`` processes, ``grow_to`` sa
 cluster offers more slots again; the driver then asks the ranks to stop
 (``request_growth``: the run's ``elastic/grow.json``), at the end of the epoch for a fit, at
 the next ``state.commit()`` or ``check_host_updates()`` for an ``hvd.elastic`` script of
-``run`` (``horovod/elastic.py``); they commit and return, and the job is started again
+``run`` (``hvd.elastic``); they commit and return, and the job is started again
 larger (``after_growth_request``), which is no restart: it does not count against
 ``max_restarts``. Every change of size is a ``Resize`` in a fit's training summary.
 """

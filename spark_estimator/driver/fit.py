@@ -47,7 +47,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
 
     _BUNDLED: tuple[str, ...] = ()  # object params pickled together for the executors
     _REQUIRED: tuple[str, ...] = ("model", "feature_cols", "label_cols", "store")
-    _TRAINER = "torch"  # the executor loop (worker/task.py)
+    _TRAINER = "torch"  # the executor loop (training_task)
     # the fitted model's class: TorchModel, which the public modules above the driver name
     # (this module builds it from what the training job returns; it imports no front)
     _MODEL: type[Model]
@@ -337,7 +337,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
         return self.getOrDefault("sample_weight_col") if has else None
 
     def _run_fields(self, num_proc: int) -> dict:
-        """The params every run's checkpoints depend on (see driver/run_manifest.py)."""
+        """The params every run's checkpoints depend on (see ``run_manifest``)."""
         return {
             "num_proc": num_proc,
             "batch_size": self.getBatchSize(),

@@ -30,11 +30,11 @@ class Training(NamedTuple):
 
     bundle: bytes  # the one cloudpickle the executors rebuild the objects from
     loop: LoopSpec | None  # our loop's parameters; None for Lightning (its Trainer's own)
-    manifest: dict  # what checkpoints depend on besides the data (driver/run_manifest.py)
+    manifest: dict  # what checkpoints depend on besides the data (run_manifest)
     # checks the callbacks, given whether the fit has validation data
     check_callbacks: Callable[[bool], None]
     # (features, labels, sample_weight, *, row_lengths, transformation_fn, label_ranges) ->
-    # False when the columns' shapes are not known yet (driver/loss_probe.py); None: no loss
+    # False when the columns' shapes are not known yet (loss_probe.check_loss); None: no loss
     # to probe
     probe_loss: Callable[..., bool] | None = None
     # the line a fit logs first (TorchEstimator: the learning rate each rank uses, and why)

@@ -7,14 +7,14 @@ store, not through rows.
 
 Spark does not retry a failed barrier stage whose output is the job's result: after a lost
 task the whole job fails, and the driver decides whether to start it again
-(``driver/elastic.py``).
+(``ElasticSize``).
 
 On Spark Connect there is no SparkContext on this side: slots are counted from the
 server's configuration alone (see ``connect_slots``), and the job is labelled with a job
 tag (``spark.addTag``) instead of a job description.
 
 A job may run with a task resource ``profile`` (stage-level scheduling,
-``driver/stage_profile.py``): its slots are then counted under it (the profile's cpus per
+``task_profile``): its slots are then counted under it (the profile's cpus per
 task), and the job is ``mapInPandas(..., profile=...)``, or on pyspark 3.5, which has no
 such argument, the same tasks as an RDD ``withResources(profile)``.
 """

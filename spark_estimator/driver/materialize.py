@@ -7,7 +7,7 @@ labels to ``dtype``, integral labels to int64 (class indices); labels read as cl
 that the DataFrame holds as floats (StringIndexer's) are counted and cast by the writer.
 The rows are repartitioned into ``num_files`` partitions, and each partition is written by
 its executor with pyarrow through the store's fsspec filesystem
-(``worker/data/parquet_writer.py``, run by ``mapInArrow``): at most ``num_files`` files per
+(``write_partition``, run by ``mapInArrow``): at most ``num_files`` files per
 split, row groups of about ``row_group_bytes``, each file moved into place only when
 complete. Spark's own writer is not used, so any fsspec store works with its
 ``storage_options`` alone (no Hadoop connector or configuration), and the driver needs no
@@ -15,17 +15,17 @@ SparkContext (Spark Connect). The executors return each file's row-group sizes, 
 footer is read back.
 
 The same write checks the converted values: each executor counts them in the Arrow
-batches it writes (``shared/column_stats.py``; no extra pass over the data) and returns
+batches it writes (``column_stats``; no extra pass over the data) and returns
 the counts with its files: nulls in every column (null rows, and null elements inside
 arrays), NaN and +-inf in features and float labels, and arrays of one length per column,
-whose lengths are also checked against ``input_shapes`` (see ``data_checks.py``). A failed
+whose lengths are also checked against ``input_shapes`` (see ``check_row_lengths``). A failed
 check raises on the driver before the training job starts.
 
 Each write goes to its own folder, ``datasets/<key>/<write-id>``, which no other fit ever
 writes or removes. ``datasets/<key>/_meta.json`` (row counts and row-group sizes per file,
 row lengths, and what the key was computed from) is written last, atomically, and names the
 complete write; a dataset whose ``_meta.json`` exists is complete and is reused by any later
-fit, in any session, with the same key (see ``cache_key.py``). Two fits writing the same key
+fit, in any session, with the same key (see ``cache_key``). Two fits writing the same key
 at once both end with a complete dataset: the one that finds ``_meta.json`` already there
 drops its own write and uses the published one; if both publish, the last ``_meta.json``
 wins and the other write stays, unnamed but intact, for the fit that is reading it.

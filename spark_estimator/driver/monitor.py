@@ -1,6 +1,6 @@
 """Driver: follow a running fit through the store: progress bar and the ranks' output.
 
-While the training job runs, a thread reads what the ranks write (``worker/observe/run_log.py``)
+While the training job runs, a thread reads what the ranks write (``RankLog``)
 every ``POLL_S`` seconds:
 
 - each new chunk of a rank's output is logged, line by line, as ``[rank <r>] <line>`` on
@@ -17,12 +17,12 @@ The last lines of every rank are kept for error messages (``tail``). Reading is
 best-effort: a store that fails for a moment delays lines, it never fails the fit.
 
 Given ``cancel``, it also ends a job that outlives its recorded failure: once a rank has
-written the launch's failure record (``shared/failures.py``), Spark normally fails the
+written the launch's failure record (``record_failure``), Spark normally fails the
 job within seconds (the failing task ends, Spark kills the others). Should a rank not end
 (one that waits on a peer Spark never kills), ``cancel`` is called ``FAILED_JOB_GRACE_S``
 after the record appeared, and the fit raises the recorded error. Given ``watch``, it
 calls it every ``WATCH_S`` seconds while the job runs (an elastic fit asks its ranks to grow
-from there, ``driver/fit.py``).
+from there, in ``driver.training_job``).
 """
 
 from __future__ import annotations

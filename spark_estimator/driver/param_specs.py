@@ -4,7 +4,7 @@ definition of a param (name, doc, type converter, default); ``SpecParams``, whic
 defaults; the type converters the specs name; and the names of Spark's own params:
 snake_case spellings accepted for Spark's (``SPARK_ALIASES``) and Spark ML's names of
 column params that are refused, naming ours (``SPARK_ML_NAMES``). The params themselves are
-declared in ``driver/params.py``.
+declared in the ``driver.params`` module.
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """Spark ML Params of TorchEstimator, LightningEstimator and TorchModel (driver side): the
 declarations of the params. Over 500 lines by design: it declares some 70 params and
 keywords, each with its doc (the text of ``explainParams()``, docs/parameters.md and the
-constructors' docstrings); the machinery they are declared with is in
-``driver/param_specs.py``.
+constructors' docstrings); the machinery they are declared with is in the
+``param_specs`` module.
 
 Each param is written once, as a ``ParamSpec`` (name, doc, type converter, default) in the
 ``_specs`` of the class that declares it; ``SpecParams`` makes the real
 ``pyspark.ml.param.Param`` of every spec and sets the defaults. The ``getX``/``setX``
 accessors (``batch_size`` -> ``getBatchSize``/``setBatchSize``) are plain methods of the
-mixins in ``driver/param_accessors.py``, which docs/gen_parameters.py writes from the specs (so
-editors and type checkers see them; tests/test_docs.py fails when it is out of date).
+mixins of the ``param_accessors`` module, which the docs' generator (``gen_parameters``, see
+docs/parameters.md) writes from the specs, so editors and type checkers see them (the docs
+tests fail when it is out of date).
 Names follow Horovod's Spark estimator wherever it has the same concept, so migrating users
 keep them; Spark's ``probabilityCol`` and ``rawPredictionCol`` are also accepted as
 ``probability_col`` and ``raw_prediction_col``.
@@ -105,7 +106,7 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             to_optional_list_str,
             default=None,
         ),
-        # -- variable columns (images, text, sequences): worker/data/decode.py --------------
+        # -- variable columns (images, text, sequences): worker.data.decode ----------------
         ParamSpec(
             "decode_fn",
             "function (row, augment) -> row applied to every row's variable columns (binary, "

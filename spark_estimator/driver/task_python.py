@@ -3,8 +3,8 @@
 PySpark starts the tasks' Python as ``SparkContext.pythonExec``, read once from
 ``PYSPARK_PYTHON`` (else ``python3`` from the PATH) when the context starts; a
 ``spark.pyspark.python`` given to ``SparkSession.builder`` is only honoured by
-``spark-submit``. So a program run as ``.venv/bin/python prog.py`` without the virtual
-environment active would have its tasks run another Python, without torch or
+``spark-submit``. So a program run with the virtual environment's ``.venv/bin/python``, the
+environment not active, would have its tasks run another Python, without torch or
 spark-estimator. ``use_task_python`` decides it instead, for every job that follows:
 ``spark.pyspark.python`` when set, else ``PYSPARK_PYTHON``, else, on this machine's
 masters (``local``, ``local-cluster``), the driver's own interpreter; on a cluster,

@@ -185,7 +185,7 @@ def check_bucketing(bucket_by_length: bool, columns: list[ColumnSpec] | None, sh
 def as_class_indices(spec: ColumnSpec) -> ColumnSpec:
     """A scalar label column read as class indices: loaded as int64 whatever its numeric
     type (StringIndexer's labels are doubles); its values must be whole numbers, which the
-    materialization's write checks (``data_checks.py``)."""
+    materialization's write checks (``check_observed``)."""
     if spec.kind == "scalar" and not spec.integral:
         return ColumnSpec(spec.name, "scalar", "int64")
     return spec
@@ -251,7 +251,7 @@ def check_input_shapes(
 ) -> None:
     """One shape per feature column, each ``[-1, d1, ...]`` (-1 first, the batch dimension:
     any other place would mix rows) or one row's shape ``[d1, ...]``, sizes positive (see
-    ``shared/shapes.py``). With the columns' specs, a scalar column's shape must hold one
+    ``shared.shapes``). With the columns' specs, a scalar column's shape must hold one
     value per row (array lengths are known only once the data is read:
     ``data_checks.check_row_lengths``)."""
     if input_shapes is None:

@@ -1,6 +1,6 @@
 """Driver: checks of LightningEstimator's training inputs (module, callbacks, trainer_args).
 
-Like ``validate_training.py``: errors name the parameter at fault, before any Spark job.
+Like ``validate_training``: errors name the parameter at fault, before any Spark job.
 """
 
 from __future__ import annotations

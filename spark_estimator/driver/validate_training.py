@@ -1,8 +1,8 @@
 """Driver: checks of the training loop's inputs (the user's objects and loop params).
 
-Like ``validate.py``: a ValueError or TypeError whose message starts with the parameter at
+Like ``validate``: a ValueError or TypeError whose message starts with the parameter at
 fault, before any Spark job. ``training_bundle`` returns the one cloudpickle the executors
-rebuild everything from (``worker/loop/objects.py``); each object is also pickled on its own
+rebuild everything from (``build_objects``); each object is also pickled on its own
 first, so a failure names the parameter that holds the unpicklable thing.
 """
 
@@ -36,7 +36,7 @@ def _check_callable(name: str, value) -> None:
 
 
 def _check_model_and_optimizer(model, optimizer) -> None:
-    """A module, or a function that builds one (``shared/model_factory.py``); an optimizer
+    """A module, or a function that builds one (``shared.model_factory``); an optimizer
     on its parameters, or a function model -> optimizer (needed with a model function)."""
     if not isinstance(model, torch.nn.Module) and not callable(model):
         raise TypeError(

@@ -10,8 +10,8 @@ sends each rank its rows of ``tensor`` (``splits``, or as equal as they go, the 
 ranks one more) and returns what it received, with the received splits when ``splits``
 was given; it is differentiable, as Horovod's. ``reducescatter`` is the allreduce of which
 each rank keeps its rows (dim 0 cut as equally as it goes, the first ranks one more).
-Each takes ``process_set`` as ``collectives.py``'s do (the ranks, the sizes and splits are
-the set's).
+Each takes ``process_set`` as ``allreduce`` and the other collectives do (the ranks, the
+sizes and splits are the set's).
 """
 
 from __future__ import annotations
@@ -89,7 +89,47 @@ def allreduce_async(
     postscale_factor=1.0,
     process_set: ProcessSet = _GLOBAL,
 ) -> int:
-    """``allreduce``, started: a handle."""
+    """Start an ``allreduce`` and return at once, with a handle for its result.
+
+    The ranks exchange the data while this rank goes on; ``poll(handle)`` says whether it
+    has finished and ``synchronize(handle)`` waits for it and returns the result.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        On the CPU or the task's device; left as it is.
+    average : bool, optional
+        Horovod's older form of ``op``: True is Average, False is Sum.
+    name : str, optional
+        Named in error messages and a timeline's events only.
+    op : hvd.ReduceOp, optional
+        Average (the default), Sum, Adasum, Min, Max or Product, as ``allreduce``'s.
+    prescale_factor, postscale_factor : float, default 1.0
+        Factors applied before and after the reduction.
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks that reduce together.
+
+    Returns
+    -------
+    int
+        The handle: ``synchronize(handle)`` gives a new tensor with the result, on
+        ``tensor``'s device.
+
+    Raises
+    ------
+    ValueError
+        As ``allreduce``: before ``hvd.init()``, ``op`` and ``average`` both given or an
+        unknown ``op``, a rank outside ``process_set``.
+    HorovodInternalError
+        Another rank failed, died or hung during the collective.
+
+    Examples
+    --------
+    >>> handle = hvd.allreduce_async(grad, name="grad")                 # doctest: +SKIP
+    >>> hvd.poll(handle)                                                # doctest: +SKIP
+    False
+    >>> grad = hvd.synchronize(handle)                                  # doctest: +SKIP
+    """
     reduction = Reduction(
         [tensor],
         reduce_op(op, average),

@@ -21,9 +21,34 @@ from .process_sets import setup as setup_process_sets
 
 
 def init(process_sets=None) -> None:
-    """Join the job: a no-op where the task already formed the process group (``run(fn)``),
-    else the default group is formed first. ``process_sets``: a list of ``hvd.ProcessSet``
-    to add, as ``add_process_set`` would (every rank passes the same list)."""
+    """Join the job: mark this process initialised for the running task's process group.
+
+    A no-op for the group where the task already formed it (``run(fn)``); else the default
+    group is formed first: in the task of a script run by ``run``, the job's group, from
+    torchrun's variables; outside any Spark task, a group of one process (rank 0 of 1), so
+    that a script run with plain ``python`` runs as a job of size 1. Call it in every
+    process before any other ``hvd`` call; again after ``shutdown()``, or in a later task.
+
+    Parameters
+    ----------
+    process_sets : list of hvd.ProcessSet, optional
+        Process sets to add, as ``add_process_set`` would; every rank passes the same list.
+
+    Raises
+    ------
+    ValueError
+        ``process_sets`` is not a list of ``hvd.ProcessSet``, or holds a set that cannot be
+        added (see ``add_process_set``).
+    RuntimeError
+        The job's process group was destroyed inside a function run by ``run``: it cannot
+        be formed again there.
+
+    Examples
+    --------
+    >>> import spark_estimator.horovod as hvd
+    >>> hvd.init()                                                      # doctest: +SKIP
+    >>> print(f"rank {hvd.rank()} of {hvd.size()}")                     # doctest: +SKIP
+    """
     if not dist.is_initialized():
         rendezvous.init_default_group()
     core.mark_initialized(rendezvous.current_rank_info())
@@ -31,23 +56,58 @@ def init(process_sets=None) -> None:
 
 
 def shutdown() -> None:
-    """Leave: the queries and collectives raise until ``init()`` again. The process group
-    itself belongs to the task and is closed when the task ends."""
+    """Leave: the queries and collectives raise until ``init()`` is called again.
+
+    The process group itself belongs to the task and is closed when the task ends.
+    """
     core.mark_initialized(None)
 
 
 def rank() -> int:
-    """This process's rank in the job, 0 .. size() - 1."""
+    """This process's rank in the job.
+
+    Returns
+    -------
+    int
+        0 .. ``size() - 1``.
+
+    Raises
+    ------
+    ValueError
+        Before ``hvd.init()`` in this task, as Horovod's queries raise.
+    """
     return rank_info().rank
 
 
 def size() -> int:
-    """The number of processes in the job."""
+    """The number of processes in the job.
+
+    Returns
+    -------
+    int
+        The job's number of ranks.
+
+    Raises
+    ------
+    ValueError
+        Before ``hvd.init()`` in this task, as Horovod's queries raise.
+    """
     return rank_info().world_size
 
 
 def local_rank() -> int:
-    """This process's rank among the job's processes on its host."""
+    """This process's rank among the job's processes on its host.
+
+    Returns
+    -------
+    int
+        0 .. ``local_size() - 1``.
+
+    Raises
+    ------
+    ValueError
+        Before ``hvd.init()`` in this task, as Horovod's queries raise.
+    """
     return rank_info().local_rank
 
 

@@ -1,15 +1,15 @@
 """Executor: Horovod's collectives on the job's torch.distributed group.
 
 Each takes Horovod's ``process_set`` keyword (default ``global_process_set``, the whole
-job; ``process_sets.py``): the collective runs on that set's subgroup, an Average divides
-by the set's size, and ``root_rank`` is a global rank, as Horovod's. On the whole job each
-first starts the small control round that lets ranks waiting in ``hvd.join()`` take part
-(``joined.py``).
+job; see the ``process_sets`` module): the collective runs on that set's subgroup, an
+Average divides by the set's size, and ``root_rank`` is a global rank, as Horovod's. On the
+whole job each first starts the small control round that lets ranks waiting in
+``hvd.join()`` take part (the ``joined`` module).
 
 Tensors may be on the CPU or on the device the task pinned: each collective works on a
 copy on the pinned device (NCCL reduces CUDA tensors only) and returns its result on the
 input's device. ``name`` is accepted as Horovod's is, and only named in error messages
-and a timeline's events (``timeline.py``): collectives are matched by the order in which
+and a timeline's events (``start_timeline``): collectives are matched by the order in which
 the ranks call them, not by name.
 
 ``allreduce``, ``allgather`` and ``broadcast`` are differentiable, as Horovod's: on a
@@ -125,9 +125,53 @@ def allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """A new tensor: ``postscale_factor * reduce(prescale_factor * tensor)`` over the ranks
-    of ``process_set`` (``op``: Average (default, divided by the set's size), Sum, Adasum,
-    Min, Max, Product), sent compressed by ``compression``. ``tensor`` is left as it is."""
+    """Reduce a tensor over the ranks: ``postscale_factor * reduce(prescale_factor * tensor)``.
+
+    A collective: every rank of ``process_set`` calls it, in the same order as its other
+    collectives, with a tensor of the same shape and dtype. Differentiable, as Horovod's:
+    on a tensor that requires grad the backward pass allreduces the gradient with the same
+    op and scales.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        On the CPU or the task's device; left as it is.
+    average : bool, optional
+        Horovod's older form of ``op``: True is Average, False is Sum. Give one of the two.
+    name : str, optional
+        Named in error messages and a timeline's events only: collectives are matched by
+        the order in which the ranks call them, not by name.
+    compression : hvd.Compression.none, fp16 or bf16, default none
+        How the tensor travels.
+    op : hvd.ReduceOp, optional
+        Average (the default: the sum divided by the set's size), Sum, Adasum, Min, Max or
+        Product.
+    prescale_factor, postscale_factor : float, default 1.0
+        Factors applied before and after the reduction.
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks that reduce together (an added set, or the whole job).
+
+    Returns
+    -------
+    torch.Tensor
+        A new tensor with the result, on ``tensor``'s device.
+
+    Raises
+    ------
+    ValueError
+        Before ``hvd.init()``; ``op`` and ``average`` both given, or an unknown ``op``; this
+        rank is not in ``process_set``.
+    RuntimeError
+        Ranks have joined (``hvd.join()``) and ``op`` is Adasum.
+    HorovodInternalError
+        Another rank failed, died or hung during the collective.
+
+    Examples
+    --------
+    >>> import spark_estimator.horovod as hvd
+    >>> avg_loss = hvd.allreduce(loss.detach(), name="loss")            # doctest: +SKIP
+    >>> total = hvd.allreduce(torch.tensor([n]), op=hvd.Sum)            # doctest: +SKIP
+    """
     op = reduce_op(op, average)
     if _differentiable(tensor):
         compressed, ctx = compression.compress(tensor)
@@ -276,9 +320,41 @@ def checked(process_set: ProcessSet, kind: str, name: str | None = None) -> Scop
 def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
-    """The tensors of ``process_set``'s ranks concatenated along the first dimension, in
-    rank order. Their first dimensions may differ; the others must agree (a 0-d tensor
-    counts as one element)."""
+    """The tensors of ``process_set``'s ranks concatenated along the first dimension.
+
+    A collective: every rank of ``process_set`` calls it. Differentiable, as Horovod's: the
+    backward pass gives each rank its rows of the ranks' average gradient.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        This rank's rows. The ranks' first dimensions may differ; the others must agree (a
+        0-d tensor counts as one element); at most 16 dimensions.
+    name : str, optional
+        Named in error messages and a timeline's events only.
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks that gather together.
+
+    Returns
+    -------
+    torch.Tensor
+        The ranks' tensors in rank order, on ``tensor``'s device.
+
+    Raises
+    ------
+    ValueError
+        The ranks' shapes differ beyond the first dimension; more than 16 dimensions;
+        before ``hvd.init()``; this rank is not in ``process_set``.
+    RuntimeError
+        Ranks have joined (``hvd.join()``): only allreduces run while they wait.
+    HorovodInternalError
+        Another rank failed, died or hung during the collective.
+
+    Examples
+    --------
+    >>> import spark_estimator.horovod as hvd
+    >>> all_preds = hvd.allgather(preds)                                # doctest: +SKIP
+    """
     if _differentiable(tensor):
         return _Allgather.apply(tensor, name, process_set)
     return _gathered(tensor, name, process_set)
@@ -348,8 +424,42 @@ def broadcast(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    """A new tensor holding ``root_rank``'s ``tensor`` (the same shape and dtype on every
-    rank of ``process_set``; ``root_rank`` is a global rank, as Horovod's)."""
+    """A new tensor holding ``root_rank``'s ``tensor``.
+
+    A collective: every rank of ``process_set`` calls it. Differentiable, as Horovod's: the
+    backward pass gives the root rank the ranks' average gradient and the others zeros.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        Of the same shape and dtype on every rank; the root's is sent.
+    root_rank : int
+        The sending rank: a global rank (``hvd.rank()``), as Horovod's, in ``process_set``.
+    name : str, optional
+        Named in error messages and a timeline's events only.
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks that take part.
+
+    Returns
+    -------
+    torch.Tensor
+        A copy of the root's tensor, on ``tensor``'s device; ``tensor`` is left as it is
+        (``broadcast_`` writes into it).
+
+    Raises
+    ------
+    ValueError
+        ``root_rank`` is not a rank of ``process_set``; before ``hvd.init()``.
+    RuntimeError
+        Ranks have joined (``hvd.join()``): only allreduces run while they wait.
+    HorovodInternalError
+        Another rank failed, died or hung during the collective.
+
+    Examples
+    --------
+    >>> import spark_estimator.horovod as hvd
+    >>> seed = hvd.broadcast(torch.randint(0, 2**31, ()), root_rank=0)  # doctest: +SKIP
+    """
     check_root(root_rank, name, process_set)
     if _differentiable(tensor):
         return _Broadcast.apply(tensor, root_rank, name, process_set)
@@ -450,7 +560,30 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 @timeline.traced("join")
 @peer_errors
 def join() -> int:
-    """Wait until every rank has called ``join()``, meanwhile taking part in the other
-    ranks' allreduces (contributing zeros, as Horovod's: see ``joined.py``); the rank
-    that called it last."""
+    """Wait until every rank has called ``join()``, taking part in the others' allreduces.
+
+    A rank with no more batches calls it; until every rank has, it contributes zeros to
+    the allreduces of the ranks that have not (an Average still divides by the job's size),
+    as Horovod's (the ``hvd.join`` control round, in the ``joined`` module). Other
+    collectives cannot run while ranks are joined.
+
+    Returns
+    -------
+    int
+        The rank that called ``join()`` last.
+
+    Raises
+    ------
+    RuntimeError
+        The other ranks called a collective that joined ranks cannot take part in (not an
+        allreduce, or an Adasum allreduce).
+    HorovodInternalError
+        Another rank failed, died or hung during the collective.
+
+    Examples
+    --------
+    >>> for batch in my_batches:                                        # doctest: +SKIP
+    ...     train_step(batch)
+    >>> last = hvd.join()                                               # doctest: +SKIP
+    """
     return joined.join()

@@ -17,14 +17,14 @@ atomically. When a rank or its executor is lost, ``run`` starts the job again (a
 ``max_restarts`` times, only for launches that entered ``hvd.elastic.run``: rank 0 marks
 that in ``runs/<run_id>/elastic/launches/``); ``hvd.elastic.run`` then loads the last
 commit on rank 0, broadcasts it to every rank and calls the reset callbacks, so a failure
-repeats at most the work since the last commit. Outside any task (``python train.py``)
-commits stay in memory.
+repeats at most the work since the last commit. Outside any task (a script run with
+plain ``python``) commits stay in memory.
 
 Growing back: while a launch that entered ``hvd.elastic.run`` has fewer ranks than the
 run's largest size and the cluster offers more task slots, the driver writes a growth
-request to the run's ``elastic/grow.json`` (``driver/elastic.py``). ``check_host_updates()``
-(called by ``commit()`` after the commit is written, and callable by the script, as in
-Horovod) has rank 0 read it and broadcast the decision, so every rank raises
+request to the run's ``elastic/grow.json`` (its ``request_growth``).
+``check_host_updates()`` (called by ``commit()`` after the commit is written, and callable
+by the script, as in Horovod) has rank 0 read it and broadcast the decision, so every rank raises
 ``HostsUpdatedInterrupt`` at the same call; called directly, it first commits the state as
 it is then, which is what Horovod's ranks keep on such an interrupt. The processes of a
 Spark barrier job are fixed while it runs, so ``hvd.elastic.run`` then ends the launch on
@@ -187,8 +187,31 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """The state of a ``model`` and an ``optimizer`` (either may be None) with any
-    picklable attributes (``TorchState(model, optimizer, epoch=1, batch=0)``)."""
+    """The state of a ``model`` and an ``optimizer`` with any picklable attributes.
+
+    What ``hvd.elastic.run`` restores after a lost rank: ``commit()`` keeps a copy in
+    memory and, in a task of ``run`` (or of the launcher), rank 0 writes it to the run's
+    store; ``restore()`` goes back to the last ``save()`` or ``commit()``; ``sync()`` makes
+    every rank's state rank 0's. Attributes are read and written as ``state.<name>``; one
+    with ``state_dict()`` and ``load_state_dict()`` (an ``ElasticSampler``) stays the same
+    object and is saved through its ``state_dict()``.
+
+    Parameters
+    ----------
+    model : torch.nn.Module, optional
+        Its ``state_dict()`` is saved, committed and broadcast.
+    optimizer : torch.optim.Optimizer, optional
+        Its ``state_dict()`` likewise.
+    **attributes
+        Any picklable values (``epoch=1, batch=0``), or objects with ``state_dict()`` and
+        ``load_state_dict()``.
+
+    Examples
+    --------
+    >>> state = hvd.elastic.TorchState(model, optimizer, epoch=1, batch=0)  # doctest: +SKIP
+    >>> state.register_reset_callbacks([on_reset])                      # doctest: +SKIP
+    >>> state.commit()                                                  # doctest: +SKIP
+    """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer=None, **attributes):
         self.model, self.optimizer = model, optimizer
@@ -272,13 +295,37 @@ def _restore_commit(state: State) -> bool:
 
 
 def run(func: Callable) -> Callable:
-    """Decorate ``func(state, *args, **kwargs)``: before it runs, every rank's ``state``
-    becomes the run's last commit (then the reset callbacks are called) or, without one,
-    rank 0's state. A ``HostsUpdatedInterrupt`` ends the launch in a ``run`` task, for the
-    driver to start a larger one (see the module); elsewhere (one raised by the script) it
-    resynchronises, unless its ``skip_sync``, calls the reset callbacks and calls ``func``
-    again, as Horovod's. A ``HorovodInternalError`` (a peer lost) propagates: the job
-    starts again from the last commit."""
+    """Decorate a training function so that it survives a lost rank and grows with the job.
+
+    Before ``func`` runs, every rank's ``state`` becomes the run's last commit (then the
+    reset callbacks are called) or, without one, rank 0's state. A
+    ``HostsUpdatedInterrupt`` ends the launch in a ``run`` task, for the driver to start a
+    larger one (see the module); elsewhere (one raised by the script) it resynchronises,
+    unless its ``skip_sync``, calls the reset callbacks and calls ``func`` again, as
+    Horovod's. A ``HorovodInternalError`` (a peer lost) propagates: ``run`` starts the job
+    again from the last commit (at most ``max_restarts`` times).
+
+    Parameters
+    ----------
+    func : callable
+        ``func(state, *args, **kwargs)``, whose first argument is an ``hvd.elastic.State``
+        (a ``TorchState``) it commits as it goes.
+
+    Returns
+    -------
+    callable
+        The wrapped function, called as ``func`` is (``train(state, ...)``); it returns
+        what ``func`` returns.
+
+    Examples
+    --------
+    >>> @hvd.elastic.run                                                # doctest: +SKIP
+    ... def train(state):
+    ...     for state.epoch in range(state.epoch, epochs + 1):
+    ...         train_one_epoch(model, optimizer)
+    ...         state.commit()
+    >>> train(hvd.elastic.TorchState(model, optimizer, epoch=1))        # doctest: +SKIP
+    """
 
     @functools.wraps(func)
     def wrapper(state: State, *args, **kwargs):

@@ -8,7 +8,7 @@ the shared-memory allreduce's error (``shared/failures.is_peer_failure``): every
 collective of ``spark_estimator.horovod`` (``peer_errors``) raises those again as a
 ``HorovodInternalError``, chained to the original. It stays a peer failure for the task
 (``PeerFailure``): the lost rank is the failure, and the job starts again; in a Spark
-barrier job the survivors cannot go on without it (``horovod/elastic.py``).
+barrier job the survivors cannot go on without it (``hvd.elastic``).
 """
 
 from __future__ import annotations

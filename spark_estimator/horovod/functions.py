@@ -18,9 +18,35 @@ from .process_sets import ProcessSet, global_process_set
 def broadcast_parameters(
     params: Mapping | Iterable, root_rank: int, process_set: ProcessSet = global_process_set
 ) -> None:
-    """Overwrite ``params`` with ``root_rank``'s (a global rank) on the ranks of
-    ``process_set``: a ``state_dict()`` (its tensors share the model's storage),
-    ``named_parameters()`` or a list of tensors."""
+    """Overwrite ``params`` with ``root_rank``'s on the ranks of ``process_set``.
+
+    A collective: every rank of ``process_set`` calls it (one broadcast per dtype among the
+    tensors), typically once before training so that every rank starts from the same
+    weights.
+
+    Parameters
+    ----------
+    params : dict or iterable
+        A ``state_dict()`` (its tensors share the model's storage, so the model is
+        updated), ``named_parameters()`` or a list of tensors; written in place.
+    root_rank : int
+        The rank whose values are sent: a global rank (``hvd.rank()``), as Horovod's.
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks that take part.
+
+    Raises
+    ------
+    TypeError
+        ``params`` is not a mapping or an iterable of tensors (or of (name, tensor) pairs).
+    ValueError
+        ``root_rank`` is not a rank of ``process_set``; before ``hvd.init()``.
+    HorovodInternalError
+        Another rank failed, died or hung during the broadcast.
+
+    Examples
+    --------
+    >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)       # doctest: +SKIP
+    """
     if isinstance(params, Mapping):
         items = sorted(params.items())
     elif isinstance(params, Iterable) and not isinstance(params, torch.Tensor):
@@ -48,12 +74,37 @@ class _Slot:
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int, process_set: ProcessSet = global_process_set
 ) -> None:
-    """Give every rank of ``process_set`` ``root_rank``'s optimizer state and
-    parameter-group settings (``lr``, momentum, ...), including state the optimizer
-    creates on its first step: the other ranks load the root's ``state_dict()``. An
-    optimizer without state yet (none has stepped) first takes one local step on zero
+    """Give every rank of ``process_set`` ``root_rank``'s optimizer state.
+
+    The state and the parameter-group settings (``lr``, momentum, ...), including state the
+    optimizer creates on its first step: the other ranks load the root's ``state_dict()``.
+    An optimizer without state yet (none has stepped) first takes one local step on zero
     gradients, which creates it, as Horovod's does (the parameters' ``.grad`` stay zeros;
-    a step on zeros still applies weight decay, as Horovod's)."""
+    a step on zeros still applies weight decay, as Horovod's). A collective: every rank of
+    ``process_set`` calls it.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The optimizer (or a ``DistributedOptimizer``); updated in place.
+    root_rank : int
+        The rank whose state is sent: a global rank (``hvd.rank()``), as Horovod's.
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks that take part.
+
+    Raises
+    ------
+    TypeError
+        ``optimizer`` is not a ``torch.optim.Optimizer``.
+    ValueError
+        ``root_rank`` is not a rank of ``process_set``; before ``hvd.init()``.
+    HorovodInternalError
+        Another rank failed, died or hung during the broadcast.
+
+    Examples
+    --------
+    >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)           # doctest: +SKIP
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
     check_root(root_rank, None, process_set)

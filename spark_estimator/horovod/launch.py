@@ -50,8 +50,64 @@ def run(
     mpi_args: str | None = None,
     **launcher: Any,
 ) -> list:
-    """``func(*args, **kwargs)`` on ``np`` ranks (Spark barrier tasks of the active
-    session); their return values ordered by rank. See the module's docstring."""
+    """Horovod's ``horovod.run``: ``func(*args, **kwargs)`` on ``np`` ranks, over ``run``.
+
+    The ranks are Spark barrier tasks of the active session (``spark_estimator.run`` with
+    ``num_proc=np``), so a Horovod script that launches itself keeps its call. Where
+    Horovod's launcher decides what Spark decides here (hosts and slots, network
+    interfaces, ssh, the executable), the keyword is accepted and one warning says so.
+
+    Parameters
+    ----------
+    func : callable
+        The function each rank runs (it calls ``hvd.init()``).
+    args : tuple, optional
+        Its positional arguments.
+    kwargs : dict, optional
+        Its keyword arguments.
+    np : int, default 1
+        The number of ranks the run starts with (``num_proc``).
+    min_np, max_np : int, optional
+        An elastic run goes on with no fewer than ``min_np`` ranks and grows to at most
+        ``max_np`` (``min_num_proc``, ``max_num_proc``).
+    start_timeout : float, optional
+        Seconds to wait for the cluster's task slots, as ``run``'s.
+    output_filename : str, optional
+        A folder: each rank's lines are written to ``<output_filename>/rank.<r>/stdout``
+        and ``stderr``, as Horovod's does.
+    verbose : bool or int, optional
+        True or 2 and above: each rank also reports its host, pid, device and task
+        attempt (``run``'s ``verbose=2``); otherwise ``verbose=1``.
+    use_gloo : bool, optional
+        Accepted as True or None: the ranks meet through gloo (CPU) and NCCL (GPU), which
+        is Horovod's ``use_gloo=True``.
+    use_mpi, mpi_args : optional
+        MPI is refused: Spark starts the processes.
+    **launcher
+        Horovod's ``hosts``, ``hostfile``, ``slots``, ``network_interface(s)``,
+        ``ssh_port``, ``ssh_identity_file``, ``executable``, ``disable_cache``,
+        ``reset_limit`` and ``cooldown_range``: accepted, and one warning says how Spark
+        decides each one given.
+
+    Returns
+    -------
+    list
+        The ranks' return values ordered by rank, as Horovod's.
+
+    Raises
+    ------
+    TypeError
+        A keyword ``horovod.run`` does not have.
+    ValueError
+        ``use_mpi``, ``mpi_args`` or ``use_gloo=False``; ``max_np`` less than ``np``.
+    TrainingError
+        A rank's ``func`` raised, as in ``run``; and ``run``'s other errors.
+
+    Examples
+    --------
+    >>> import spark_estimator.horovod as hvd
+    >>> results = hvd.run(main, args=(config,), np=4)                   # doctest: +SKIP
+    """
     # the driver's launcher, which imports pyspark and driver/: loaded only when a script
     # calls hvd.run, not by ``import spark_estimator.horovod`` on the ranks
     from ..runner import run as run_on_spark

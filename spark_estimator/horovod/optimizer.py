@@ -50,23 +50,76 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
-    """``optimizer`` whose ``step()`` first reduces the gradients across ranks (``op``:
-    Average, Sum, Min, Max, Product; Adasum combines the updates instead).
+    """Wrap ``optimizer`` so that its ``step()`` first reduces the gradients across ranks.
 
-    ``gradient_predivide_factor`` f splits Average's division: gradients are multiplied by
-    1/f before the sum and by f/size() after it. ``backward_passes_per_step`` is how many
-    backward passes accumulate locally before the gradients are reduced.
+    The returned optimizer is of a subclass of ``optimizer``'s class and shares its
+    parameter groups and state. Gradients are fused in buckets whose allreduces start,
+    asynchronously, while backward still runs; ``step()`` waits for them and writes the
+    results into ``.grad`` (or ``synchronize()`` does, e.g. before clipping, and then
+    ``step()`` runs inside ``skip_synchronize()``). With ``op=Adasum`` the gradients are
+    not reduced: ``step()`` takes the local step, then combines the ranks' parameter
+    updates with Adasum, as Horovod's Adasum optimizer does.
 
-    ``groups`` sets which gradients travel together (one fused allreduce each): an int k
-    cuts the parameters into k groups of near-equal counts; a list of lists of parameters
-    makes each list a group, every other parameter its own; None (or 0) fuses by size
-    (``BUCKET_BYTES``). ``num_groups`` is Horovod's older name of an int ``groups``. A
-    group's tensors of different dtypes travel in one allreduce per dtype. Sparse
-    gradients are reduced as dense tensors whatever ``sparse_as_dense`` says (the same
-    values; ``.grad`` becomes dense).
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer
+        The optimizer to wrap; the result shares its parameter groups and state.
+    named_parameters : iterable of (str, torch.Tensor), optional
+        ``model.named_parameters()``: names for the gradients' allreduces (in error
+        messages and a timeline); each must be unique, and every parameter of the
+        optimizer named.
+    compression : hvd.Compression.none, fp16 or bf16, default none
+        How the gradients travel.
+    backward_passes_per_step : int, default 1
+        How many backward passes accumulate locally before the gradients are reduced.
+    op : hvd.ReduceOp, default hvd.Average
+        Average, Sum, Min, Max or Product of the gradients; Adasum combines the updates
+        instead.
+    gradient_predivide_factor : float, default 1.0
+        f splits Average's division: gradients are multiplied by 1/f before the sum and by
+        f/size() after it (with ``op=Average`` only).
+    num_groups : int, default 0
+        Horovod's older name of an int ``groups``.
+    groups : int or list of lists of torch.Tensor, optional
+        Which gradients travel together (one fused allreduce each): an int k cuts the
+        parameters into k groups of near-equal counts; a list of lists of parameters makes
+        each list a group, every other parameter its own; None (or 0) fuses by size
+        (``BUCKET_BYTES``). A group's tensors of different dtypes travel in one allreduce
+        per dtype. Not with Adasum.
+    sparse_as_dense : bool, default False
+        Sparse gradients are reduced as dense tensors whatever it says (the same values;
+        ``.grad`` becomes dense).
+    process_set : hvd.ProcessSet, default hvd.global_process_set
+        The ranks the gradients are reduced over (an Average divides by its size); a rank
+        outside it is refused here, as its first reduction would be.
 
-    ``process_set``: the ranks the gradients are reduced over (an Average divides by its
-    size); a rank outside it is refused here, as its first reduction would be."""
+    Returns
+    -------
+    torch.optim.Optimizer
+        The distributed optimizer, an instance of a subclass of ``optimizer``'s class (so
+        ``isinstance`` checks, LR schedulers and ``state_dict`` work as before), with
+        ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()``.
+
+    Raises
+    ------
+    TypeError
+        ``optimizer`` is not a ``torch.optim.Optimizer``; a ``compression``, ``groups`` or
+        ``sparse_as_dense`` of another type.
+    ValueError
+        An unknown ``op``; ``backward_passes_per_step`` < 1; ``gradient_predivide_factor``
+        <= 0, or other than 1 without Average; ``groups`` that cannot work (or with
+        Adasum); ``named_parameters`` that do not name every parameter once; this rank
+        outside ``process_set``; before ``hvd.init()``.
+
+    Examples
+    --------
+    >>> import spark_estimator.horovod as hvd
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())  # doctest: +SKIP
+    >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    ...                                                                 # doctest: +SKIP
+    >>> loss_fn(model(x), y).backward()                                 # doctest: +SKIP
+    >>> opt.step()                                                      # doctest: +SKIP
+    """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer)}")
     op = reduce_op(op)

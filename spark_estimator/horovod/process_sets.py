@@ -119,10 +119,36 @@ def setup(process_sets: Iterable[ProcessSet] | None) -> None:
 
 
 def add_process_set(process_set: ProcessSet | Iterable[int]) -> ProcessSet:
-    """Add a set of ranks (a list, or a ``ProcessSet``): every process of the job calls it
-    with the same sets in the same order (it forms a torch.distributed subgroup). Returns
-    the set, now with its ``process_set_id``. A set of the same ranks as one added before
-    (or of every rank: the global set) is refused."""
+    """Add a set of ranks that run collectives together, as a torch.distributed subgroup.
+
+    A collective: every process of the job calls it, with the same sets in the same order,
+    members of the set or not. The set belongs to the running task (a later task starts
+    with the global set only).
+
+    Parameters
+    ----------
+    process_set : hvd.ProcessSet or list of int
+        The set's global ranks: distinct ranks of the job. A set of the same ranks as one
+        added before (or of every rank: the global set) is refused.
+
+    Returns
+    -------
+    hvd.ProcessSet
+        The set, now with its ``process_set_id``, to pass as ``process_set=`` to the
+        collectives and ``DistributedOptimizer``.
+
+    Raises
+    ------
+    ValueError
+        Ranks outside the job or repeated, a duplicate set, a set added already; before
+        ``hvd.init()``.
+
+    Examples
+    --------
+    >>> even = hvd.add_process_set([0, 2])                              # doctest: +SKIP
+    >>> if even.included():                                             # doctest: +SKIP
+    ...     hvd.allreduce(x, process_set=even)
+    """
     global _next_id
     info = rank_info()
     if _task is not info:

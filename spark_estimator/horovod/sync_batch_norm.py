@@ -1,7 +1,7 @@
 """Executor: ``hvd.SyncBatchNorm``, batch norm whose statistics span every rank's batch.
 
 In training (with more than one rank) each rank sums its batch's values and squares per
-channel; one allreduce (``Sum``, differentiable: ``collectives.py``) of those sums and the
+channel; one allreduce (``Sum``, differentiable: ``hvd.allreduce``) of those sums and the
 row count gives every rank the mean and (biased) variance of the batch all ranks hold
 together, which normalize its rows; the running mean and the unbiased running variance
 follow them as ``torch.nn.BatchNorm*`` do (``momentum``, or a cumulative average with

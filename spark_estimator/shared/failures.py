@@ -1,7 +1,7 @@
 """Which training failures are retried and how the others reach the driver.
 
 The driver starts a fit's barrier job again when one of its tasks fails
-(``driver/elastic.py``): that is how training survives a lost process or executor, resuming
+(``driver.elastic``): that is how training survives a lost process or executor, resuming
 from the last checkpoint. It must not retry an exception raised by the training code (a
 bug or bad data raises again, every attempt). So the first rank to raise such an exception
 writes it, with its traceback, to the run's ``failures/<launch_id>.json`` in the store
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..store import Store
 
 # the tag of the errors of a peer that died or hung during a shared-memory gradient
-# allreduce (worker/comm/shm_allreduce.py), which stands in for gloo's on one host
+# allreduce (SharedMemoryAllreduce), which stands in for gloo's on one host
 SHM_TAG = "shm-allreduce/"
 _CARRIED = "spark-estimator failure record: "  # starts the note of carry_failure
 

@@ -140,7 +140,7 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """How the rows of variable columns become a batch's tensors (``worker/data/decode.py``):
+    """How the rows of variable columns become a batch's tensors (``Decoder``):
     the user's per-row ``decode_fn`` and per-batch ``collate_fn`` (cloudpickled; None: the
     defaults), padding, the pool of decoding threads, what a row that fails does."""
 
@@ -171,7 +171,7 @@ class LoaderSpec:
     decode: DecodeSpec | None = None  # how variable columns are decoded (None: none)
 
 
-COMMIT_AUTO = -1  # commit_every_steps: a few commits per epoch (worker/loop/commits.py)
+COMMIT_AUTO = -1  # commit_every_steps: a few commits per epoch (worker.loop.commits)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class LoopSpec:
     commit_every_steps: int = 0
     # training batches between two points of rank 0's step scalars (TensorBoard); 0: none
     log_every_steps: int = 0
-    parallelism: str = "ddp"  # "ddp" | "fsdp" (worker/comm/fsdp.py)
+    parallelism: str = "ddp"  # "ddp" | "fsdp" (worker.comm.fsdp)
     # FSDP: the class names of the submodules sharded as units of their own (the root always)
     fsdp_wrap: tuple[str, ...] = ()
 
@@ -234,7 +234,7 @@ class TrainSpec:
     """Everything a training task needs besides its BarrierTaskContext."""
 
     # cloudpickle of a dict of the user's objects: model, optimizer, loss, loss_constructors,
-    # metrics, lr_scheduler, callbacks, train_minibatch_fn (see worker/loop/objects.py)
+    # metrics, lr_scheduler, callbacks, train_minibatch_fn (see build_objects)
     bundle: bytes
     data: DatasetInfo
     store: Store
@@ -245,11 +245,11 @@ class TrainSpec:
     use_gpu: bool | str  # True: required; "auto": where Spark assigned one; False: CPU
     input_shapes: list[list[int]] | None
     loader: LoaderSpec = field(default_factory=LoaderSpec)
-    loop: LoopSpec | None = None  # our loop's (worker/loop/train.py); None for Lightning's Trainer
+    loop: LoopSpec | None = None  # our loop's (worker.loop.train); None for Lightning's Trainer
     keep_checkpoints: int | None = None  # the last k epochs' checkpoints; None keeps all
     collective_timeout: float = COLLECTIVE_TIMEOUT_S  # seconds any rank waits for the others
-    launch_id: str = ""  # this fit call's id: names its failure record (shared/failures.py)
-    trainer: str = "torch"  # the loop: "torch" (worker/loop/train.py) or "lightning"
+    launch_id: str = ""  # this fit call's id: names its failure record (record_failure)
+    trainer: str = "torch"  # the loop: "torch" (worker.loop.train) or "lightning"
     # the ranks' lines also go to the tasks' own stdout and stderr; not where those are
     # the driver's terminal (local masters), which shows them from the store already
     echo: bool = True

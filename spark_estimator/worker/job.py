@@ -1,4 +1,4 @@
-"""Executor: the function of every barrier job's tasks (``driver/launch.py`` runs it with
+"""Executor: the function of every barrier job's tasks (``run_barrier_job`` runs it with
 ``mapInPandas(..., barrier=True)``, or as an RDD's where pyspark 3.5 gives a task resource
 profile only to RDDs): it runs one task's function and returns its summary as the task's
 one row of JSON."""

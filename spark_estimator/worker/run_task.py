@@ -12,7 +12,7 @@ What the rank prints or logs reaches the run's folder in the store while it runs
 (``run_log.RankLog``), where the driver reads it. Failures are ordered and ranks leave
 together in ``rendezvous.process_group``; the first failing rank's exception is recorded
 in the run's ``failures/<launch>.json`` (unless it only says that a peer went away, see
-``shared/failures.py``); a rank's own error (not a peer's loss) also carries its record and
+``is_peer_failure``); a rank's own error (not a peer's loss) also carries its record and
 last ``NOTE_LINES`` lines in a note (``failures.carry_failure``), which Spark's error shows
 even where the driver cannot read the store.
 """
@@ -68,7 +68,7 @@ _current: RunSpec | None = None
 
 class EndLaunchToGrow(BaseException):
     """Raised through the user's code on every rank by ``hvd.elastic.run`` when the driver
-    asked the job to grow (``horovod/elastic.py``): the task ends without an error, its
+    asked the job to grow (see ``hvd.elastic``): the task ends without an error, its
     summary says ``paused``, and the driver starts the job again larger. A BaseException,
     as ``SystemExit``, so that a script's ``except Exception`` lets it through."""
 

@@ -15,7 +15,7 @@ from .observe.run_log import RankLog
 def training_task(spec: TrainSpec) -> dict:
     """Run this task's rank of the training job; return its summary (a ``RankSummary`` as a
     dict, for the job's JSON). An error of the training code is recorded in the store
-    first (see ``shared/failures.py``)."""
+    first (see ``record_failure``)."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()

@@ -4,7 +4,7 @@ With one process there is nothing to average: the model trains as it is, without
 wrapper and reducer (their per-step cost is measurable on small models).
 
 When every rank is a CPU process on one host, gradient buckets are averaged through shared
-memory (``shm_allreduce.py``) rather than gloo's sockets. Otherwise DDP's own allreduce is
+memory (``SharedMemoryAllreduce``) rather than gloo's sockets. Otherwise DDP's own allreduce is
 used (gloo or NCCL), unless gradient compression is asked for.
 
 Compression is a DDP communication hook: each gradient bucket is cast to fp16 or bf16,
@@ -14,9 +14,10 @@ bucket allreduces it ran, which the rank summary reports. It is our own hook rat
 torch's ``bf16_compress_hook``, which refuses to run on gloo (CPU) though gloo sums bf16.
 
 ``gradient_reduction="adasum"`` replaces the average (and the shared-memory path) by a hook
-that runs ``adasum.py`` on each parameter's gradient within the bucket: Adasum is defined per
-tensor, and a bucket's flat buffer is several tensors side by side. With compression too, each
-gradient travels in the compressed dtype and is combined in float64 (what Adasum always does).
+that runs ``adasum_allreduce_`` on each parameter's gradient within the bucket: Adasum is
+defined per tensor, and a bucket's flat buffer is several tensors side by side. With
+compression too, each gradient travels in the compressed dtype and is combined in float64
+(what Adasum always does).
 """
 
 # no ``from __future__ import annotations``: DDP checks the hook's return annotation object

@@ -11,7 +11,7 @@ the one Spark reports (see ``meeting.first_failure``). The group and rank 0's se
 closed (and its address file removed) when the task ends, failed or not, because PySpark
 reuses workers; what ``at_leave`` registered is closed before the group goes.
 
-A script run by ``run("train.py")`` forms the default group itself: the task exports
+A script run by ``run(script_path)`` forms the default group itself: the task exports
 torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and ``TORCHELASTIC_USE_AGENT_STORE=True``, with which
 torch's ``env://`` rendezvous connects every rank, rank 0 included, as a client to the
@@ -80,7 +80,7 @@ def process_group(
     ``timeout_s`` bounds every wait for the other ranks: forming the group, and each
     collective (a rank that died or hangs makes the others raise after that long).
     ``on_failure(rank, error)`` is called, before the error propagates, for the job's
-    first failure unless it is one that a retry may cure (see ``shared/failures.py``), and for a
+    first failure unless it is one that a retry may cure (see ``is_retried``), and for a
     rendezvous that cannot form. ``on_error()`` is called first whenever the block raises
     (the task writes its output lines then: leaving the group may take long, and Spark may
     kill the process meanwhile).
@@ -220,7 +220,8 @@ def init_default_group() -> None:
     In the task of a script run by ``run`` it is the job's group, formed from torchrun's
     variables (``env://``), on the device the task pinned, with ``collective_timeout``.
     Outside any Spark task it is a group of one process (rank 0 of 1) on ``cuda:0`` when
-    there is a GPU, else on the CPU, so that ``python train.py`` runs as a job of size 1.
+    there is a GPU, else on the CPU, so that a script run with plain
+    ``python`` runs as a job of size 1.
     """
     global _current
     if dist.is_initialized():

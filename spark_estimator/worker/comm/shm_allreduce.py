@@ -5,8 +5,8 @@ gloo sums tensors over TCP sockets, even between processes of one machine: on a 
 VM a 300 KB gradient bucket takes 1-4 ms per step that way, more than the step's compute
 for a small model. When all ranks are CPU processes on one Linux x86-64 host, DDP's
 gradient buckets go through one memory-mapped file under ``/dev/shm`` instead
-(``SharedMemoryAllreduce``, run by a DDP communication hook of ``ddp.py``): each rank
-copies its bucket into its own slot, publishes a sequence number, waits for everyone's,
+(``SharedMemoryAllreduce``, run by the DDP communication hook ``shared_memory_allreduce``):
+each rank copies its bucket into its own slot, publishes a sequence number, waits for everyone's,
 and sums the slots in rank order, so every rank computes bitwise the same average. Two
 sets of slots are used in turn, so a rank never overwrites a slot that a slower rank may
 still be reading. Buckets larger than a slot go through in chunks.
@@ -21,7 +21,7 @@ Waits are bounded: a peer process that died is noticed within ``LIVENESS_S`` (it
 gone from ``/proc``), as is one that closed its mapping while alive (its training failed
 and the process lives on as Spark's reused Python worker: ``close`` marks its pid slot
 ``LEFT``), and a peer that hangs after ``timeout_s``; all raise a
-``RuntimeError`` tagged ``SHM_TAG``, which ``shared/failures.py`` counts as a peer failure, as it
+``RuntimeError`` tagged ``SHM_TAG``, which ``is_peer_failure`` counts as a peer failure, as it
 does gloo's "connection closed" errors.
 """
 

@@ -15,7 +15,7 @@ from .decode import MASK, Decoder
 class Batch:
     """The tensors of one batch, decoded, transformed, moved to the device and shaped for
     forward(). ``size`` is its rows; ``drawn`` the rows the loader gave it, which differ
-    where rows that failed to decode were left out (``decode.py``, bad_rows="skip").
+    where rows that failed to decode were left out (``Decoder``, bad_rows="skip").
 
     A padded sequence column (``Decoded.masks``) is two arguments of forward(): its values
     ``[rows, longest]`` and its mask (True at each row's values); for a
@@ -33,7 +33,7 @@ class Batch:
         self.drawn = chunk.rows if isinstance(chunk, Columns) else chunk_rows(chunk)
         masks: dict[str, torch.Tensor] = {}
         if decoder is not None:
-            if not isinstance(chunk, Columns):  # a resized epoch's rest (remainder.py)
+            if not isinstance(chunk, Columns):  # a resized epoch's rest (remainder_batches)
                 chunk = Layout(chunk, spec.data.columns).assemble(chunk)
             decoded, kept = decoder(chunk, epoch)
             decoder.on_device(decoded, device)

@@ -141,7 +141,7 @@ def column_to_numpy(
 
 def variable_to_numpy(spec: ColumnSpec, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A variable column's rows as a NumPy array of Python objects, one per row, for the
-    per-row decoding (``decode.py``): bytes (binary), str (string), a 1-D array
+    per-row decoding (``Decoder``): bytes (binary), str (string), a 1-D array
     (sequence, in the column's dtype) or a dict of Spark's image fields (image)."""
     arr = _combine(column)
     if arr.null_count:
@@ -195,7 +195,7 @@ def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
 
 
 def reshape_input(name: str, tensor: torch.Tensor, shape: list[int] | None) -> torch.Tensor:
-    """Apply a column's ``input_shapes`` entry (either form, ``shared/shapes.py``) to a batch."""
+    """Apply a column's ``input_shapes`` entry (either form, ``shared.shapes``) to a batch."""
     if shape is None:
         return tensor
     return tensor.reshape(batch_shape(shape, math.prod(tensor.shape[1:]), name))

@@ -1,22 +1,22 @@
 """Executor: one rank's shard of a split as batches of tensors, seeded and exact.
 
-A pass reads the rank's pieces (row-group slices, see ``shards.py``) through a reader that
+A pass reads the rank's pieces (row-group slices, see ``shard_pieces``) through a reader that
 prefetches in the background, and cuts them into batches of the sizes the step plan asks
 for, so every row of the shard is in exactly one batch per pass. With ``shuffle`` the piece
 order is permuted per pass, and rows go through a bounded shuffle buffer: the buffer is
 refilled to ``buffer_rows`` rows, each refill permuted, and half of it kept for the next
-(``shuffle.py``: the refills follow the buffer's size, not the batch sizes, so the order is
+(the ``shuffle`` module: the refills follow the buffer's size, not the batch sizes, so the order is
 the same however a pass is cut), so every row is copied about twice, never once per batch.
 The permutations come from a generator seeded by (seed, pass, rank): the same seed gives
 the same batches, and each pass a different order. With ``cache`` the shard's pieces stay
 in memory after the first pass. On a GPU the buffer lives in pinned memory so batches copy
-without blocking. Chunks, the buffer and batches are ``Columns`` (``columns.py``): the
+without blocking. Chunks, the buffer and batches are ``Columns`` (``worker.data.columns``): the
 scalar columns of one dtype as one row-major ``[rows, columns]`` block, laid out in the
 reader threads as each piece is read (their one copy; other columns stay in the reader's
 memory), so the shuffle moves whole rows and a batch is one view per block. Each refill is
 planned from the pieces' row counts, so its permutation is drawn first and every chunk is
 copied into place as it arrives while the reader threads read the next. A batch reads as a
-Mapping of column name to tensor. With length bucketing (``buckets.py``) each shuffle
+Mapping of column name to tensor. With length bucketing (``Bucketing``) each shuffle
 window's served rows are then regrouped by length, in place in the buffer, still
 independently of the batch sizes.
 """
@@ -204,7 +204,7 @@ class ShardLoader:
     ``layout.assemble`` (a reader's ``chunks``, assembling in its threads);
     ``shuffle_pieces`` is False for readers that can only go in file order. With
     ``bucket`` (and ``shuffle``), each shuffle window's served rows are regrouped by length
-    (``buckets.py``).
+    (``Bucketing``).
     """
 
     def __init__(

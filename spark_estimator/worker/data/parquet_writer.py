@@ -1,6 +1,6 @@
 """Executor: one Spark partition of a materialization -> at most one Parquet file per split.
 
-``write_partition`` is what ``driver/materialize.py`` runs with ``mapInArrow``: it receives
+``write_partition`` is what the driver's ``materialize`` runs with ``mapInArrow``: it receives
 the partition's rows (the converted columns and the split column) as Arrow record batches
 and writes each split's rows, in the order they arrive, to
 ``datasets/<key>/<write-id>/<split>/part-<partition>.parquet`` (``DatasetFolder.part``) with
@@ -17,7 +17,7 @@ partial file; every attempt of a partition writes the same names.
 It yields one row per file written (``WRITTEN_SCHEMA``): the split, the path relative to
 the dataset folder, the rows of each row group, which the driver records in
 ``_meta.json`` without reading any footer back, and the counts of the value checks over
-the file's rows (``column_stats.py``, as JSON), which the driver merges and checks. Class
+the file's rows (``column_stats``, as JSON), which the driver merges and checks. Class
 indices that come as floats are written as int64 (``as_written``), once counted.
 """
 

@@ -1,6 +1,6 @@
 """Executor: one rank's data, the same for both trainers, and the summary the rank returns.
 
-``RankData`` opens the rank's training and validation loaders (``loader.py``) and says how
+``RankData`` opens the rank's training and validation loaders (``open_loader``) and says how
 many batches the rank takes of them: ``steps_per_epoch`` training batches per epoch
 (``train_steps_per_epoch``, default one exact pass; the same on every rank, ``StepPlan``)
 and its validation batch sizes. ``training_steps`` is the training stream both loops draw
@@ -48,7 +48,7 @@ def training_steps(
 
 
 def open_decoder(spec: TrainSpec) -> Decoder | None:
-    """The rank's decoder of the data's variable columns (``decode.py``), which has seen the
+    """The rank's decoder of the data's variable columns (``Decoder``), which has seen the
     first row of the training split, so that it knows each column's decoded shape (for the
     empty batches of a rank without rows); None without variable columns."""
     data = spec.data

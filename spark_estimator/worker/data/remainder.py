@@ -3,8 +3,8 @@
 An epoch's rows reach each rank as a list of *runs*: rows ``[start, stop)`` of the order in
 which rank ``rank`` of a ``world``-process job reads its shard in that epoch's pass (the
 same seeded order on every attempt, held or streamed, whatever the batch sizes it is read
-in: see ``shuffle.py``). Normally a rank has one run, its
-own whole shard (``own_runs``). A commit inside an epoch (``loop/commits.py``) records
+in: see the ``shuffle`` module). Normally a rank has one run, its
+own whole shard (``own_runs``). A commit inside an epoch (``EpochCommits``) records
 every rank's runs and how many of their rows it had trained on. When the job starts again
 with another number of processes, the rows not yet trained on, rank after rank, are cut
 into ``world`` contiguous parts of near-equal size (``reshard``), so no row of the epoch is
@@ -119,7 +119,7 @@ def _cat(parts: list):
 def _run_rows(runs, pass_index, open_source, step: int) -> Iterator[Tensors]:
     """Each run's rows in pieces of at most ``step`` rows: its loader's pass read up to the
     run's end in such pieces, those before its start dropped. A pass's order does not
-    depend on the sizes it is read in (``shuffle.py``), and no piece is larger than a
+    depend on the sizes it is read in (the ``shuffle`` module), and no piece is larger than a
     batch, so the loader's buffer stays its usual size."""
     for run in runs:
         loader = open_source(run.world, run.rank)

@@ -1,15 +1,15 @@
 """Executor: the row order of a shuffled pass, whoever cuts it into batches.
 
-A pass reads the rank's pieces (permuted first, see ``loader.py``) through a shuffle buffer
+A pass reads the rank's pieces (permuted first, see ``ShardLoader``) through a shuffle buffer
 of ``buffer_rows`` rows. The buffer is refilled with whole pieces until it holds at least
 ``buffer_rows`` rows (or the pieces run out), and each refill is permuted; the first rows
 of the buffer are then served and the last ``buffer_rows // 2`` kept for the next refill
 (after the last piece: none kept). Each refill (a ``Window``) depends only on the pieces'
 row counts, the buffer's size and the generator, never on the batch sizes asked for: the
 order of a pass is a function of (seed, pass, rank, shard, buffer size), so a pass read
-again in other batch sizes (the rest of a resized epoch, ``remainder.py``) gives the same
-rows in the same order, and a shard held on the device (``device_shard.py``) takes the
-order the streaming loader gives (``pass_order``). Length bucketing (``buckets.py``)
+again in other batch sizes (the rest of a resized epoch, ``remainder_batches``) gives the same
+rows in the same order, and a shard held on the device (``DeviceShard``) takes the
+order the streaming loader gives (``pass_order``). Length bucketing (``Bucketing``)
 reorders each window's served rows by their lengths, again whatever the batch sizes.
 """
 

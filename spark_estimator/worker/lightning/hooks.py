@@ -1,7 +1,7 @@
 """Executor: the pieces that put a Lightning Trainer on a barrier task.
 
 ``lightning_parts`` builds our plug-ins on the base classes of the Lightning package a module
-was written against (``shared/packages.py`` finds it):
+was written against (``lightning_package`` finds it):
 
 - ``TaskEnvironment``: a ClusterEnvironment that tells Lightning the task's rank and world
   size. Every task counts as a node of one device (node_rank = rank), so a job whose tasks
@@ -16,8 +16,8 @@ was written against (``shared/packages.py`` finds it):
   the epoch's checkpoint to the store, and carries the run's own state (history, data
   position) inside Lightning's checkpoint.
 - ``SharedMemoryGradients``: a callback that gives the DDP model the shared-memory
-  gradient allreduce (``ddp.py``) when every rank is a CPU process on one host. Lightning's
-  own ``ddp_comm_hook`` option registers hooks on CUDA only.
+  gradient allreduce (``shared_memory_allreduce``) when every rank is a CPU process on one
+  host. Lightning's own ``ddp_comm_hook`` option registers hooks on CUDA only.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each rank unpickles the LightningModule, its callbacks and ``trainer_args``, and runs
 ``Trainer.fit`` with DDP over the process group the task already joined (see
-``lightning_hooks.py``): one device per task, ``max_epochs = epochs``. The data comes from
-our loader (``rank_data.py``): each epoch is ``train_steps_per_epoch`` batches (default one
+``lightning_parts``): one device per task, ``max_epochs = epochs``. The data comes from
+our loader (``RankData``): each epoch is ``train_steps_per_epoch`` batches (default one
 exact pass) of an endless, seeded stream over the rank's shard, every rank the same number
 of batches. A batch is a dict column name -> tensor (features shaped by ``input_shapes``,
 labels, on the device).
@@ -64,7 +64,7 @@ class _Batches:
 
 
 # Lightning's loggers that print to the console themselves (handlers of their own, not
-# propagating), besides the rank's logging that the driver shows (observe/run_log.py)
+# propagating), besides the rank's logging that the driver shows (RankLog)
 LIGHTNING_LOGGERS = (
     "lightning",
     "lightning.pytorch",

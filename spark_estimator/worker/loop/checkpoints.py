@@ -1,10 +1,10 @@
 """Executor (rank 0): one checkpoint per finished epoch in the store, and their retention.
 
-A checkpoint holds everything needed to continue after its epoch (see ``resume.py``).
+A checkpoint holds everything needed to continue after its epoch (see ``worker.loop.resume``).
 Each is written atomically (``Store.write_bytes``). With ``keep`` set, only the last
 ``keep`` epochs' checkpoints stay, plus any epoch named in ``protected`` (the best epoch,
 when a BestModel callback tracks one). With ``parallelism="fsdp"`` every rank first writes
-its shard of the model and optimizer (``shards``, ``sharded.py``); a pruned checkpoint's
+its shard of the model and optimizer (``shards``, ``worker.loop.sharded``); a pruned checkpoint's
 file goes before its shards, so no listed checkpoint lacks them.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from ...shared.serialization import state_to_bytes
 from ...store import Store
 
-SHARDS = "shards"  # the key of a checkpoint or commit naming its shards' folder (sharded.py)
+SHARDS = "shards"  # the key naming a checkpoint's or commit's shards' folder (worker.loop.sharded)
 
 
 class Checkpoints:

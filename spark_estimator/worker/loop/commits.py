@@ -21,9 +21,9 @@ besides the epoch's checkpoint, which holds the same state. A commit holds:
   the position in the stream of passes;
 - per rank: its random state (torch, CUDA, NumPy, Python), its part of the epoch's sums
   (loss, metrics, rows, non-finite steps), and its rows of the epoch: the runs it reads
-  (``data/remainder.py``) and how many of their rows it has trained on;
+  (``worker.data.remainder``) and how many of their rows it has trained on;
 - whether each shard of the epoch's first sharding was held on the device or streamed (a
-  reader of a run opens it the same way; both give the same order, ``data/shuffle.py``).
+  reader of a run opens it the same way; both give the same order, ``pass_order``).
 
 A launch whose newest epoch checkpoint is epoch ``e - 1`` and which finds a commit of epoch
 ``e`` resumes there. With the same number of processes it continues exactly: every rank
@@ -100,7 +100,7 @@ def adapted(
 
 def rng_state() -> dict:
     """The global generators' states as tensors and plain values (what a state file may
-    hold, see ``shared/serialization.py``)."""
+    hold, see ``state_from_bytes``)."""
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "torch": torch.get_rng_state(),

@@ -7,7 +7,7 @@ everywhere gives the unweighted loss). An integer label column (loaded as int64 
 indices) whose loss fails on integers but works on floats, e.g. 0/1 labels with BCELoss, is
 given to that loss as floats in the output's dtype from then on. Metrics are
 ``fn(output, label)`` per label column, averaged over the batch; they never see gradients.
-The driver runs the same on a probe batch before training (``driver/loss_probe.py``).
+The driver runs the same on a probe batch before training (``check_loss``).
 """
 
 from __future__ import annotations

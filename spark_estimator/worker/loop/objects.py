@@ -1,11 +1,11 @@
 """Executor: the user's objects rebuilt from the pickled bundle, ready on the device.
 
-The driver pickles one dict (``driver/validate_training.py``): model and optimizer in the
+The driver pickles one dict (``training_bundle``): model and optimizer in the
 same pickle, so the optimizer's param groups refer to the model's parameters after
 unpickling, whatever its constructor arguments. A model given as a function is built here
-(``shared/model_factory.py``), seeded alike on every rank, and an optimizer given as a
+(``shared.model_factory``), seeded alike on every rank, and an optimizer given as a
 function is called on the model as it trains. Here the model moves to the device (or, with
-``parallelism="fsdp"``, is sharded: ``comm/fsdp.py``; then an optimizer object is built
+``parallelism="fsdp"``, is sharded: ``shard_model``; then an optimizer object is built
 anew on the shards, from its class, defaults and param groups by parameter name), the
 learning rates are scaled (``lr_scaling``), losses are built (``loss_constructors`` run
 here, for losses that cannot be pickled), and then the LR scheduler is built on the

@@ -1,4 +1,4 @@
-"""Executor code the driver runs: the training loss on a probe batch (``driver/loss_probe.py``
+"""Executor code the driver runs: the training loss on a probe batch (the driver's ``check_loss``
 builds the batch and decides when), exactly as a rank computes it on its first batch."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A finished run that stopped early is trained further by a fit with more ``epochs
 goes on from the epoch it stopped at (``continue_stopped``). A rate other than the one the
 checkpoint was trained at replaces it (``objects.take_new_rates``).
 
-Rank 0's checkpoint after each epoch (``train.py``) holds the model, optimizer, LR
+Rank 0's checkpoint after each epoch (``worker.loop.train``) holds the model, optimizer, LR
 scheduler and gradient scaler states, the history, the callbacks' states, whether
 training was asked to stop, and how many training batches were drawn so far: the position
 in the stream of passes over the shard. Random state is not saved but re-derived: every
@@ -15,7 +15,7 @@ draws the same dropout masks and the same batches as it would have without the f
 A checkpoint written with another number of processes (an elastic fit started again
 resized) goes on with this one's: ``lr_scaling="linear"`` rates rescaled, the stream of
 passes as if this size had trained from the start. A commit inside the next epoch, when
-there is one, is newer still (``commits.py``).
+there is one, is newer still (``EpochCommits``).
 
 All ranks load the same checkpoint: rank 0 picks the newest epoch and broadcasts it, so a
 checkpoint that appears while the ranks start (a straggler of the failed attempt) cannot

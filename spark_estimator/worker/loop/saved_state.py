@@ -37,8 +37,8 @@ class SavedState:
     ``spec``, ``info``, ``objects``, ``stepper``, ``checkpoints``, ``best``, ``state``)."""
 
     def _restore(self, saved: dict) -> None:
-        """Continue from an epoch's checkpoint (see resume.py) or from a commit inside the
-        next epoch (commits.py), which holds the same keys and the epoch's position."""
+        """Continue from an epoch's checkpoint (see ``load_checkpoint``) or from a commit inside
+        the next epoch (``EpochCommits``), which holds the same keys and the epoch's position."""
         epoch = saved["epoch"]
         objects, store = self.objects, self.spec.store
         if SHARDS in saved:

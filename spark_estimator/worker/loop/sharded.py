@@ -5,7 +5,7 @@ commit keep the model and optimizer out of rank 0's file: every rank writes its 
 ``torch.distributed.checkpoint`` (DCP) into ``runs/<run_id>/shards/<name>/`` (the store's
 filesystem, through fsspec), and rank 0's file names the folder (``checkpoints.SHARDS``) and is
 written after it, so a checkpoint or commit that exists has its shards. This module and
-``comm/fsdp.py`` are imported only by sharded fits (torch's FSDP and DCP take about a
+``worker.comm.fsdp`` are imported only by sharded fits (torch's FSDP and DCP take about a
 second to import). The optimizer's
 state is keyed by parameter name, and DCP re-shards on load: a launch with another number
 of processes (an elastic fit started again resized) reads the same folder.

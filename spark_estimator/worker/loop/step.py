@@ -8,7 +8,7 @@ rows on all ranks: k batches of n rows give the gradient of one batch of k x n r
 
 ``mixed_precision`` runs forward and loss under ``torch.autocast`` in fp16 or bf16 on the
 task's device (CUDA, or CPU where torch's CPU autocast is used); fp16 adds a GradScaler.
-With ``parallelism="fsdp"`` FSDP's own policy casts instead (``comm/fsdp.py``), its
+With ``parallelism="fsdp"`` FSDP's own policy casts instead (``worker.comm.fsdp``), its
 ``no_sync`` skips the gradients' reduce-scatter, and fp16's scaler is FSDP's, which agrees
 across ranks on whether any shard's gradients overflowed.
 A ``train_minibatch_fn`` replaces all of this with the user's own step.

@@ -82,7 +82,7 @@ def train(
     spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None = None
 ) -> RankSummary:
     """Train on this rank; return a summary of what it did.
-    Rank 0 passes its progress to ``report`` (see run_log.py)."""
+    Rank 0 passes its progress to ``report`` (see ``RankLog``)."""
     loop = _TrainingLoop(spec, info, report)
     try:
         loop.run()
@@ -107,7 +107,7 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
         fn = spec.loader.transformation_fn
         self.transform = loads(fn) if fn else None
         self.sharded = spec.loop.sharded
-        if self.sharded:  # FSDP: the model is its own wrapper (objects.py sharded it)
+        if self.sharded:  # FSDP: the model is its own wrapper (build_objects sharded it)
             self.ddp, self.hook = self.objects.model, None
         else:
             trained = compile_module(self.objects.model, spec.loop.compile)  # model stays plain
@@ -349,7 +349,7 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
         self, requested: bool, epochs_left: bool, steps: int, train_s: float
     ) -> tuple[bool, bool, int]:
         """Rank 0's stop request, whether to pause so the driver can start the job again
-        with more processes (elastic growth, ``driver/elastic.py``), and the next epoch's
+        with more processes (elastic growth, ``request_growth``), and the next epoch's
         commit interval (``commits.adapted`` of the epoch's ``steps`` optimizer steps in
         ``train_s``), the same on every rank."""
         pause, every = False, self.every

@@ -20,7 +20,7 @@ moment) is tried again at the next flush, and the last one, at the end of the ta
 
 Rank 0 also reports progress (epoch, step, the epoch's running training loss, the last
 epoch's record) in ``runs/<run_id>/progress.json``, rewritten every ``FLUSH_S`` seconds. The
-driver's ``driver/monitor.py`` reads both while the job runs.
+driver's ``FitMonitor`` reads both while the job runs.
 """
 
 from __future__ import annotations
