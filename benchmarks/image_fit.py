@@ -112,6 +112,13 @@ batch 128 and epochs). Two models: `small` (decoding is the bottleneck) and `lar
 >= 0.8x the decode limit; the `data=` share tells the two regimes apart. See the script's
 docstring for how each number is obtained.
 
+The decode limit is Pillow's decoding alone, on every core. A fit shares those cores with
+the rest of its data path (reading the Parquet, the shuffle, the crop and flip, the
+per-row random generator, collating) and with the model's step, so its ceiling is lower:
+each `small` row gives it ("data path alone": one rank's path without training, on one
+core; "at most": that path and the model's step on every core), and how close the fit
+comes to that ceiling.
+
     .venv/bin/python benchmarks/image_fit.py [--images N] [--epochs E] [--repeats R]
 """
 
@@ -427,6 +434,50 @@ def timed_fit(est, df, store, images: int, epochs: int) -> dict:
     }
 
 
+def data_path_rate(store, num_proc: int) -> float | None:
+    """Images/s of one rank's data path alone, on one core: rank 0's shard of the dataset
+    the fit materialized in ``store``, read, shuffled, decoded by ``decode`` (its crop and
+    flip) and collated as a training pass does, with no training. A fit's training on the
+    same cores can be no faster than the data path and the model's step together."""
+    import json
+
+    import torch
+
+    from spark_estimator.shared.serialization import dumps
+    from spark_estimator.shared.spec import DatasetInfo, DecodeSpec, LoaderSpec, TrainSpec
+    from spark_estimator.worker.data.batch import Batch
+    from spark_estimator.worker.data.decode import Decoder
+    from spark_estimator.worker.data.loader import open_loader
+    from spark_estimator.worker.data.shards import StepPlan
+
+    metas = sorted(Path(store.datasets).glob("*/_meta.json"))
+    if not metas:
+        return None
+    data = DatasetInfo.from_json(str(metas[0].parent), json.loads(metas[0].read_text()), True)
+    decoding = DecodeSpec(decode_fn=dumps(decode, "decode_fn"), workers=1)
+    spec = TrainSpec(
+        bundle=b"",
+        data=data,
+        store=store,
+        run_id="data-path",
+        batch_size=GLOBAL_BATCH // num_proc,
+        epochs=1,
+        seed=0,
+        use_gpu=False,
+        input_shapes=None,
+        loader=LoaderSpec(decode=decoding),
+    )
+    loader = open_loader(spec, "train", num_proc, 0, pin=False)
+    decoder = Decoder(decoding, data.columns, {"label"}, 0, data.row_names)
+    plan = StepPlan(data.rows("train"), num_proc, 0, spec.batch_size)
+    rows, start = 0, time.perf_counter()
+    with bc.torch_threads(1):
+        for chunk in loader.batches(plan.batch_sizes, 1):
+            rows += Batch(chunk, spec, torch.device("cpu"), None, decoder, 1).size
+    decoder.close()
+    return rows / (time.perf_counter() - start)
+
+
 # -- the run --------------------------------------------------------------------------------------
 def fmt(value, spec: str = ",.0f") -> str:
     return "n/a" if value is None else format(value, spec)
@@ -499,7 +550,7 @@ def main() -> int:
             with bc.torch_threads(threads):
                 compute = max(compute, compute_limit(name, blobs, labels, steps))
         print(f"[{name}] compute limit: {compute:,.0f} images/s", flush=True)
-        hands, fits, refits = [], [], []
+        hands, fits, refits, data_path = [], [], [], None
         for r in range(args.repeats):
             for threads in hand_threads:
                 contended += not bc.wait_quiet(args.quiet_timeout)
@@ -519,6 +570,10 @@ def main() -> int:
                 for label, out in (("fit", fits), ("re-fit", refits)):
                     contended += not bc.wait_quiet(args.quiet_timeout)
                     out.append(timed_fit(est, df, store, len(files), args.epochs))
+                    if label == "re-fit" and r == 0:
+                        contended += not bc.wait_quiet(args.quiet_timeout)
+                        data_path = data_path_rate(store, args.num_proc)
+                        print(f"[{name}] data path alone: {fmt(data_path)} images/s a core")
                     f = out[-1]
                     print(
                         f"[{name} {r + 1}] {label}: {f['total']:.2f} s whole "
@@ -530,7 +585,13 @@ def main() -> int:
                     )
             finally:
                 shutil.rmtree(store_folder, ignore_errors=True)
-        results[name] = {"compute": compute, "hand": hands, "fit": fits, "refit": refits}
+        results[name] = {
+            "compute": compute,
+            "hand": hands,
+            "fit": fits,
+            "refit": refits,
+            "data_path": data_path,
+        }
     spark.stop()
 
     full = (
@@ -608,6 +669,17 @@ def main() -> int:
                 f"; re-fit training / decode limit **{fmt(vs_limit, '.2f')}** (target >= "
                 f"{TARGET_DECODE}: {'met' if verdicts[-1] else 'MISSED'}); hand loop / "
                 f"decode limit {hand / limit:.2f}"
+            )
+        if res["data_path"]:
+            # the cores' time per image: one rank's data path and the model's step, each
+            # run by all the cores
+            ceiling = cores / (1 / res["data_path"] + 1 / res["compute"])
+            text += (
+                f". Data path alone: {res['data_path']:,.0f} images/s a core, "
+                f"{cores * res['data_path'] / limit:.2f} of the decode limit; with the "
+                f"model's step on the same cores at most {ceiling:,.0f} images/s "
+                f"({ceiling / limit:.2f} of the decode limit), of which the re-fit trains "
+                f"at {fmt(ratio(best['rate'], ceiling), '.2f')}"
             )
         lines.append(text)
     for name, decode_bound, share in summary:
