@@ -6,7 +6,6 @@ import io
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from spark_estimator.decoding import (
     center_crop,
@@ -16,6 +15,8 @@ from spark_estimator.decoding import (
     random_flip,
     resize,
 )
+
+Image = pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
 
 
 def encoded(pixels: np.ndarray, fmt: str = "PNG") -> bytes:

@@ -11,12 +11,13 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 from pyspark.sql import functions as F
 
 from spark_estimator import Store, TorchEstimator, TorchModel, TrainingError
 from spark_estimator.decoding import decode_image, random_crop, random_flip
 from tests.faults import Fault
+
+Image = pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
 
 SIZE = 12  # the images' side
 

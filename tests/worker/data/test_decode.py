@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from PIL import Image
 
 from spark_estimator.decoding import random_crop, random_flip
 from spark_estimator.shared.serialization import dumps
@@ -23,6 +22,8 @@ from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.remainder import after, own_runs, remainder_batches, reshard
 from spark_estimator.worker.data.shards import StepPlan
 from tests.worker.data.test_loader import train_spec
+
+Image = pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
 
 ROWS = 23
 
