@@ -7,6 +7,8 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     datasets/<key>/<write-id>/validation/part-00000.parquet  materialized validation rows
     datasets/<key>/_meta.json                                written last: names the complete write;
                                                              its files, rows, row lengths
+    tables/<key>.json                                        a table trained on in place: its
+                                                             files, row groups, splits, checks
     runs/<run_id>/run.json                                   what the checkpoints were made with
     runs/<run_id>/checkpoints/epoch-0001.pt                  rank 0's checkpoint after each epoch
     runs/<run_id>/shards/<name>/                             parallelism="fsdp": every rank's shard
@@ -186,6 +188,7 @@ def layout() -> list[str]:
         data.part("<write-id>", "train", 0),
         data.part("<write-id>", "validation", 0),
         data.meta,
+        store.table("<key>"),
         run.manifest,
         run.checkpoint(1),
         run.shards("<name>") + "/",
@@ -313,6 +316,11 @@ class Store:
 
     def dataset(self, key: str) -> DatasetFolder:
         return DatasetFolder(posixpath.join(self.datasets, key))
+
+    def table(self, key: str) -> str:
+        """What fits learned of a table they read in place (its files, row groups, the
+        rows of each split, the value checks): ``tables/<key>.json``."""
+        return self.join("tables", f"{key}.json")
 
     @property
     def runs(self) -> str:

@@ -19,6 +19,7 @@ ENTRY_POINTS = {
     f"{NAME}.worker.run_task": "a task of run(fn)",
     f"{NAME}.worker.predict": "transform's mapInArrow function",
     f"{NAME}.worker.data.parquet_writer": "materialize's mapInArrow function",
+    f"{NAME}.worker.data.table_stats": "the in-place checks' mapInArrow function",
     f"{NAME}.worker.loop.loss": "the loss the probe batch runs (LossFailed)",
     f"{NAME}.worker.loop.probe": "the loss on the driver's probe batch",
 }

@@ -53,7 +53,9 @@ def _is_file_leaf(leaf) -> bool:
 
 
 # one of Hadoop's FileStatus as its toString writes it (stable across Hadoop 3)
-_STATUS = re.compile(r"path=([^;]*); isDirectory=false; length=(\d+);.*?modification_time=(\d+)")
+FILE_STATUS = re.compile(
+    r"path=([^;]*); isDirectory=false; length=(\d+);.*?modification_time=(\d+)"
+)
 
 
 def _same_file(name: str) -> str:
@@ -71,7 +73,7 @@ def _listed(leaves: list) -> dict[str, tuple[int, int]]:
         if leaf.getClass().getSimpleName() != "LogicalRelation":
             continue
         text = leaf.relation().location().allFiles().mkString("\n")
-        for path, size, modified in _STATUS.findall(text):
+        for path, size, modified in FILE_STATUS.findall(text):
             found[_same_file(path)] = (int(size), int(modified))
     return found
 

@@ -63,6 +63,7 @@ class TorchEstimatorConstructor:
         partitions_per_process: int = 4,
         row_group_size_mb: float = 32.0,
         compression: str = "snappy",
+        data_copy: str = "auto",
         dtype: str = "float32",
         reader: str = "arrow",
         shuffle: bool = True,
@@ -228,6 +229,12 @@ class TorchEstimatorConstructor:
             read order
         compression : str
             Parquet compression of materialized data: uncompressed, snappy, gzip or zstd
+        data_copy : str
+            'auto' (default): a DataFrame that only reads Parquet files on the store's
+            filesystem (spark.read.parquet, a table over Parquet; selecting columns) is trained
+            on where the files lie, without a copy, and any other is materialized (the reason
+            logged at INFO); 'always': always materialize a copy; 'never': train in place or
+            fail naming why not
         dtype : str
             float type of features and non-integral labels: float32 or float64
         reader : str
@@ -400,6 +407,7 @@ class LightningEstimatorConstructor:
         partitions_per_process: int = 4,
         row_group_size_mb: float = 32.0,
         compression: str = "snappy",
+        data_copy: str = "auto",
         dtype: str = "float32",
         reader: str = "arrow",
         shuffle: bool = True,
@@ -542,6 +550,12 @@ class LightningEstimatorConstructor:
             read order
         compression : str
             Parquet compression of materialized data: uncompressed, snappy, gzip or zstd
+        data_copy : str
+            'auto' (default): a DataFrame that only reads Parquet files on the store's
+            filesystem (spark.read.parquet, a table over Parquet; selecting columns) is trained
+            on where the files lie, without a copy, and any other is materialized (the reason
+            logged at INFO); 'always': always materialize a copy; 'never': train in place or
+            fail naming why not
         dtype : str
             float type of features and non-integral labels: float32 or float64
         reader : str

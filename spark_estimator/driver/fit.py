@@ -29,7 +29,7 @@ from ..shared.spec import (
     TrainSpec,
 )
 from ..store import Store
-from . import mlflow_log, run_manifest
+from . import in_place, mlflow_log, run_manifest
 from .elastic import ElasticSize
 from .fit_checks import Checked, FitChecks, Training, check_bucketing_data
 from .fit_report import FitClock, decoding_summary, log_placements, rank_devices, rank_memory
@@ -200,6 +200,12 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
         return self._train(spark, data, checked, clock)
 
     def _materialize(self, dataset: DataFrame, checked: Checked) -> DatasetInfo:
+        """The dataset the fit trains on: the DataFrame's own Parquet files, read in place
+        (``data_copy``, ``in_place``), or its columns materialized to the store."""
+        if self.getDataCopy() != "always":
+            data = self._in_place(dataset, checked)
+            if data is not None:
+                return data
         options = WriteOptions(
             num_files=self.getPartitionsPerProcess() * checked.num_proc,
             row_group_bytes=int(self.getRowGroupSizeMb() * 2**20),
@@ -217,6 +223,45 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
             self.getInputShapes(),
             check=functools.partial(self._probe_data, checked=checked),
         )
+
+    def _in_place(self, dataset: DataFrame, checked: Checked) -> DatasetInfo | None:
+        """The dataset of the table's files read where they lie; None (after one INFO line
+        saying why) where the DataFrame is materialized instead; with
+        ``data_copy='never'`` a ValueError saying why."""
+        columns = checked.features + checked.labels
+        columns += [checked.sample_weight] if checked.sample_weight else []
+        names = [c.name for c in columns]
+        validation = self.getValidation()
+        names += [validation] if isinstance(validation, str) else []
+        data = (
+            f"reader={self.getReader()!r} reads materialized datasets only"
+            if self.getReader() != "arrow"
+            else in_place.plain_scan(dataset, checked.store, names)
+        )
+        if isinstance(data, in_place.ParquetScan):
+            scan = data
+            data = in_place.in_place_dataset(
+                dataset,
+                scan,
+                checked.store,
+                checked.features,
+                checked.labels,
+                validation,
+                self.getRandomSeed(),
+                checked.sample_weight,
+                self.getInputShapes(),
+                self.getDtype(),
+                check=functools.partial(self._probe_data, checked=checked),
+            )
+        if isinstance(data, str):
+            if self.getDataCopy() == "never":
+                raise ValueError(
+                    f"data_copy: 'never', but the DataFrame cannot be read in place: {data}"
+                )
+            logger.info("materializing a copy of the DataFrame's columns: %s", data)
+            return None
+        logger.info("training on the table's own files in %s (no copy)", data.path)
+        return data
 
     def _probe_data(self, data: DatasetInfo, checked: Checked) -> None:
         """The loss on a probe batch once the data is known: where the columns' shapes were

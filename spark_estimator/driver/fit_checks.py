@@ -15,6 +15,7 @@ from pyspark.sql import DataFrame, SparkSession
 from ..shared.spec import FLOAT_DTYPES, ColumnSpec, DatasetInfo, DecodeSpec, LoaderSpec, LoopSpec
 from ..store import Store
 from . import mlflow_log, run_manifest, validate
+from .in_place import DATA_COPIES
 from .launch import available_slots
 from .materialize import COMPRESSIONS
 from .stage_profile import TaskProfile, task_profile
@@ -77,6 +78,7 @@ _PARAM_CHECKS: dict[str, Callable[[str, object], None]] = {
     "keep_checkpoints": _optional_positive,
     "compression": functools.partial(validate.check_choice, choices=COMPRESSIONS),
     "reader": validate.check_reader,
+    "data_copy": functools.partial(validate.check_choice, choices=DATA_COPIES),
     "device_cache_fraction": validate.check_fraction,
 }
 

@@ -193,6 +193,7 @@ class FitParamsAccessors(Params):
     partitions_per_process: Param[int]
     row_group_size_mb: Param[float]
     compression: Param[str]
+    data_copy: Param[str]
     dtype: Param[str]
     reader: Param[str]
     shuffle: Param[bool]
@@ -506,6 +507,24 @@ class FitParamsAccessors(Params):
         uncompressed, snappy, gzip or zstd
         """
         return self._set(compression=value)
+
+    def getDataCopy(self) -> str:
+        """Gets the value of `data_copy`: 'auto' (default): a DataFrame that only reads Parquet
+        files on the store's filesystem (spark.read.parquet, a table over Parquet; selecting
+        columns) is trained on where the files lie, without a copy, and any other is
+        materialized (the reason logged at INFO); 'always': always materialize a copy;
+        'never': train in place or fail naming why not
+        """
+        return self.getOrDefault(self.data_copy)
+
+    def setDataCopy(self: _P, value: str) -> _P:
+        """Sets the value of `data_copy`: 'auto' (default): a DataFrame that only reads Parquet
+        files on the store's filesystem (spark.read.parquet, a table over Parquet; selecting
+        columns) is trained on where the files lie, without a copy, and any other is
+        materialized (the reason logged at INFO); 'always': always materialize a copy;
+        'never': train in place or fail naming why not
+        """
+        return self._set(data_copy=value)
 
     def getDtype(self) -> str:
         """Gets the value of `dtype`: float type of features and non-integral labels: float32 or

@@ -320,6 +320,16 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             default="snappy",
         ),
         ParamSpec(
+            "data_copy",
+            "'auto' (default): a DataFrame that only reads Parquet files on the store's "
+            "filesystem (spark.read.parquet, a table over Parquet; selecting columns) is "
+            "trained on where the files lie, without a copy, and any other is materialized "
+            "(the reason logged at INFO); 'always': always materialize a copy; 'never': "
+            "train in place or fail naming why not",
+            TypeConverters.toString,
+            default="auto",
+        ),
+        ParamSpec(
             "dtype",
             "float type of features and non-integral labels: float32 or float64",
             TypeConverters.toString,

@@ -69,6 +69,49 @@ class ColumnSpec:
         return torch_dtype(self.dtype)
 
 
+@dataclass(frozen=True)
+class InPlace:
+    """A dataset read where its files lie (``driver.in_place``): their layout in the table's
+    order (path, rows of each row group), their sizes (a file that changed is refused), and
+    how rows are split (``RowSplit``'s fields). The dataset's ``files`` then count each row
+    group's rows of each split, which the readers keep as they read."""
+
+    layout: tuple[tuple[str, tuple[int, ...]], ...]
+    sizes: tuple[tuple[str, int], ...]
+    fraction: float | None = None
+    seed: int = 0
+    column: str | None = None
+    # each row group's uncompressed bytes of the columns read, as ``layout`` (empty: unknown)
+    group_bytes: tuple[tuple[int, ...], ...] = ()
+
+    def offsets(self) -> dict[tuple[str, int], int]:
+        """The table index of each (file, row group)'s first row."""
+        offsets, at = {}, 0
+        for path, groups in self.layout:
+            for index, rows in enumerate(groups):
+                offsets[path, index] = at
+                at += rows
+        return offsets
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict) -> InPlace:
+        layout = tuple((p, tuple(g)) for p, g in value["layout"])
+        sizes = tuple((p, int(n)) for p, n in value["sizes"])
+        group_bytes = tuple(tuple(g) for g in value.get("group_bytes", ()))
+        return cls(layout, sizes, value["fraction"], value["seed"], value["column"], group_bytes)
+
+    def row_group_bytes(self) -> dict[tuple[str, int], int]:
+        """Each (file, row group)'s uncompressed bytes of the columns read."""
+        return {
+            (path, g): size
+            for (path, _), sizes in zip(self.layout, self.group_bytes)
+            for g, size in enumerate(sizes)
+        }
+
+
 @dataclass
 class DatasetInfo:
     """Where a Parquet dataset lives in the store and how its rows are laid out."""
@@ -89,6 +132,7 @@ class DatasetInfo:
     # a string column naming each row (binaryFile's ``path``), written beside the data when
     # the DataFrame has one and there are variable columns: named in decoding errors
     row_names: str | None = None
+    in_place: InPlace | None = None  # a table's own files, not a materialized copy
 
     @property
     def variable(self) -> list[ColumnSpec]:
@@ -118,6 +162,7 @@ class DatasetInfo:
             "write_id": self.write_id,
             "label_ranges": self.label_ranges,
             "row_names": self.row_names,
+            "in_place": self.in_place.to_json() if self.in_place else None,
             "source": self.source,
         }
 
@@ -135,6 +180,7 @@ class DatasetInfo:
             write_id=meta["write_id"],
             label_ranges=dict(meta.get("label_ranges", {})),
             row_names=meta.get("row_names"),
+            in_place=InPlace.from_json(meta["in_place"]) if meta.get("in_place") else None,
         )
 
 

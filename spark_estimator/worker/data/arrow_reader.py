@@ -18,10 +18,14 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ...shared.spec import ColumnSpec
+from ...shared.row_split import RowSplit
+from ...shared.spec import ColumnSpec, InPlace
 from ...store import Store
+from . import shards
 from .convert import class_indices, column_to_numpy, numpy_dtype, variable_to_numpy
 from .shards import Piece
 
@@ -68,12 +72,21 @@ class ArrowReader:
         columns: list[ColumnSpec],
         num_workers: int,
         row_offsets: dict[tuple[str, int], int] | None = None,
+        in_place: InPlace | None = None,
+        split: str = "train",
     ):
         self.store, self.root, self.columns = store, root, columns
         self.num_workers = num_workers
         # with the split's row offset of each (file, row group): every chunk gets each
         # row's index in the split as ROW_ID (what per-row augmentation is seeded by)
         self.row_offsets = row_offsets
+        # a table read in place: its row groups hold both splits, kept by RowSplit as read
+        self.in_place, self.split = in_place, split
+        if in_place is not None:
+            self._table_offsets = in_place.offsets()
+            self._split = RowSplit(in_place.fraction, in_place.seed, in_place.column)
+            self._sizes = dict(in_place.sizes)
+            self._group_bytes = in_place.row_group_bytes()
         self._footers: dict[str, pq.FileMetaData] = {}
         self._lock = threading.Lock()
 
@@ -81,6 +94,8 @@ class ArrowReader:
     def _open(self, path: str) -> Iterator[pq.ParquetFile]:
         full = posixpath.join(self.root, path)
         footer = self._footers.get(path)
+        if footer is None and self.in_place is not None:
+            self._check_unchanged(path, full)
         with ExitStack() as stack:
             # local files go to pyarrow's native reader; other filesystems through fsspec
             if self.store.protocol == "file":
@@ -94,9 +109,28 @@ class ArrowReader:
                     self._footers[path] = parquet.metadata
             yield parquet
 
-    def read(self, piece: Piece) -> Chunk:
-        with self._open(piece.path) as parquet:
-            table = parquet.read_row_group(piece.row_group, columns=[c.name for c in self.columns])
+    def _check_unchanged(self, path: str, full: str) -> None:
+        """A table read in place is read as it was listed: a file of another size changed
+        under the fit (its rows and splits would no longer be the ones counted)."""
+        size = self.store.fs.size(full)
+        if size != self._sizes[path]:
+            raise RuntimeError(
+                f"the table changed while it was read in place: {full} was {self._sizes[path]}"
+                f" bytes when the fit listed it, now {size}; fit again, or set "
+                "data_copy='always' to train on a copy of the table"
+            )
+
+    def read(self, piece: Piece, stream: _GroupStream | None = None, turn: int = 0) -> Chunk:
+        """``piece``'s rows as a chunk; with ``stream``, taken from it as its ``turn``-th
+        part (``chunks``)."""
+        names = [c.name for c in self.columns]
+        if stream is not None:
+            table = stream.take(turn, piece)
+        elif self.in_place is not None:
+            table = self._split_rows(piece, names)
+        else:
+            with self._open(piece.path) as parquet:
+                table = parquet.read_row_group(piece.row_group, columns=names)
         if piece.rows != table.num_rows:
             table = table.slice(piece.start, piece.rows)
         chunk = table_to_chunk(table, self.columns)
@@ -105,28 +139,149 @@ class ArrowReader:
             chunk[ROW_ID] = np.arange(first, first + piece.rows, dtype=np.int64)
         return chunk
 
+    def _read_names(self) -> list[str]:
+        """The columns read of a table read in place: the loader's and the split's."""
+        names, column = [c.name for c in self.columns], self._split.column
+        return names + ([column] if column and column not in names else [])
+
+    def _split_rows(self, piece: Piece, names: list[str]):
+        """The row groups of a piece of a table read in place, as their rows of this
+        reader's split (which ``piece``'s start and stop count)."""
+        with self._open(piece.path) as parquet:
+            groups = range(piece.row_group, piece.row_group + piece.groups)
+            table = parquet.read_row_groups(groups, columns=self._read_names())
+        return self.keep_split(table, self._table_offsets[piece.path, piece.row_group])
+
+    def keep_split(self, table: pa.Table, first: int) -> pa.Table:
+        """The rows of this reader's split of ``table``, rows of a table read in place from
+        its index ``first`` on, with the loader's columns."""
+        column = self._split.column
+        marks = None
+        if column is not None:
+            marks = pc.fill_null(pc.cast(table.column(column), pa.bool_()), False).to_numpy(
+                zero_copy_only=False
+            )
+        rows = self._split.rows(self.split, first, table.num_rows, marks)
+        if len(rows) != table.num_rows:
+            table = table.take(pa.array(rows))
+        return table.select([c.name for c in self.columns])
+
+    def _streamed(self, piece: Piece) -> bool:
+        """Whether ``piece`` is part of a row group too large to decode once per part
+        (``even_pieces`` cuts such row groups): its parts share one ``_GroupStream``."""
+        if self.in_place is None or piece.whole or piece.groups != 1:
+            return False
+        return self._group_bytes.get((piece.path, piece.row_group), 0) > 2 * shards.PIECE_BYTES
+
+    def _streams(self, pieces: list[Piece]) -> list[tuple[_GroupStream | None, int]]:
+        """For each of ``pieces``: the stream it is read from and its turn there (None, 0:
+        read on its own). Consecutive parts of one row group, each starting where the one
+        before stopped, share a stream."""
+        out: list[tuple[_GroupStream | None, int]] = []
+        for i, piece in enumerate(pieces):
+            if not self._streamed(piece):
+                out.append((None, 0))
+                continue
+            before = pieces[i - 1] if i else None
+            stream, turn = out[-1] if out else (None, 0)
+            if stream is not None and (before.path, before.row_group, before.stop) == (
+                piece.path,
+                piece.row_group,
+                piece.start,
+            ):
+                stream.parts += 1
+                out.append((stream, turn + 1))
+            else:
+                out.append((_GroupStream(self, piece), 0))
+        return out
+
     def chunks(
         self, pieces: Iterable[Piece], prepare: Callable[[Chunk], Any] | None = None
     ) -> Iterator:
         """``read`` of every piece, in order, prefetching ``num_workers`` pieces ahead;
         with ``prepare``, ``prepare(read(piece))`` (in the same threads)."""
-        pieces = iter(pieces)
+        pieces = list(pieces)
+        streams = self._streams(pieces)
+        work_items = iter(zip(pieces, streams))
 
-        def work(piece: Piece):
-            chunk = self.read(piece)
+        def work(item):
+            piece, (stream, turn) = item
+            chunk = self.read(piece) if stream is None else self.read(piece, stream, turn)
             return chunk if prepare is None else prepare(chunk)
 
-        with ThreadPoolExecutor(
-            self.num_workers, thread_name_prefix="spark-estimator-read"
-        ) as pool:
-            pending = deque(pool.submit(work, p) for _, p in zip(range(self.num_workers), pieces))
-            try:
-                while pending:
-                    chunk = pending.popleft().result()
-                    piece = next(pieces, None)
-                    if piece is not None:
-                        pending.append(pool.submit(work, piece))
-                    yield chunk
-            finally:  # the consumer stopped early or failed: drop what is queued
-                for future in pending:
-                    future.cancel()
+        try:
+            with ThreadPoolExecutor(
+                self.num_workers, thread_name_prefix="spark-estimator-read"
+            ) as pool:
+                pending = deque(
+                    pool.submit(work, p) for _, p in zip(range(self.num_workers), work_items)
+                )
+                try:
+                    while pending:
+                        chunk = pending.popleft().result()
+                        item = next(work_items, None)
+                        if item is not None:
+                            pending.append(pool.submit(work, item))
+                        yield chunk
+                finally:  # the consumer stopped early or failed: drop what is queued
+                    for future in pending:
+                        future.cancel()
+        finally:  # the threads are done: no stream is read any more
+            for stream in {id(s): s for s, _ in streams if s is not None}.values():
+                stream.close()
+
+
+class _GroupStream:
+    """One row group of a table read in place, decoded once, in order, for its consecutive
+    parts (``even_pieces``): each part takes its rows of the split in its turn (the reader's
+    threads may start the parts in another order), and the file is closed after the last
+    part. A rank whose shard starts inside the row group decodes the rows before it once
+    per pass, not once per part."""
+
+    def __init__(self, reader: ArrowReader, first: Piece):
+        self.reader, self.first, self.parts = reader, first, 1
+        self.turn, self.done = 0, threading.Condition()
+        self.stack = ExitStack()
+        self.batches: Iterator[pa.RecordBatch] | None = None
+        self.at = 0  # the split's row (of the row group) that ``held`` starts at
+        self.held: list[pa.Table] = []
+        self.table_at = reader._table_offsets[first.path, first.row_group]
+
+    def take(self, turn: int, piece: Piece) -> pa.Table:
+        with self.done:
+            self.done.wait_for(lambda: self.turn == turn)
+        try:
+            return self._rows(piece.start, piece.stop)
+        finally:
+            with self.done:
+                self.turn += 1
+                if self.turn == self.parts:
+                    self.close()
+                self.done.notify_all()
+
+    def _rows(self, start: int, stop: int) -> pa.Table:
+        if self.batches is None:
+            piece, reader = self.first, self.reader
+            parquet = self.stack.enter_context(reader._open(piece.path))
+            layout = dict(reader.in_place.layout)[piece.path][piece.row_group]
+            batch_rows = max(1024, -(-piece.rows * layout // max(1, piece.group_rows)))
+            self.batches = parquet.iter_batches(
+                batch_rows, row_groups=[piece.row_group], columns=reader._read_names()
+            )
+        if start < self.at:
+            raise RuntimeError(f"row group stream: rows from {start} asked, at {self.at}")
+        have = sum(t.num_rows for t in self.held)
+        while self.at + have < stop:
+            batch = next(self.batches)
+            table = self.reader.keep_split(pa.Table.from_batches([batch]), self.table_at)
+            self.table_at += batch.num_rows
+            self.held.append(table)
+            have += table.num_rows
+        held = pa.concat_tables(self.held) if len(self.held) > 1 else self.held[0]
+        part = held.slice(start - self.at, stop - start)
+        self.held, self.at = [held.slice(stop - self.at)], stop
+        return part
+
+    def close(self) -> None:
+        self.batches, self.held = None, []
+        self.stack.close()

@@ -30,7 +30,7 @@ from .convert import (
     read_only_arrays,
     scalar_groups,
 )
-from .shards import Piece, pass_generator
+from .shards import Piece, pass_generator, piece_order
 from .shuffle import default_buffer_rows, pass_order
 
 
@@ -101,9 +101,7 @@ class DeviceShard:
         if not self.shuffle or not self.rows:
             return None
         generator = pass_generator(self.seed, pass_index, self.rank)
-        order = range(len(self.pieces))
-        if self.shuffle_pieces:
-            order = torch.randperm(len(self.pieces), generator=generator).tolist()
+        order = piece_order(self.pieces, generator if self.shuffle_pieces else None)
         rows = torch.cat([torch.arange(self.starts[i], self.starts[i + 1]) for i in order])
         buffer = self.buffer_rows or default_buffer_rows(self.nbytes // self.rows)
         served = pass_order([self.pieces[i].rows for i in order], buffer, generator)

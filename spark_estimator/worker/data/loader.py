@@ -37,7 +37,7 @@ from .columns import Columns, Layout, place
 from .convert import Tensors, as_tensor, object_bytes, read_only_arrays
 from .device_shard import DeviceShard
 from .petastorm_reader import PetastormReader
-from .shards import Piece, pass_generator, shard_pieces
+from .shards import Piece, even_pieces, pass_generator, piece_order, shard_pieces
 from .shuffle import default_buffer_rows, windows
 
 
@@ -234,9 +234,8 @@ class ShardLoader:
         if sum(sizes) > self.rows:
             raise ValueError(f"loader: {sum(sizes)} rows asked of a shard of {self.rows}")
         generator = pass_generator(self.seed, pass_index, self.rank) if self.shuffle else None
-        order = self.pieces
-        if generator is not None and self.shuffle_pieces:
-            order = [self.pieces[i] for i in torch.randperm(len(order), generator=generator)]
+        permute = generator if self.shuffle_pieces else None
+        order = [self.pieces[i] for i in piece_order(self.pieces, permute)]
         regroup = None
         if self.bucket is not None:
             bucket = self.bucket
@@ -287,9 +286,13 @@ def open_loader(
     else:
         offsets = row_offsets(files) if data.variable else None
         columns = read_columns(data)
-        reader = ArrowReader(spec.store, data.path, columns, options.num_workers, offsets)
+        reader = ArrowReader(
+            spec.store, data.path, columns, options.num_workers, offsets, data.in_place, split
+        )
     pieces = shard_pieces(files, world_size, rank)
-    template = _template(spec, files, needs_shapes=not pieces)
+    if data.in_place is not None:
+        pieces = even_pieces(pieces, data.in_place.row_group_bytes())
+    template = _template(spec, files, needs_shapes=not pieces, split=split)
     shuffle = options.shuffle and split == "train"
     if hold_on is not None:
         return DeviceShard(
@@ -327,7 +330,7 @@ def open_loader(
 
 def empty_batch(spec: TrainSpec, split: str) -> Tensors:
     """A batch of zero rows of ``split``, its columns in their dtypes and row shapes."""
-    return _template(spec, spec.data.files.get(split, []), needs_shapes=True)
+    return _template(spec, spec.data.files.get(split, []), needs_shapes=True, split=split)
 
 
 def read_columns(data: DatasetInfo) -> list[ColumnSpec]:
@@ -337,7 +340,7 @@ def read_columns(data: DatasetInfo) -> list[ColumnSpec]:
     return data.columns + names
 
 
-def _template(spec: TrainSpec, files, needs_shapes: bool) -> dict:
+def _template(spec: TrainSpec, files, needs_shapes: bool, split: str = "train") -> dict:
     """Zero rows of every column in its dtype (an empty object array for a variable column,
     and the rows' indices where there are variable columns); with the real row shapes (one
     row read) for a rank without rows, whose empty batches still go through forward()."""
@@ -346,11 +349,12 @@ def _template(spec: TrainSpec, files, needs_shapes: bool) -> dict:
     template = {c.name: np.empty(0, dtype=object) for c in columns if c.variable}
     if spec.data.variable:
         template[ROW_ID] = torch.empty(0, dtype=torch.int64)
-    if not files or not needs_shapes:
+    if not needs_shapes or not any(any(groups) for _, groups in files):
         return {**{c.name: torch.empty(0, dtype=c.torch_dtype) for c in fixed}, **template}
-    path, groups = files[0]
-    reader = ArrowReader(spec.store, spec.data.path, fixed, num_workers=1)
-    one_row = reader.read(Piece(path, 0, 0, 1, groups[0]))
+    path, groups = next((p, g) for p, g in files if any(g))
+    group = next(i for i, rows in enumerate(groups) if rows)
+    reader = ArrowReader(spec.store, spec.data.path, fixed, 1, None, spec.data.in_place, split)
+    one_row = reader.read(Piece(path, group, 0, 1, groups[group]))
     with read_only_arrays():
         shaped = {c.name: as_tensor(one_row[c.name][:0], c.torch_dtype) for c in fixed}
     return {**shaped, **template}
@@ -359,11 +363,15 @@ def _template(spec: TrainSpec, files, needs_shapes: bool) -> dict:
 def first_rows(spec: TrainSpec, split: str, rows: int = 1) -> Columns | None:
     """The first ``rows`` rows of ``split`` as the loader lays them out (None: no rows)."""
     files = spec.data.files.get(split, [])
-    if not files:
+    if not any(any(groups) for _, groups in files):
         return None
-    path, groups = files[0]
+    path, groups = next((p, g) for p, g in files if any(g))
+    group = next(i for i, n in enumerate(groups) if n)
     columns = read_columns(spec.data)
-    reader = ArrowReader(spec.store, spec.data.path, columns, 1, row_offsets(files))
-    chunk = reader.read(Piece(path, 0, 0, min(rows, groups[0]), groups[0]))
+    in_place = spec.data.in_place
+    reader = ArrowReader(
+        spec.store, spec.data.path, columns, 1, row_offsets(files), in_place, split
+    )
+    chunk = reader.read(Piece(path, group, 0, min(rows, groups[group]), groups[group]))
     template = _template(spec, [], needs_shapes=False)
     return Layout(template, spec.data.columns).assemble(chunk)

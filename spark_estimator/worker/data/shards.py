@@ -51,17 +51,23 @@ def split_sizes(rows: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows [start, stop) of row group ``row_group`` of file ``path``."""
+    """Rows [start, stop) of row group ``row_group`` of file ``path`` (of the ``groups``
+    row groups from ``row_group`` on, counted as one, where ``even_pieces`` joined them)."""
 
     path: str  # relative to the dataset folder
     row_group: int
     start: int
     stop: int
-    group_rows: int  # rows in the whole row group
+    group_rows: int  # rows in the whole row group (in all ``groups``)
+    groups: int = 1
 
     @property
     def rows(self) -> int:
         return self.stop - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.group_rows
 
 
 def shard_pieces(files: list[tuple[str, list[int]]], world_size: int, rank: int) -> list[Piece]:
@@ -76,6 +82,70 @@ def shard_pieces(files: list[tuple[str, list[int]]], world_size: int, rank: int)
                 pieces.append(Piece(path, index, lo - offset, hi - offset, group_rows))
             offset += group_rows
     return pieces
+
+
+PIECE_BYTES = 16 * 2**20  # about what a piece of a table read in place reads
+
+
+def even_pieces(
+    pieces: list[Piece], group_bytes: dict[tuple[str, int], int], target: int | None = None
+) -> list[Piece]:
+    """``pieces`` re-cut to about ``target`` bytes each, for the row groups tables in a lake
+    hold (``group_bytes``: each row group's uncompressed bytes of the columns read, from the
+    files' footers): consecutive whole row groups of one file under ``target / 2`` are
+    joined into one piece (one read for all, not one per tiny group), and a piece of a row
+    group over ``2 * target`` is cut into consecutive parts, which ``piece_order`` keeps
+    together and in order so a reader can decode the row group once, part after part
+    (``ArrowReader``'s streams). The same rows in the same order. ``target``: PIECE_BYTES."""
+    target = PIECE_BYTES if target is None else target
+    out: list[Piece] = []
+    joined = math.inf  # the bytes of out[-1] where it can take more whole row groups
+    for piece in pieces:
+        size = group_bytes.get((piece.path, piece.row_group), 0)
+        last = out[-1] if out else None
+        small = piece.whole and size < target / 2
+        if small and last is not None and last.path == piece.path:
+            # row groups between two pieces of one rank hold no rows of its split: read
+            # with the piece (as joined groups are), if small too
+            end = last.row_group + last.groups
+            between = [group_bytes.get((piece.path, g), 0) for g in range(end, piece.row_group)]
+            if joined + size + sum(between) <= target and all(b < target / 2 for b in between):
+                rows = last.group_rows + piece.group_rows
+                groups = piece.row_group + 1 - last.row_group
+                out[-1] = Piece(piece.path, last.row_group, 0, rows, rows, groups)
+                joined += size + sum(between)
+                continue
+        joined = size if small else math.inf
+        parts = math.ceil(size * piece.rows / max(1, piece.group_rows) / target)
+        if size <= 2 * target or parts < 2:
+            out.append(piece)
+            continue
+        cuts = [piece.start + piece.rows * k // parts for k in range(parts + 1)]
+        out.extend(
+            Piece(piece.path, piece.row_group, lo, hi, piece.group_rows)
+            for lo, hi in zip(cuts, cuts[1:])
+            if lo < hi
+        )
+    return out
+
+
+def piece_order(pieces: list[Piece], generator: torch.Generator | None) -> list[int]:
+    """A pass's order of ``pieces`` (indices): with ``generator`` permuted, the parts of one
+    row group (``even_pieces``) kept together and in order; else as they are."""
+    units: list[list[int]] = []
+    for i, piece in enumerate(pieces):
+        before = pieces[i - 1] if i else None
+        if before is not None and (before.path, before.row_group, before.groups) == (
+            piece.path,
+            piece.row_group,
+            piece.groups,
+        ):
+            units[-1].append(i)
+        else:
+            units.append([i])
+    if generator is None:
+        return list(range(len(pieces)))
+    return [i for u in torch.randperm(len(units), generator=generator).tolist() for i in units[u]]
 
 
 class StepPlan:

@@ -91,3 +91,90 @@ def test_reads_ahead_in_num_workers_threads(tmp_path, store):
     stream = reader.chunks(shard_pieces(data.files["train"], 1, 0))
     assert sum(len(c["y"]) for c in stream) == 64
     assert len(threads) == 3 and all(t.startswith("spark-estimator-read") for t in threads)
+
+
+def in_place_table(tmp_path, name: str, row_group_size: int, rows: int = 600, fraction=0.25):
+    """One Parquet file of ``rows`` rows (y = id, x = [id, -id]) in row groups of
+    ``row_group_size``, described as a table read in place with a ``fraction`` split."""
+    from spark_estimator.driver.in_place import table_layout
+    from spark_estimator.shared.row_split import RowSplit
+    from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, InPlace
+
+    folder = tmp_path / name
+    folder.mkdir()
+    ids = np.arange(rows)
+    x = pa.array([[float(i), -float(i)] for i in ids], pa.list_(pa.float32()))
+    pq.write_table(
+        pa.table({"x": x, "y": ids}), folder / "t.parquet", row_group_size=row_group_size
+    )
+    footer = pq.ParquetFile(folder / "t.parquet").metadata
+    layout, group_bytes = table_layout(["t.parquet"], [footer], ["x", "y"])
+    split = RowSplit(fraction=fraction, seed=1)
+    held, first = [], 0
+    for n in layout[0][1]:
+        held.append(int(split.validation(first, n).sum()))
+        first += n
+    files = {
+        "train": [("t.parquet", [n - h for n, h in zip(layout[0][1], held)])],
+        "validation": [("t.parquet", held)],
+    }
+    size = (folder / "t.parquet").stat().st_size
+    in_place = InPlace(
+        tuple((p, tuple(g)) for p, g in layout), (("t.parquet", size),), fraction, 1, None,
+        group_bytes,
+    )  # fmt: skip
+    data = DatasetInfo(
+        path=str(folder),
+        features=[ColumnSpec("x", "array", "float32")],
+        labels=[ColumnSpec("y", "scalar", "int64")],
+        files=files,
+        in_place=in_place,
+    )
+    expected = {s: sorted(ids[split.rows(s, 0, rows)].tolist()) for s in ("train", "validation")}
+    return data, expected
+
+
+@pytest.mark.parametrize("group_rows", [600, 3], ids=["one huge row group", "200 tiny ones"])
+def test_a_table_in_place_is_read_in_even_pieces_every_row_once(
+    tmp_path, store, monkeypatch, group_rows
+):
+    """Lake row groups re-cut (a huge one decoded once per pass, part after part; tiny
+    ones joined): shuffled passes on 1-3 ranks still give each row of a split once."""
+    from spark_estimator.shared.spec import LoaderSpec, TrainSpec
+    from spark_estimator.worker.data import arrow_reader, shards
+    from spark_estimator.worker.data.loader import open_loader
+    from spark_estimator.worker.data.shards import StepPlan
+
+    monkeypatch.setattr(shards, "PIECE_BYTES", 2000)  # ~100 rows; 9 tiny row groups
+    data, expected = in_place_table(tmp_path, "t", group_rows)
+    opened = []
+    real_open = arrow_reader.ArrowReader._open
+
+    def counting(self, path):
+        opened.append(path)
+        return real_open(self, path)
+
+    monkeypatch.setattr(arrow_reader.ArrowReader, "_open", counting)
+    loader_spec = LoaderSpec(shuffle=True, shuffle_buffer_size=70, num_workers=2)
+    spec = TrainSpec(
+        bundle=b"", data=data, store=store, run_id="r", batch_size=16, epochs=1, seed=0,
+        use_gpu=False, input_shapes=None, loader=loader_spec,
+    )  # fmt: skip
+    for world in (1, 2, 3):
+        for split in ("train", "validation"):
+            seen = []
+            for rank in range(world):
+                loader = open_loader(spec, split, world, rank, pin=False)
+                if group_rows == 600 and split == "train":
+                    assert len(loader.pieces) >= 2  # the row group's parts
+                    opened.clear()
+                if group_rows == 3:
+                    groups = sum(1 for p in loader.pieces for _ in range(p.groups))
+                    assert len(loader.pieces) <= groups / 5  # joined
+                sizes = StepPlan(data.rows(split), world, rank, 16).batch_sizes
+                for batch in loader.batches(sizes, 2):
+                    seen += batch["y"].tolist()
+                    assert (batch["x"][:, 0] == batch["y"]).all()
+                if group_rows == 600 and split == "train":
+                    assert len(opened) == 1  # decoded once in the pass, part after part
+            assert sorted(seen) == expected[split]

@@ -1,10 +1,14 @@
 import itertools
 
 import pytest
+import torch
 
 from spark_estimator.worker.data.shards import (
+    Piece,
     StepPlan,
     eval_sizes,
+    even_pieces,
+    piece_order,
     shard_bounds,
     shard_pieces,
     split_sizes,
@@ -122,3 +126,50 @@ def test_eval_sizes():
     assert eval_sizes(5, 2, None) == [2, 2, 1]
     assert eval_sizes(5, 2, 2) == [2, 2]
     assert eval_sizes(0, 2, None) == []
+
+
+def rows_of(pieces, layout):
+    """Each piece's rows as (path, row in its file), in order."""
+    firsts = {}
+    for path, groups in layout:
+        at = 0
+        for g, rows in enumerate(groups):
+            firsts[path, g] = at
+            at += rows
+    return [
+        (p.path, firsts[p.path, p.row_group] + r) for p in pieces for r in range(p.start, p.stop)
+    ]
+
+
+def test_even_pieces_join_tiny_row_groups_of_a_file_and_cut_huge_ones():
+    layout = [("a", [10] * 7), ("b", [100]), ("c", [10, 10])]
+    size = {("a", g): 10 for g in range(7)} | {("b", 0): 100} | {("c", 0): 10, ("c", 1): 10}
+    pieces = shard_pieces(layout, 2, 1)  # rows 95..189: b's last 75 rows, c
+    even = even_pieces(pieces, size, target=30)
+    assert rows_of(even, layout) == rows_of(pieces, layout)  # the same rows, in order
+    spans = [(p.path, p.row_group, p.groups, p.start, p.stop) for p in even]
+    assert spans == [
+        ("b", 0, 1, 25, 50),  # b (100 bytes, over 2 x 30): its 75 rows here in 3 parts
+        ("b", 0, 1, 50, 75),
+        ("b", 0, 1, 75, 100),
+        ("c", 0, 2, 0, 20),  # c's two small groups: one piece
+    ]
+    first = shard_pieces(layout, 2, 0)  # rows 0..94: a's 7 groups and 25 of b's
+    spans = [(p.path, p.row_group, p.groups, p.rows) for p in even_pieces(first, size, 30)]
+    # a's groups joined up to 30 bytes; a quarter of b (25 bytes) is left whole
+    assert spans == [("a", 0, 3, 30), ("a", 3, 3, 30), ("a", 6, 1, 10), ("b", 0, 1, 25)]
+
+
+def test_piece_order_permutes_row_groups_keeping_their_parts_together_in_order():
+    parts = [Piece("b", 0, lo, lo + 25, 100) for lo in range(0, 100, 25)]
+    pieces = [Piece("a", 0, 0, 10, 10), *parts, Piece("c", 0, 0, 20, 20, groups=2)]
+    orders = {tuple(piece_order(pieces, torch.Generator().manual_seed(seed))) for seed in range(20)}
+    assert len(orders) > 1  # permuted
+    for order in orders:
+        at = order.index(1)
+        assert list(order[at : at + 4]) == [1, 2, 3, 4] and sorted(order) == list(range(6))
+    assert piece_order(pieces, None) == list(range(6))
+    plain = [Piece(p, 0, 0, 5, 5) for p in "abcdef"]  # one piece per row group: randperm's
+    generator = torch.Generator().manual_seed(3)
+    expected = torch.randperm(6, generator=torch.Generator().manual_seed(3)).tolist()
+    assert piece_order(plain, generator) == expected
