@@ -5,8 +5,9 @@
 array column its null elements and min/max length; per feature and float label its NaN and
 infinite values; per scalar label of class indices its min and max (the probe tries the
 loss on them, ``check_loss``), and where the DataFrame holds them as floats
-(StringIndexer's labels), the values that are not whole numbers. ``check_observed`` turns
-the merged counts into the error naming the column, and ``check_row_lengths`` checks
+(StringIndexer's labels), the values that are not whole numbers. ``check_observed`` (shared
+with the ranks, in ``column_stats``) turns the merged counts into the error naming the
+column, and ``check_row_lengths`` checks
 ``input_shapes`` against the row lengths (also for a dataset reused from the store, whose
 ``_meta.json`` records them; scalar columns are checked earlier, from the schema, by
 ``validate.check_input_shapes``).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from ..shared.column_stats import CheckedColumn
 from ..shared.shapes import batch_shape
-from ..shared.spec import ColumnSpec, DatasetInfo, column_param
+from ..shared.spec import ColumnSpec, DatasetInfo
 
 
 def checked_columns(
@@ -50,74 +51,6 @@ def counted_columns(
 
 def _class_indices(role: str, spec: ColumnSpec) -> bool:
     return role == "label" and spec.kind == "scalar" and spec.integral
-
-
-def check_observed(
-    metrics: dict, columns: list[tuple[str, ColumnSpec]]
-) -> tuple[dict[str, int], set[str]]:
-    """Raise for nulls, non-finite values or vectors of varying length found by the write's
-    metrics (columns in order, nulls first); return each array column's row length, and the
-    array columns whose lengths vary (read as sequences, padded per batch).
-
-    Counts are of the files written, each counted once (by the task attempt that wrote it).
-    """
-
-    def get(name: str) -> int:
-        return metrics.get(name) or 0
-
-    for i, (role, spec) in enumerate(columns):
-        rows, elements = get(f"c{i}_null_rows"), get(f"c{i}_null_elements")
-        if rows + elements:
-            param, name = column_param(role), spec.name
-            detail = (
-                f" ({rows} null rows, {elements} null elements inside arrays)" if elements else ""
-            )
-            inside = (
-                f" (and where(~F.exists('{name}', lambda v: v.isNull())) for null elements)"
-                if elements
-                else ""
-            )
-            raise ValueError(
-                f"{param}: column '{name}' has {rows + elements} null values{detail}; filter "
-                f"them, e.g. df.na.drop(subset=['{name}']){inside}, or fill them before fit"
-            )
-    for i, (role, spec) in enumerate(columns):
-        bad = get(f"c{i}_non_finite")
-        if bad:
-            kind = "feature" if role == "feature" else "label"
-            raise ValueError(
-                f"{column_param(role)}: column '{spec.name}' has {bad} NaN or infinite values; "
-                f"they are rejected because a NaN or infinite {kind} makes the loss NaN "
-                "without any error. Filter or replace them before fit"
-            )
-    for i, (_, spec) in enumerate(columns):
-        bad = get(f"c{i}_not_whole")
-        if bad:
-            name = spec.name
-            raise ValueError(
-                f"label_cols: column '{name}' has {bad} values that are not whole numbers (or "
-                "NaN or infinite); it is read as class indices 0, 1, ... (classification=True, "
-                "or a class-index loss such as CrossEntropyLoss or NLLLoss), as int64. Give "
-                f"whole numbers (e.g. StringIndexer's labels), or round them: "
-                f"df.withColumn('{name}', F.round('{name}').cast('long'))"
-            )
-    lengths, ragged = {}, set()
-    for i, (role, spec) in enumerate(columns):
-        if spec.kind not in ("array", "vector"):
-            continue
-        lo, hi = metrics.get(f"c{i}_min_length"), metrics.get(f"c{i}_max_length")
-        if lo is None:  # no rows
-            continue
-        if lo != hi and spec.kind == "vector":
-            raise ValueError(
-                f"{column_param(role)}: column '{spec.name}' has vectors of varying size "
-                f"({lo} to {hi}); every row of a vector column must have the same size"
-            )
-        if lo != hi:
-            ragged.add(spec.name)
-        else:
-            lengths[spec.name] = int(lo)
-    return lengths, ragged
 
 
 def label_ranges(metrics: dict, columns: list[tuple[str, ColumnSpec]]) -> dict[str, list[int]]:

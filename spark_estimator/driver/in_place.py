@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,13 +34,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 
-from ..shared.column_stats import merge_stats
+from ..shared.column_stats import check_observed, merge_stats
 from ..shared.row_split import RowSplit
-from ..shared.spec import ColumnSpec, DatasetInfo, InPlace, column_param
+from ..shared.spec import ColumnSpec, DatasetInfo, InPlace
 from ..store import Store, spark_url
 from ..worker.data.table_stats import COUNTED_SCHEMA, TableCounts, count_row_groups
 from .cache_key import FILE_STATUS, cache_key, source_fingerprint
-from .data_checks import check_observed, check_row_lengths, checked_columns, counted_columns
+from .data_checks import check_row_lengths, checked_columns, counted_columns
 from .data_checks import label_ranges as counted_label_ranges
 from .launch import is_connect
 from .materialize import as_sequence, check_not_empty
@@ -47,6 +48,9 @@ from .parquet_dataset import column_spec as parquet_column_spec
 from .validate import sequence_element_integral
 
 DATA_COPIES = ("auto", "always", "never")  # data_copy's values
+# above this much (the read columns, uncompressed) the checks the files' statistics settle
+# are not counted again in a pass before the job: the ranks check the rest as they read
+CHECK_PASS_BYTES = 64 * 2**20
 _PASS_THROUGH = {"Project", "SubqueryAlias"}
 # object stores named as Spark's Hadoop connectors name them, and as fsspec does
 _PROTOCOLS = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "abfss": "abfs"}
@@ -213,10 +217,19 @@ def in_place_dataset(
         if c.kind == "scalar" and c.integral and not pa.types.is_integer(schema.field(c.name).type)
     )
     checked = counted_columns(columns, from_floats)
-    if _needs_a_pass(columns, schema, split.column):
+    metrics, validation_rows, verify = None, {}, ()
+    table_bytes = sum(map(sum, group_bytes))
+    if split.column is None and (
+        table_bytes > CHECK_PASS_BYTES or not _needs_a_pass(columns, schema, None)
+    ):
+        metrics = _footer_counts(footers, columns, checked, _first_lengths(store, scan, footers))
+        if metrics is not None and _needs_a_pass(columns, schema, None):
+            verify = tuple(
+                (role, spec.name, c.finite, metrics.get(f"c{i}_min_length"))
+                for i, ((role, spec), c) in enumerate(zip(columns, checked))
+            )
+    if metrics is None:
         metrics, validation_rows = _count(df, store, scan.root, layout, checked, split.column)
-    else:
-        metrics, validation_rows = _footer_counts(footers, columns), {}
     row_lengths, ragged = check_observed(metrics, columns)
     integers = {c.name for c in features + labels if sequence_element_integral(df.schema, c.name)}
     features, labels = (
@@ -230,6 +243,7 @@ def in_place_dataset(
         fraction=split.fraction,
         seed=split.seed,
         column=split.column,
+        verify=verify,
     )
     data = DatasetInfo(
         path=scan.root,
@@ -327,29 +341,66 @@ def _count(df, store, root, layout, checked, column) -> tuple[dict, dict]:
     return metrics, {(r.path, r.row_group): r.validation_rows for r in rows}
 
 
-def _footer_counts(footers, columns) -> dict:
-    """The counts the checks need from the files' statistics alone (integer and boolean
-    scalar columns): null rows, and class indices' smallest and largest values."""
+def _first_lengths(store: Store, scan: ParquetScan, footers) -> dict[str, int]:
+    """The length of the first row of each list column of the table's first rows (a page
+    of each, not the row group): what every row of a fixed-length column holds."""
+    for (path, _, _), meta in zip(scan.files, footers):
+        if meta.num_rows:
+            with store.fs.open(posixpath.join(scan.root, path), "rb") as f:
+                batch = next(pq.ParquetFile(f).iter_batches(batch_size=1))
+            return {
+                name: len(batch.column(name)[0])
+                for name in batch.schema.names
+                if pa.types.is_list(batch.schema.field(name).type)
+                and batch.column(name)[0].is_valid
+            }
+    return {}
+
+
+def _footer_counts(footers, columns, checked, first_lengths: dict[str, int]) -> dict | None:
+    """The counts the checks need, from the files' statistics alone; None where those do
+    not settle them (a column without statistics, nulls or empty arrays in an array column,
+    arrays whose values do not add up to the first row's length per row, an infinite
+    value, ML vectors): the pass counts them then. NaN has no statistic, nor has each
+    row's length: the ranks check those as they read (``InPlace.verify``)."""
     metrics: dict = {}
     for meta in footers:
         for g in range(meta.num_row_groups):
             group = meta.row_group(g)
-            by_name = {
-                group.column(c).path_in_schema: group.column(c) for c in range(group.num_columns)
-            }
+            leaves: dict[str, list] = {}
+            for c in range(group.num_columns):
+                chunk = group.column(c)
+                leaves.setdefault(chunk.path_in_schema.split(".")[0], []).append(chunk)
             counts = {}
-            for i, (role, spec) in enumerate(columns):
-                stats = by_name[spec.name].statistics
+            for i, ((_, spec), check) in enumerate(zip(columns, checked)):
+                found = leaves.get(spec.name, [])
+                stats = found[0].statistics if len(found) == 1 else None
                 if stats is None or not stats.has_null_count:
-                    raise ValueError(
-                        f"{column_param(role)}: column '{spec.name}' has no null count in "
-                        "its files' statistics"
-                    )
-                counts[f"c{i}_null_rows"] = stats.null_count
-                if role == "label" and spec.integral and stats.has_min_max:
+                    return None
+                if check.array:
+                    length = first_lengths.get(spec.name)
+                    if stats.null_count or length is None:
+                        return None  # null rows, null elements or empty arrays: counted
+                    if found[0].num_values != group.num_rows * length:
+                        return None  # rows of other lengths: counted
+                    counts[f"c{i}_min_length"] = counts[f"c{i}_max_length"] = length
+                else:
+                    counts[f"c{i}_null_rows"] = stats.null_count
+                if check.finite and not _finite_bounds(stats, found[0].physical_type):
+                    return None
+                if check.classes and stats.has_min_max:
                     counts[f"c{i}_min_value"], counts[f"c{i}_max_value"] = (
                         int(stats.min),
                         int(stats.max),
                     )
             metrics = merge_stats(metrics, counts)
     return metrics
+
+
+def _finite_bounds(stats, physical_type: str) -> bool:
+    """Whether a column chunk's statistics show no infinite value (NaN they never show)."""
+    if physical_type not in ("FLOAT", "DOUBLE"):
+        return True
+    if not stats.has_min_max:
+        return stats.null_count == stats.num_values  # only nulls: nothing to bound
+    return math.isfinite(stats.min) and math.isfinite(stats.max)

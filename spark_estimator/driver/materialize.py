@@ -44,13 +44,12 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import IntegralType, StringType
 
-from ..shared.column_stats import merge_stats
+from ..shared.column_stats import check_observed, merge_stats
 from ..shared.spec import ROW_NAMES, SPLITS, ColumnSpec, DatasetInfo
 from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
 from .data_checks import (
-    check_observed,
     check_row_lengths,
     checked_columns,
     counted_columns,

@@ -6,8 +6,9 @@ the non-null rows; for columns whose NaN and +-inf are rejected, how many values
 finite; for scalar columns of class indices, their min and max value, and where they come
 as floats (a double column of whole numbers, as StringIndexer makes), how many values are
 not whole numbers (``as_written`` then writes them as int64). Keys are ``c<i>_<what>`` by
-the column's position in the checked columns, as ``driver/data_checks.check_observed``
-reads them. Each written file's rows are counted
+the column's position in the checked columns, as ``check_observed`` reads them (on the
+driver; and on the ranks, for a table read in place whose values they check as they read
+them, ``InPlace.verify``). Each written file's rows are counted
 once: the driver merges the counts of the files the successful task attempts wrote.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from .spec import ColumnSpec, column_param
 
 
 @dataclass(frozen=True)
@@ -81,3 +84,71 @@ def merge_stats(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
         else:
             merged[key] += value
     return merged
+
+
+def check_observed(
+    metrics: dict, columns: list[tuple[str, ColumnSpec]]
+) -> tuple[dict[str, int], set[str]]:
+    """Raise for nulls, non-finite values or vectors of varying length found by the write's
+    metrics (columns in order, nulls first); return each array column's row length, and the
+    array columns whose lengths vary (read as sequences, padded per batch).
+
+    Counts are of the files written, each counted once (by the task attempt that wrote it).
+    """
+
+    def get(name: str) -> int:
+        return metrics.get(name) or 0
+
+    for i, (role, spec) in enumerate(columns):
+        rows, elements = get(f"c{i}_null_rows"), get(f"c{i}_null_elements")
+        if rows + elements:
+            param, name = column_param(role), spec.name
+            detail = (
+                f" ({rows} null rows, {elements} null elements inside arrays)" if elements else ""
+            )
+            inside = (
+                f" (and where(~F.exists('{name}', lambda v: v.isNull())) for null elements)"
+                if elements
+                else ""
+            )
+            raise ValueError(
+                f"{param}: column '{name}' has {rows + elements} null values{detail}; filter "
+                f"them, e.g. df.na.drop(subset=['{name}']){inside}, or fill them before fit"
+            )
+    for i, (role, spec) in enumerate(columns):
+        bad = get(f"c{i}_non_finite")
+        if bad:
+            kind = "feature" if role == "feature" else "label"
+            raise ValueError(
+                f"{column_param(role)}: column '{spec.name}' has {bad} NaN or infinite values; "
+                f"they are rejected because a NaN or infinite {kind} makes the loss NaN "
+                "without any error. Filter or replace them before fit"
+            )
+    for i, (_, spec) in enumerate(columns):
+        bad = get(f"c{i}_not_whole")
+        if bad:
+            name = spec.name
+            raise ValueError(
+                f"label_cols: column '{name}' has {bad} values that are not whole numbers (or "
+                "NaN or infinite); it is read as class indices 0, 1, ... (classification=True, "
+                "or a class-index loss such as CrossEntropyLoss or NLLLoss), as int64. Give "
+                f"whole numbers (e.g. StringIndexer's labels), or round them: "
+                f"df.withColumn('{name}', F.round('{name}').cast('long'))"
+            )
+    lengths, ragged = {}, set()
+    for i, (role, spec) in enumerate(columns):
+        if spec.kind not in ("array", "vector"):
+            continue
+        lo, hi = metrics.get(f"c{i}_min_length"), metrics.get(f"c{i}_max_length")
+        if lo is None:  # no rows
+            continue
+        if lo != hi and spec.kind == "vector":
+            raise ValueError(
+                f"{column_param(role)}: column '{spec.name}' has vectors of varying size "
+                f"({lo} to {hi}); every row of a vector column must have the same size"
+            )
+        if lo != hi:
+            ragged.add(spec.name)
+        else:
+            lengths[spec.name] = int(lo)
+    return lengths, ragged

@@ -83,6 +83,10 @@ class InPlace:
     column: str | None = None
     # each row group's uncompressed bytes of the columns read, as ``layout`` (empty: unknown)
     group_bytes: tuple[tuple[int, ...], ...] = ()
+    # the checks the ranks make as they read, where the files' statistics settled the rest
+    # before the job: per checked column (role, name, NaN and infinities rejected, the row
+    # length every array holds or None); empty: all made before the job
+    verify: tuple[tuple[str, str, bool, int | None], ...] = ()
 
     def offsets(self) -> dict[tuple[str, int], int]:
         """The table index of each (file, row group)'s first row."""
@@ -101,7 +105,10 @@ class InPlace:
         layout = tuple((p, tuple(g)) for p, g in value["layout"])
         sizes = tuple((p, int(n)) for p, n in value["sizes"])
         group_bytes = tuple(tuple(g) for g in value.get("group_bytes", ()))
-        return cls(layout, sizes, value["fraction"], value["seed"], value["column"], group_bytes)
+        verify = tuple(tuple(v) for v in value.get("verify", ()))
+        return cls(
+            layout, sizes, value["fraction"], value["seed"], value["column"], group_bytes, verify
+        )
 
     def row_group_bytes(self) -> dict[tuple[str, int], int]:
         """Each (file, row group)'s uncompressed bytes of the columns read."""

@@ -250,3 +250,87 @@ def test_row_splits_are_the_seeded_draw_or_the_column():
     marks = np.array([True, False, True])
     assert column.rows("validation", 7, 3, marks).tolist() == [0, 2]
     assert RowSplit().rows("validation", 0, 4).tolist() == []
+
+
+@pytest.fixture
+def large(monkeypatch):
+    """Every table counts as large: its checks come from the files' statistics, and the
+    ranks check NaN and row lengths as they read; a pass before the job would fail."""
+    from spark_estimator.driver import in_place
+
+    monkeypatch.setattr(in_place, "CHECK_PASS_BYTES", 0)
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass over the table ran")
+
+    monkeypatch.setattr(in_place, "_count", no_pass)
+
+
+def write_table(spark, folder: Path, xs: list[list[float]], writer: str = "pyarrow") -> Path:
+    """A table of arrays ``xs`` and labels, written by Spark or by pyarrow (whose float
+    statistics keep their bounds past a NaN; Spark's drop them)."""
+    rows = [(x, float(i % 2)) for i, x in enumerate(xs)]
+    if writer == "spark":
+        df = spark.createDataFrame(rows, "x array<double>, y double").coalesce(1)
+        df.write.parquet(str(folder))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        folder.mkdir()
+        x = pa.array([r[0] for r in rows], pa.list_(pa.float64()))
+        pq.write_table(pa.table({"x": x, "y": [r[1] for r in rows]}), folder / "part-0.parquet")
+    return folder
+
+
+def test_a_large_tables_checks_come_from_its_statistics_and_the_ranks(spark, store, table, large):
+    model = quiet(store, epochs=1, validation=0.25).fit(spark.read.parquet(str(table)))
+    meta = json.loads(next(Path(store.root, "tables").glob("*.json")).read_text())
+    verify = {name: (finite, length) for _, name, finite, length in meta["in_place"]["verify"]}
+    assert verify == {"x": (True, 3), "y": (True, None)}
+    assert meta["row_lengths"] == {"x": 3}
+    assert model.getHistory()[-1]["validation"]["loss"] >= 0
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["shard held", "streamed"])
+def test_nan_in_a_large_table_is_refused_by_the_ranks_before_training_on_it(
+    spark, store, tmp_path, large, held
+):
+    xs = [[float(i), 1.0, 2.0] for i in range(40)]
+    xs[33][1] = float("nan")
+    folder = write_table(spark, tmp_path / "nan", xs)
+    params = dict(epochs=1, device_cache_fraction=0.5 if held else 0.0, run_id="nan")
+    with pytest.raises(TrainingError) as info:
+        quiet(store, **params).fit(spark.read.parquet(str(folder)))
+    first = str(info.value).splitlines()[0]
+    assert first.startswith("ValueError: feature_cols: column 'x' has 1 NaN or infinite values")
+    assert f"(found reading {folder}/part-" in first and "in place)" in first
+    assert not list(Path(store.run("nan").checkpoints).glob("*"))  # no step was committed
+
+
+def test_arrays_of_another_length_than_the_statistics_gave_are_refused_by_the_ranks(
+    spark, store, tmp_path, large
+):
+    # 2 + 4 values add up to 2 rows of the first row's 3: the statistics cannot tell
+    xs = [[1.0, 2.0, 3.0]] * 10 + [[1.0, 2.0], [1.0, 2.0, 3.0, 4.0]] + [[1.0, 2.0, 3.0]] * 8
+    folder = write_table(spark, tmp_path / "ragged", xs)
+    with pytest.raises(TrainingError, match="column 'x' has arrays of varying lengths where "):
+        quiet(store, epochs=1).fit(spark.read.parquet(str(folder)))
+
+
+def test_what_the_statistics_show_is_refused_before_the_job(spark, store, tmp_path, monkeypatch):
+    """Infinities (in the statistics' bounds) and NaN in files Spark wrote (it leaves the
+    bounds out then) are counted in the pass: its error before any training job, as for a
+    small table."""
+    from spark_estimator.driver import in_place
+
+    monkeypatch.setattr(in_place, "CHECK_PASS_BYTES", 0)
+    cases = [
+        ("inf", [[1.0, 2.0, 3.0]] * 10 + [[1.0, float("inf"), 3.0]], "pyarrow"),
+        ("nan", [[1.0, 2.0, 3.0]] * 10 + [[1.0, float("nan"), 3.0]], "spark"),
+    ]
+    for name, xs, writer in cases:
+        folder = write_table(spark, tmp_path / name, xs, writer)
+        with pytest.raises(ValueError, match="feature_cols: column 'x' has 1 NaN or infinite"):
+            quiet(store, epochs=1).fit(spark.read.parquet(str(folder)))
+    assert not Path(store.runs).exists()  # no training job ran

@@ -22,8 +22,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ...shared.column_stats import CheckedColumn, check_observed, column_stats
 from ...shared.row_split import RowSplit
-from ...shared.spec import ColumnSpec, InPlace
+from ...shared.spec import ColumnSpec, InPlace, column_param
 from ...store import Store
 from . import shards
 from .convert import class_indices, column_to_numpy, numpy_dtype, variable_to_numpy
@@ -87,6 +88,7 @@ class ArrowReader:
             self._split = RowSplit(in_place.fraction, in_place.seed, in_place.column)
             self._sizes = dict(in_place.sizes)
             self._group_bytes = in_place.row_group_bytes()
+            self._verified: set[tuple[str, int]] = set()  # (file, first row) checked
         self._footers: dict[str, pq.FileMetaData] = {}
         self._lock = threading.Lock()
 
@@ -150,11 +152,15 @@ class ArrowReader:
         with self._open(piece.path) as parquet:
             groups = range(piece.row_group, piece.row_group + piece.groups)
             table = parquet.read_row_groups(groups, columns=self._read_names())
-        return self.keep_split(table, self._table_offsets[piece.path, piece.row_group])
+        return self.keep_split(table, self._table_offsets[piece.path, piece.row_group], piece.path)
 
-    def keep_split(self, table: pa.Table, first: int) -> pa.Table:
-        """The rows of this reader's split of ``table``, rows of a table read in place from
-        its index ``first`` on, with the loader's columns."""
+    def keep_split(self, table: pa.Table, first: int, path: str) -> pa.Table:
+        """The rows of this reader's split of ``table``, rows of file ``path`` of a table read
+        in place from its index ``first`` on, with the loader's columns; their values
+        checked the first time they are read where the fit left that to the ranks."""
+        if self.in_place.verify and (path, first) not in self._verified:
+            self._check_values(table, path)
+            self._verified.add((path, first))
         column = self._split.column
         marks = None
         if column is not None:
@@ -165,6 +171,32 @@ class ArrowReader:
         if len(rows) != table.num_rows:
             table = table.take(pa.array(rows))
         return table.select([c.name for c in self.columns])
+
+    def _check_values(self, table: pa.Table, path: str) -> None:
+        """Raise the fit's own check error (``check_observed``) for NaN or infinite values
+        in ``table``'s checked columns, or arrays of another length than the one the
+        files' statistics gave, naming the file: the checks a fit of a large table leaves
+        to the ranks (``InPlace.verify``), made before the first step where a rank holds
+        its shard in memory, else as each piece is first read."""
+        specs = {c.name: c for c in self.columns}
+        columns = [(role, specs[name]) for role, name, _, _ in self.in_place.verify]
+        checked = [
+            CheckedColumn(name, specs[name].kind in ("array", "vector"), finite)
+            for _, name, finite, _ in self.in_place.verify
+        ]
+        where = f" (found reading {posixpath.join(self.root, path)} in place)"
+        try:
+            lengths, ragged = check_observed(column_stats(table, checked), columns)
+        except ValueError as e:
+            raise ValueError(f"{e}{where}") from None
+        for role, name, _, length in self.in_place.verify:
+            found = "varying lengths" if name in ragged else lengths.get(name, length)
+            if length is not None and found != length:
+                raise ValueError(
+                    f"{column_param(role)}: column '{name}' has arrays of {found} where the "
+                    f"files' statistics gave {length} values a row{where}; set "
+                    "data_copy='always' to check every row before training"
+                )
 
     def _streamed(self, piece: Piece) -> bool:
         """Whether ``piece`` is part of a row group too large to decode once per part
@@ -273,7 +305,8 @@ class _GroupStream:
         have = sum(t.num_rows for t in self.held)
         while self.at + have < stop:
             batch = next(self.batches)
-            table = self.reader.keep_split(pa.Table.from_batches([batch]), self.table_at)
+            table = pa.Table.from_batches([batch])
+            table = self.reader.keep_split(table, self.table_at, self.first.path)
             self.table_at += batch.num_rows
             self.held.append(table)
             have += table.num_rows
