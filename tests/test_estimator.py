@@ -565,6 +565,12 @@ def _bad_inputs():
         "unknown compression": (dict(compression="lzo"), ValueError, "compression: must be one"),
         "unknown dtype": (dict(dtype="float16"), ValueError, "dtype: must be one of"),
         "unknown reader": (dict(reader="parquet"), ValueError, "reader: must be one of"),
+        "unknown data_copy": (dict(data_copy="sometimes"), ValueError, "data_copy: must be one"),
+        "data_copy never, not a Parquet scan": (
+            dict(data_copy="never"),
+            ValueError,
+            "data_copy: 'never', but the DataFrame cannot be read in place: it reads a ",
+        ),
         "shuffle_buffer_size 0": (
             dict(shuffle_buffer_size=0),
             ValueError,

@@ -359,6 +359,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
             training_summary={
                 **result["summary"],
                 "dataset_reused": data.reused,
+                "dataset_in_place": data.in_place is not None,
                 "resizes": resizes,
                 "fit_seconds": clock.report(summaries),
                 "task_resources": checked.stage.summary(),

@@ -2,7 +2,8 @@
 
 Most training data already is Parquet: a lake table, an ETL job's output. When ``fit``'s
 DataFrame only reads such files (``spark.read.parquet``, a table over Parquet files;
-selecting columns, and renaming none of them), every selected column has a type the
+selecting columns, renaming none of them, casting numbers to float or double as the
+loader does per batch anyway), every selected column has a type the
 loader reads, and the files are on the store's filesystem, the ranks read the files
 themselves: nothing is written under ``datasets/``. What a fit learns of the table (its
 files' row groups, each row group's rows of either split, the value checks) is kept in
@@ -80,12 +81,16 @@ def _leaf(analyzed, names: list[str]):
         kind = node.getClass().getSimpleName()
         if kind == "LogicalRelation":
             return node
+        if not _items(node.children()):
+            return f"it reads a {kind}, not Parquet files"
         if kind not in _PASS_THROUGH:
             return f"the DataFrame's plan has a {kind} (only selecting columns is read in place)"
         if kind == "Project":
             for expression in _items(node.projectList()):
                 inner = expression
                 if inner.getClass().getSimpleName() == "Alias":
+                    inner = inner.child()
+                if inner.getClass().getSimpleName() == "Cast" and _widening(inner):
                     inner = inner.child()
                 if inner.getClass().getSimpleName() != "AttributeReference":
                     return f"column '{expression.name()}' is computed, not read from the files"
@@ -95,6 +100,19 @@ def _leaf(analyzed, names: list[str]):
         if len(children) != 1:
             return f"the DataFrame's plan joins {len(children)} inputs"
         node = children[0]
+
+
+_NUMBERS = {"tinyint", "smallint", "int", "bigint", "float", "double"}
+
+
+def _widening(cast) -> bool:
+    """Whether a cast of a column is one the loader makes per batch anyway: numbers (or
+    arrays of numbers) to float or double, as every feature is converted to ``dtype``.
+    Not to integers (Spark's cast truncates, a class index must be whole)."""
+    source, target = (t.simpleString() for t in (cast.child().dataType(), cast.dataType()))
+    if source.startswith("array<") and target.startswith("array<"):
+        source, target = source[6:-1], target[6:-1]
+    return source in _NUMBERS and target in ("float", "double")
 
 
 def _file_path(store: Store, uri: str) -> str | None:

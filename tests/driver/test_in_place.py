@@ -92,6 +92,7 @@ def test_a_plain_scan_trains_on_the_files_as_the_copy_trains_on_its_rows(
     kept = fit_recording(spark, table, store, tmp_path / "in-place", validation="held")
     assert not Path(store.datasets).exists()
     assert len(list(Path(store.root, "tables").glob("*.json"))) == 1
+    assert kept.getTrainingSummary()["dataset_in_place"]
     copied = fit_recording(
         spark, table, store, tmp_path / "copy", validation="held", data_copy="always"
     )
@@ -101,6 +102,7 @@ def test_a_plain_scan_trains_on_the_files_as_the_copy_trains_on_its_rows(
         assert sorted(seen) == [1, 2]
         for ids in seen.values():
             assert sorted(ids) == sorted(set(range(ROWS)) - held)  # each training row once
+    assert not copied.getTrainingSummary()["dataset_in_place"]
     for model in (kept, copied):
         summary = store.read_json(store.run(model.getRunId()).ranks)
         assert sum(r["validation_rows"] for r in summary) == len(held)
@@ -218,6 +220,7 @@ def test_what_is_not_a_plain_scan_is_copied_saying_why(spark, store, table, capl
         (df.filter("y > 0"), "the DataFrame's plan has a Filter"),
         (df.withColumn("x", F.array("y", "y", "y")), "column 'x' is computed"),
         (df.select(F.col("x"), F.col("held").cast("double").alias("y")), "column 'y' is computed"),
+        (df.withColumn("y", F.col("y").cast("long")), "column 'y' is computed"),
     ]
     for frame, reason in cases:
         caplog.clear()
@@ -334,3 +337,22 @@ def test_what_the_statistics_show_is_refused_before_the_job(spark, store, tmp_pa
         with pytest.raises(ValueError, match="feature_cols: column 'x' has 1 NaN or infinite"):
             quiet(store, epochs=1).fit(spark.read.parquet(str(folder)))
     assert not Path(store.runs).exists()  # no training job ran
+
+
+def test_casts_to_float_are_read_in_place_as_the_loader_converts(spark, store, tmp_path, caplog):
+    """Numbers cast to float or double (what the loader does per batch) stay a plain scan,
+    and train as the copy of the cast columns does."""
+    rows = [([float(i), i / ROWS, 1.0], i % 7) for i in range(ROWS)]
+    folder = tmp_path / "ints"
+    spark.createDataFrame(rows, "x array<double>, y long").write.parquet(str(folder))
+    df = spark.read.parquet(str(folder)).select(
+        F.col("x").cast("array<float>").alias("x"), F.col("y").cast("double").alias("y")
+    )
+    with caplog.at_level(logging.INFO, logger="spark_estimator.driver.fit"):
+        kept = quiet(store, epochs=2, validation=0.25).fit(df)
+    assert any("training on the table's own files" in r.getMessage() for r in caplog.records)
+    assert not Path(store.datasets).exists()
+    copied = quiet(store, epochs=2, validation=0.25, data_copy="always").fit(df)
+    assert kept.getHistory()[-1]["validation"]["loss"] == pytest.approx(
+        copied.getHistory()[-1]["validation"]["loss"], rel=0.3
+    )
