@@ -240,7 +240,9 @@ def in_place_dataset(
     if split.column is None and (
         table_bytes > CHECK_PASS_BYTES or not _needs_a_pass(columns, schema, None)
     ):
-        metrics = _footer_counts(footers, columns, checked, _first_lengths(store, scan, footers))
+        arrays = [c.name for c in checked if c.array]
+        first = _first_lengths(store, scan, footers, arrays)
+        metrics = _footer_counts(footers, columns, checked, first)
         if metrics is not None and _needs_a_pass(columns, schema, None):
             verify = tuple(
                 (role, spec.name, c.finite, metrics.get(f"c{i}_min_length"))
@@ -359,16 +361,16 @@ def _count(df, store, root, layout, checked, column) -> tuple[dict, dict]:
     return metrics, {(r.path, r.row_group): r.validation_rows for r in rows}
 
 
-def _first_lengths(store: Store, scan: ParquetScan, footers) -> dict[str, int]:
-    """The length of the first row of each list column of the table's first rows (a page
-    of each, not the row group): what every row of a fixed-length column holds."""
+def _first_lengths(store: Store, scan: ParquetScan, footers, names: list[str]) -> dict[str, int]:
+    """The length of the table's first row of each list column of ``names`` (a page of
+    each read, not a row group): what every row of a fixed-length column holds."""
     for (path, _, _), meta in zip(scan.files, footers):
-        if meta.num_rows:
+        if meta.num_rows and names:
             with store.fs.open(posixpath.join(scan.root, path), "rb") as f:
-                batch = next(pq.ParquetFile(f).iter_batches(batch_size=1))
+                batch = next(pq.ParquetFile(f).iter_batches(batch_size=1, columns=names))
             return {
                 name: len(batch.column(name)[0])
-                for name in batch.schema.names
+                for name in names
                 if pa.types.is_list(batch.schema.field(name).type)
                 and batch.column(name)[0].is_valid
             }
