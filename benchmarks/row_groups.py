@@ -195,10 +195,12 @@ def fit_seconds(args, folder: Path) -> dict[str, float]:
                 est = bc.estimator(store, Columns(), **params)
                 if name == "ours":
                     est.fit(df)  # the copy, written once: the timed fit reads it
-                bc.wait_quiet(args.quiet_timeout)
-                fit = bc.timed_fit(est, df, store)
-                out[name, mode] = fit["times"]["_train"]
-                print(f"{name:12} {mode:8} fit: training job {out[name, mode]:.2f} s", flush=True)
+                seconds = []
+                for _ in range(args.fit_repeats):  # the best of them
+                    bc.wait_quiet(args.quiet_timeout)
+                    seconds.append(bc.timed_fit(est, df, store)["times"]["_train"])
+                out[name, mode] = min(seconds)
+                print(f"{name:12} {mode:8} fit: training job {seconds} s", flush=True)
     spark.stop()
     return out
 
@@ -218,6 +220,7 @@ def main() -> None:
     parser.add_argument(
         "--fit-epochs", type=int, default=2, help="epochs of each fit (0: time no fits)"
     )
+    parser.add_argument("--fit-repeats", type=int, default=3, help="timed fits of each")
     parser.add_argument("--store-dir", default=tempfile.gettempdir(), help="where stores go")
     bc.add_record_args(parser)
     args = parser.parse_args()
@@ -268,8 +271,9 @@ def main() -> None:
         lines += [
             f"Whole fits (`local[2]`, 2 ranks, batch 256 each, MLP 32-256-256-1, "
             f"{args.fit_epochs} epochs): seconds of the training job (launch, the ranks' "
-            "setup and reads, the epochs), each layout read in place against a re-fit of our"
-            " own copy (`data_copy='always'`) of the same rows; speed relative to ours:",
+            "setup and reads, the epochs), best of "
+            f"{args.fit_repeats}, each layout read in place against a re-fit of our own copy "
+            "(`data_copy='always'`) of the same rows; speed relative to ours:",
             "",
             "| layout | held in memory | streamed (`device_cache_fraction=0`) |",
             "|---|---:|---:|",
