@@ -72,6 +72,7 @@ import bench_common as bc  # noqa: E402
 import torch  # noqa: E402
 
 TARGET = 1.2
+DATASET_TARGET = 1.0  # seconds: the first fit's dataset phase on the 4M x 64 table
 HEADER = """\
 # Fit overhead (benchmarks/fit_overhead.py)
 
@@ -255,10 +256,19 @@ def main() -> int:
         f"| hand loop | {bc.best_median(hand)} | | | | | | | | |",
         "",
         f"- First fit (in place) / hand loop: **{ratio['fit']:.2f}** (best of each; target <= "
-        f"{TARGET}: {'met' if ratio['fit'] <= TARGET else 'MISSED'}); "
+        f"{TARGET} on the full job: "
+        f"{('met' if ratio['fit'] <= TARGET else 'MISSED') if full else 'not this job'}); "
         f"{rows_epochs / best['fit']['total']:,.0f} samples/s end to end against "
         f"{rows_epochs / min(hand):,.0f} for the hand loop; dataset phase "
         f"{fmt(dataset_s)} s",
+        f"- The first fit's dataset phase: {fmt(dataset_s)} s (target under "
+        f"{DATASET_TARGET:g} s for the 4M x 64 table: "
+        + (
+            ("met" if dataset_s is not None and dataset_s < DATASET_TARGET else "MISSED")
+            if args.rows >= 4_000_000 and args.features >= 64
+            else "not this table"
+        )
+        + ")",
         f"- Copying fit / hand loop: {ratio['copying fit']:.2f} (dataset phase "
         f"{fmt(best['copying fit']['phases']['materialization'])} s); re-fit / hand loop: "
         f"{ratio['re-fit']:.2f}; the ranks' training time alone / hand loop: {fmt(train_ratio)}",
