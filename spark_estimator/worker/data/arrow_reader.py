@@ -190,12 +190,14 @@ class ArrowReader:
         except ValueError as e:
             raise ValueError(f"{e}{where}") from None
         for role, name, _, length in self.in_place.verify:
-            found = "varying lengths" if name in ragged else lengths.get(name, length)
-            if length is not None and found != length:
+            found = lengths.get(name, length)
+            if length is not None and (name in ragged or found != length):
+                found = "varying lengths" if name in ragged else f"{found} values"
                 raise ValueError(
                     f"{column_param(role)}: column '{name}' has arrays of {found} where the "
-                    f"files' statistics gave {length} values a row{where}; set "
-                    "data_copy='always' to check every row before training"
+                    f"files' statistics gave {length} values a row{where}; every row must hold "
+                    "as many (or set data_copy='always' to have every row checked before "
+                    "training)"
                 )
 
     def _streamed(self, piece: Piece) -> bool:
