@@ -126,7 +126,10 @@ class ArrowReader:
         """``piece``'s rows as a chunk; with ``stream``, taken from it as its ``turn``-th
         part (``chunks``)."""
         names = [c.name for c in self.columns]
-        if stream is not None:
+        if stream is None and self._streamed(piece) and piece.start == 0:
+            stream = _GroupStream(self, piece)  # the first rows of a large row group (a
+            table = stream.take(0, piece)  # probe, a template): decoded only up to them
+        elif stream is not None:
             table = stream.take(turn, piece)
         elif self.in_place is not None:
             table = self._split_rows(piece, names)

@@ -178,3 +178,20 @@ def test_a_table_in_place_is_read_in_even_pieces_every_row_once(
                 if group_rows == 600 and split == "train":
                     assert len(opened) == 1  # decoded once in the pass, part after part
             assert sorted(seen) == expected[split]
+
+
+def test_the_first_rows_of_a_huge_row_group_in_place_are_read_without_the_rest(
+    tmp_path, store, monkeypatch
+):
+    """A probe's or a template's first rows: decoded from the row group's start only, not
+    the whole row group."""
+    from spark_estimator.worker.data import shards
+
+    monkeypatch.setattr(shards, "PIECE_BYTES", 2000)
+    data, expected = in_place_table(tmp_path, "t", 600, rows=6000)
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", None)  # no whole row group
+    reader = ArrowReader(store, data.path, data.columns, 1, None, data.in_place, "train")
+    for g, rows in enumerate(data.files["train"][0][1][:3]):
+        chunk = reader.read(Piece("t.parquet", g, 0, 3, rows))
+        want = [i for i in expected["train"] if 600 * g <= i < 600 * (g + 1)][:3]
+        assert chunk["y"].tolist() == want
