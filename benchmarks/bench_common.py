@@ -162,6 +162,25 @@ def estimator(store, net=None, **params):
     return TorchEstimator(**base)
 
 
+def loader_only_spec(data, store, batch_size: int, **loader):
+    """A TrainSpec for opening ``data``'s loaders alone (``open_loader``, no model): one
+    epoch, seed 0, CPU; ``loader``: LoaderSpec's fields."""
+    from spark_estimator.shared.spec import LoaderSpec, TrainSpec
+
+    return TrainSpec(
+        bundle=b"",
+        data=data,
+        store=store,
+        run_id="bench",
+        batch_size=batch_size,
+        epochs=1,
+        seed=0,
+        use_gpu=False,
+        input_shapes=None,
+        loader=LoaderSpec(**loader),
+    )
+
+
 def hand_loop(net, x, y, batch_size: int, epochs: int, device="cpu", seed: int = 0) -> float:
     """Train ``net`` on tensors ``x``, ``y`` ([N, 1]) already on ``device``: per epoch one
     shuffled pass (``torch.randperm``) in batches of ``batch_size``, SGD(lr=0.01), MSE.

@@ -444,7 +444,7 @@ def data_path_rate(store, num_proc: int) -> float | None:
     import torch
 
     from spark_estimator.shared.serialization import dumps
-    from spark_estimator.shared.spec import DatasetInfo, DecodeSpec, LoaderSpec, TrainSpec
+    from spark_estimator.shared.spec import DatasetInfo, DecodeSpec
     from spark_estimator.worker.data.batch import Batch
     from spark_estimator.worker.data.decode import Decoder
     from spark_estimator.worker.data.loader import open_loader
@@ -455,18 +455,7 @@ def data_path_rate(store, num_proc: int) -> float | None:
         return None
     data = DatasetInfo.from_json(str(metas[0].parent), json.loads(metas[0].read_text()), True)
     decoding = DecodeSpec(decode_fn=dumps(decode, "decode_fn"), workers=1)
-    spec = TrainSpec(
-        bundle=b"",
-        data=data,
-        store=store,
-        run_id="data-path",
-        batch_size=GLOBAL_BATCH // num_proc,
-        epochs=1,
-        seed=0,
-        use_gpu=False,
-        input_shapes=None,
-        loader=LoaderSpec(decode=decoding),
-    )
+    spec = bc.loader_only_spec(data, store, GLOBAL_BATCH // num_proc, decode=decoding)
     loader = open_loader(spec, "train", num_proc, 0, pin=False)
     decoder = Decoder(decoding, data.columns, {"label"}, 0, data.row_names)
     plan = StepPlan(data.rows("train"), num_proc, 0, spec.batch_size)

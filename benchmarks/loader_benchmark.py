@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
 
-from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, LoaderSpec, TrainSpec
+from spark_estimator.shared.spec import ColumnSpec, DatasetInfo
 from spark_estimator.store import Store
 from spark_estimator.worker.data.loader import open_loader
 from spark_estimator.worker.data.shards import StepPlan
@@ -122,21 +122,6 @@ def dataset(folder: Path, rows: int, row_group_rows: int) -> DatasetInfo:
     return info
 
 
-def train_spec(info: DatasetInfo, store: Store, **loader) -> TrainSpec:
-    return TrainSpec(
-        bundle=b"",
-        data=info,
-        store=store,
-        run_id="bench",
-        batch_size=BATCH_SIZE,
-        epochs=1,
-        seed=0,
-        use_gpu=False,
-        input_shapes=None,
-        loader=LoaderSpec(**loader),
-    )
-
-
 # -- the passes: each returns the rows it delivered ----------------------------------------
 def ceiling_pass(info: DatasetInfo) -> int:
     rows = 0
@@ -150,7 +135,7 @@ def ceiling_pass(info: DatasetInfo) -> int:
 
 
 def loader_pass(info: DatasetInfo, store: Store, **options) -> Callable[[int], int]:
-    spec = train_spec(info, store, **options)
+    spec = bc.loader_only_spec(info, store, BATCH_SIZE, **options)
     total = info.rows("train")
     sizes = StepPlan(total, 1, 0, BATCH_SIZE).batch_sizes
 

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common as bc  # noqa: E402
 
 from spark_estimator.driver.in_place import table_layout
-from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, InPlace, LoaderSpec, TrainSpec
+from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, InPlace
 from spark_estimator.store import Store
 from spark_estimator.worker.data import loader as loader_module
 from spark_estimator.worker.data.loader import open_loader
@@ -130,18 +130,7 @@ def rows_per_second(
     """One rank's loader over full passes: rows/s of each timed pass (after one untimed);
     ``held``: of reading the shard into memory, as a fit whose shard fits its budget
     does once (``DeviceShard``), then cuts every pass from memory."""
-    spec = TrainSpec(
-        bundle=b"",
-        data=info,
-        store=store,
-        run_id="bench",
-        batch_size=BATCH_SIZE,
-        epochs=1,
-        seed=0,
-        use_gpu=False,
-        input_shapes=None,
-        loader=LoaderSpec(),
-    )
+    spec = bc.loader_only_spec(info, store, BATCH_SIZE)
     sizes = StepPlan(info.rows("train"), world, rank, BATCH_SIZE).batch_sizes
     speeds = []
     for pass_index in range(repeats + 1):

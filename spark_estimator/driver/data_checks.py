@@ -15,6 +15,8 @@ column, and ``check_row_lengths`` checks
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..shared.column_stats import CheckedColumn
 from ..shared.shapes import batch_shape
 from ..shared.spec import ColumnSpec, DatasetInfo
@@ -74,6 +76,19 @@ def check_row_lengths(data: DatasetInfo, input_shapes: list[list[int]] | None) -
         length = data.row_length(spec)
         if length is not None:
             check_shape_fits(shape, spec.name, length)
+
+
+def check_dataset(
+    data: DatasetInfo,
+    input_shapes: list[list[int]] | None,
+    check: Callable[[DatasetInfo], None] | None,
+) -> None:
+    """The checks of a dataset once it is described, found or made (materialized or read
+    in place): ``input_shapes`` against its row lengths, then the fit's own ``check`` (the
+    probe batch's loss)."""
+    check_row_lengths(data, input_shapes)
+    if check is not None:
+        check(data)
 
 
 def check_shape_fits(shape: list[int], column: str, length: int) -> None:

@@ -41,7 +41,7 @@ from ..shared.spec import ColumnSpec, DatasetInfo, InPlace
 from ..store import Store, spark_url
 from ..worker.data.table_stats import COUNTED_SCHEMA, TableCounts, count_row_groups
 from .cache_key import FILE_STATUS, cache_key, source_fingerprint
-from .data_checks import check_row_lengths, checked_columns, counted_columns
+from .data_checks import check_dataset, checked_columns, counted_columns
 from .data_checks import label_ranges as counted_label_ranges
 from .launch import is_connect
 from .materialize import as_sequence, check_not_empty
@@ -179,11 +179,9 @@ def _columns_readable(
     return None
 
 
-def _needs_a_pass(specs: list[tuple[str, ColumnSpec]], schema: pa.Schema, column) -> bool:
-    """Whether the checks need the rows (floats, arrays, class indices as floats, a
-    validation column), not only the footers' statistics."""
-    if column is not None:
-        return True
+def _needs_a_pass(specs: list[tuple[str, ColumnSpec]], schema: pa.Schema) -> bool:
+    """Whether the checks need the rows (floats, arrays, class indices as floats), not only
+    the footers' statistics."""
     for _, spec in specs:
         t = schema.field(spec.name).type
         if spec.kind != "scalar" and not spec.variable:
@@ -216,9 +214,7 @@ def in_place_dataset(
     path = store.table(key)
     if store.exists(path):
         data = DatasetInfo.from_json(scan.root, store.read_json(path), reused=True)
-        check_row_lengths(data, input_shapes)
-        if check is not None:
-            check(data)
+        check_dataset(data, input_shapes, check)
         return data
     with ThreadPoolExecutor(8) as pool:
         footers = list(
@@ -227,8 +223,9 @@ def in_place_dataset(
     schema = footers[0].schema.to_arrow_schema()
     if reason := _columns_readable(schema, columns, dtype, scan.root):
         return reason
-    layout, group_bytes = table_layout([f[0] for f in scan.files], footers, names_of(columns))
-    split = _row_split(validation, seed, schema)
+    names = [spec.name for _, spec in columns]
+    layout, group_bytes = table_layout([f[0] for f in scan.files], footers, names)
+    split = _row_split(validation, seed)
     from_floats = frozenset(
         c.name
         for c in labels
@@ -237,13 +234,12 @@ def in_place_dataset(
     checked = counted_columns(columns, from_floats)
     metrics, validation_rows, verify = None, {}, ()
     table_bytes = sum(map(sum, group_bytes))
-    if split.column is None and (
-        table_bytes > CHECK_PASS_BYTES or not _needs_a_pass(columns, schema, None)
-    ):
+    needs_a_pass = _needs_a_pass(columns, schema)
+    if split.column is None and (table_bytes > CHECK_PASS_BYTES or not needs_a_pass):
         arrays = [c.name for c in checked if c.array]
         first = _first_lengths(store, scan, footers, arrays)
         metrics = _footer_counts(footers, columns, checked, first)
-        if metrics is not None and _needs_a_pass(columns, schema, None):
+        if metrics is not None and needs_a_pass:
             verify = tuple(
                 (role, spec.name, c.finite, metrics.get(f"c{i}_min_length"))
                 for i, ((role, spec), c) in enumerate(zip(columns, checked))
@@ -278,16 +274,9 @@ def in_place_dataset(
         in_place=in_place,
     )
     check_not_empty(data, validation)
-    check_row_lengths(data, input_shapes)
-    if check is not None:
-        check(data)
+    check_dataset(data, input_shapes, check)
     store.write_json(path, data.to_json())
     return data
-
-
-def names_of(columns: list[tuple[str, ColumnSpec]]) -> list[str]:
-    """The Parquet column names the ranks read of ``columns`` (``checked_columns``')."""
-    return [spec.name for _, spec in columns]
 
 
 def table_layout(
@@ -313,7 +302,7 @@ def table_layout(
     return layout, tuple(group_bytes)
 
 
-def _row_split(validation, seed: int, schema: pa.Schema) -> RowSplit:
+def _row_split(validation, seed: int) -> RowSplit:
     if validation is None:
         return RowSplit()
     if isinstance(validation, str):

@@ -50,7 +50,7 @@ from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
 from .data_checks import (
-    check_row_lengths,
+    check_dataset,
     checked_columns,
     counted_columns,
     label_ranges,
@@ -124,9 +124,7 @@ def materialize(
     dataset = store.dataset(key)
     if store.exists(dataset.meta):
         data = DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
-        check_row_lengths(data, input_shapes)
-        if check is not None:
-            check(data)
+        check_dataset(data, input_shapes, check)
         return data
 
     write_id = f"write-{uuid.uuid4().hex}"
@@ -181,9 +179,7 @@ def materialize(
             row_names=row_names,
         )
         check_not_empty(data, validation)
-        check_row_lengths(data, input_shapes)
-        if check is not None:
-            check(data)
+        check_dataset(data, input_shapes, check)
         published = store.exists(dataset.meta)  # another fit finished the same dataset first
     except BaseException:
         _discard(store, dataset, write_id)

@@ -88,15 +88,6 @@ class InPlace:
     # length every array holds or None); empty: all made before the job
     verify: tuple[tuple[str, str, bool, int | None], ...] = ()
 
-    def offsets(self) -> dict[tuple[str, int], int]:
-        """The table index of each (file, row group)'s first row."""
-        offsets, at = {}, 0
-        for path, groups in self.layout:
-            for index, rows in enumerate(groups):
-                offsets[path, index] = at
-                at += rows
-        return offsets
-
     def to_json(self) -> dict:
         return asdict(self)
 

@@ -72,7 +72,7 @@ class ArrowReader:
         root: str,
         columns: list[ColumnSpec],
         num_workers: int,
-        row_offsets: dict[tuple[str, int], int] | None = None,
+        split_offsets: dict[tuple[str, int], int] | None = None,
         in_place: InPlace | None = None,
         split: str = "train",
     ):
@@ -80,11 +80,12 @@ class ArrowReader:
         self.num_workers = num_workers
         # with the split's row offset of each (file, row group): every chunk gets each
         # row's index in the split as ROW_ID (what per-row augmentation is seeded by)
-        self.row_offsets = row_offsets
+        self.row_offsets = split_offsets
         # a table read in place: its row groups hold both splits, kept by RowSplit as read
         self.in_place, self.split = in_place, split
         if in_place is not None:
-            self._table_offsets = in_place.offsets()
+            self._table_offsets = row_offsets(in_place.layout)  # table indices, not a split's
+            self._table_rows = dict(in_place.layout)  # each file's rows per row group
             self._split = RowSplit(in_place.fraction, in_place.seed, in_place.column)
             self._sizes = dict(in_place.sizes)
             self._group_bytes = in_place.row_group_bytes()
@@ -132,7 +133,7 @@ class ArrowReader:
         elif stream is not None:
             table = stream.take(turn, piece)
         elif self.in_place is not None:
-            table = self._split_rows(piece, names)
+            table = self._split_rows(piece)
         else:
             with self._open(piece.path) as parquet:
                 table = parquet.read_row_group(piece.row_group, columns=names)
@@ -149,7 +150,7 @@ class ArrowReader:
         names, column = [c.name for c in self.columns], self._split.column
         return names + ([column] if column and column not in names else [])
 
-    def _split_rows(self, piece: Piece, names: list[str]):
+    def _split_rows(self, piece: Piece):
         """The row groups of a piece of a table read in place, as their rows of this
         reader's split (which ``piece``'s start and stop count)."""
         with self._open(piece.path) as parquet:
@@ -300,7 +301,7 @@ class _GroupStream:
         if self.batches is None:
             piece, reader = self.first, self.reader
             parquet = self.stack.enter_context(reader._open(piece.path))
-            layout = dict(reader.in_place.layout)[piece.path][piece.row_group]
+            layout = reader._table_rows[piece.path][piece.row_group]
             batch_rows = max(1024, -(-piece.rows * layout // max(1, piece.group_rows)))
             self.batches = parquet.iter_batches(
                 batch_rows, row_groups=[piece.row_group], columns=reader._read_names()

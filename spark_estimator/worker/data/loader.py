@@ -349,12 +349,11 @@ def _template(spec: TrainSpec, files, needs_shapes: bool, split: str = "train") 
     template = {c.name: np.empty(0, dtype=object) for c in columns if c.variable}
     if spec.data.variable:
         template[ROW_ID] = torch.empty(0, dtype=torch.int64)
-    if not needs_shapes or not any(any(groups) for _, groups in files):
+    first = _first_piece(files, 1) if needs_shapes else None
+    if first is None:
         return {**{c.name: torch.empty(0, dtype=c.torch_dtype) for c in fixed}, **template}
-    path, groups = next((p, g) for p, g in files if any(g))
-    group = next(i for i, rows in enumerate(groups) if rows)
     reader = ArrowReader(spec.store, spec.data.path, fixed, 1, None, spec.data.in_place, split)
-    one_row = reader.read(Piece(path, group, 0, 1, groups[group]))
+    one_row = reader.read(first)
     with read_only_arrays():
         shaped = {c.name: as_tensor(one_row[c.name][:0], c.torch_dtype) for c in fixed}
     return {**shaped, **template}
@@ -363,15 +362,24 @@ def _template(spec: TrainSpec, files, needs_shapes: bool, split: str = "train") 
 def first_rows(spec: TrainSpec, split: str, rows: int = 1) -> Columns | None:
     """The first ``rows`` rows of ``split`` as the loader lays them out (None: no rows)."""
     files = spec.data.files.get(split, [])
-    if not any(any(groups) for _, groups in files):
+    first = _first_piece(files, rows)
+    if first is None:
         return None
-    path, groups = next((p, g) for p, g in files if any(g))
-    group = next(i for i, n in enumerate(groups) if n)
     columns = read_columns(spec.data)
     in_place = spec.data.in_place
     reader = ArrowReader(
         spec.store, spec.data.path, columns, 1, row_offsets(files), in_place, split
     )
-    chunk = reader.read(Piece(path, group, 0, min(rows, groups[group]), groups[group]))
+    chunk = reader.read(first)
     template = _template(spec, [], needs_shapes=False)
     return Layout(template, spec.data.columns).assemble(chunk)
+
+
+def _first_piece(files: list[tuple[str, list[int]]], rows: int) -> Piece | None:
+    """The first ``rows`` rows (at most a row group's) of the first row group that holds
+    any of the split's; None where none does."""
+    for path, groups in files:
+        for group, count in enumerate(groups):
+            if count:
+                return Piece(path, group, 0, min(rows, count), count)
+    return None
