@@ -1,6 +1,7 @@
 """Sharded checkpoints between real processes (spawned, a real gloo group): saved by one
 number of ranks, read back by the same or another."""
 
+import gc
 import multiprocessing
 import os
 
@@ -71,6 +72,15 @@ def _train_save_or_load(rank: int, world: int, folder: str, mode: str) -> None:
     dist.destroy_process_group()
 
 
+def _run(rank: int, world: int, folder: str, mode: str) -> None:
+    """A spawned rank: ``_train_save_or_load``, then its objects' reference cycles (the
+    sharded model's, which hold the gloo group) collected while the interpreter lives. Left
+    to the process's exit, the group's teardown aborts it ('terminate called without an
+    active exception') about one run in two, after every result was written."""
+    _train_save_or_load(rank, world, folder, mode)
+    gc.collect()
+
+
 def record(folder: str, name: str, rank: int, model, optimizer) -> None:
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     steps = [s["step"].item() for s in optimizer.state.values()]
@@ -84,7 +94,7 @@ def record(folder: str, name: str, rank: int, model, optimizer) -> None:
 def spawn(world: int, folder, mode: str) -> None:
     ctx = multiprocessing.get_context("spawn")
     args = [(r, world, str(folder), mode) for r in range(world)]
-    procs = [ctx.Process(target=_train_save_or_load, args=a) for a in args]
+    procs = [ctx.Process(target=_run, args=a) for a in args]
     for p in procs:
         p.start()
     for p in procs:
