@@ -32,8 +32,8 @@ class LightningEstimator(LightningEstimatorConstructor, StoreEstimator, Lightnin
     columns (shaped by ``input_shapes``) and the label columns, so ``training_step`` reads
     e.g. ``batch["features"]`` and ``batch["label"]``. What it logs per epoch with
     ``self.log`` goes into the model's history (``train`` or ``validation``, by the loop
-    that logged it, averaged over processes), with ``train.loss``, the mean of
-    ``training_step``'s loss. Lightning callbacks run on every process. The fitted
+    that logged it; a mean is exact over all processes' rows), with ``train.loss``, the
+    mean of ``training_step``'s loss. Lightning callbacks run on every process. The fitted
     TorchModel's ``transform`` calls the module's ``forward`` with the feature columns.
 
     The constructor's Parameters section (``help(LightningEstimator.__init__)``),

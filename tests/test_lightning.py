@@ -457,6 +457,82 @@ def test_terminate_on_nan_stops_a_lightning_fit_and_keeps_the_last_good_checkpoi
     assert math.isnan(model.getHistory()[1]["train"]["loss"])
 
 
+class RowMeans(pl.LightningModule):
+    """Logs per-row values of each batch that depend on the data only, so their exact mean
+    over an epoch's rows is known from the DataFrame."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.net(x).squeeze(1)
+
+    def training_step(self, batch, batch_idx):
+        y = batch["y"]
+        self.log("y", y.mean(), batch_size=len(y), on_step=False, on_epoch=True)
+        self.log("y_sq", (y * y).mean(), batch_size=len(y), on_epoch=True, sync_dist=True)
+        return torch.nn.functional.mse_loss(self(batch["x"]), y)
+
+    def validation_step(self, batch, batch_idx):
+        y = batch["y"]
+        self.log("val_y", y.mean(), batch_size=len(y), sync_dist=True)
+        self.log("val_y_local", y.mean(), batch_size=len(y))
+        self.log("val_y_implicit", y.mean())  # Lightning takes the batch size from the batch
+        self.log("val_one", 1.0, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_logged_epoch_means_are_exact_over_all_rows_of_an_uneven_split(digits):
+    """41 training rows (21 + 20 on two processes) and 25 validation rows (13 + 12), in
+    batches of 4 rows or 3: the history, ModelCheckpoint's and EarlyStopping's values are
+    each value's mean over all rows, with and without sync_dist."""
+    store = digits[0]
+    spark = spark_session(LOCAL)
+    rows = [
+        ([i / 66, (i * 7 % 11) / 11, 1.0], i / 8 + (i * 37 % 17) / 10, i >= 41) for i in range(66)
+    ]
+    df = spark.createDataFrame(rows, "x array<double>, y double, held_out boolean")
+    train_y = [y for _, y, held_out in rows if not held_out]
+    val_y = [y for _, y, held_out in rows if held_out]
+    stops = [
+        EarlyStopping(monitor="val_y", patience=5),
+        EarlyStopping(monitor="y_sq", patience=5, check_on_train_epoch_end=True),
+    ]
+    best = ModelCheckpoint(monitor="val_y_local", mode="max")
+    model = LightningEstimator(
+        model=RowMeans(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        validation="held_out",
+        batch_size=4,
+        epochs=2,
+        num_proc=2,
+        use_gpu=False,
+        callbacks=[*stops, best],
+        store=store,
+        run_id="uneven-means",
+    ).fit(df)
+    ranks = store.read_json(store.run("uneven-means").ranks)
+    assert sorted(r["validation_rows"] for r in ranks) == [12, 13]
+    assert sorted(r["train_rows"] for r in ranks) == [20, 21]
+    val_mean = pytest.approx(sum(val_y) / 25, rel=1e-6)
+    assert [record["epoch"] for record in model.getHistory()] == [1, 2]
+    for record in model.getHistory():
+        assert record["train"]["y"] == pytest.approx(sum(train_y) / 41, rel=1e-6)
+        assert record["train"]["y_sq"] == pytest.approx(sum(y * y for y in train_y) / 41, rel=1e-6)
+        validation = record["validation"]
+        assert validation["val_one"] == 1.0
+        assert [validation[k] for k in ("val_y", "val_y_local", "val_y_implicit")] == [val_mean] * 3
+    # what Lightning's own callbacks monitored: the same values
+    assert model.getTrainingSummary()["selection"]["value"] == val_mean
+    saved = state_from_bytes(store.read_bytes(store.run("uneven-means").checkpoint(2)))
+    monitored = [float(saved["callbacks"][stop.state_key]["best_score"]) for stop in stops]
+    assert monitored == [val_mean, pytest.approx(sum(y * y for y in train_y) / 41, rel=1e-6)]
+
+
 LIGHTNING_SCRIPT = """
 import tempfile, torch
 import lightning.pytorch as pl

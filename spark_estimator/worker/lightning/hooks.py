@@ -9,12 +9,15 @@ was written against (``lightning_package`` finds it):
   ``rendezvous.process_group``, and Lightning's DDP strategy then uses it as it is.
 - ``StoreCheckpointIO``: Lightning's checkpoint files (ours and a ModelCheckpoint's) are
   written atomically through the store's filesystem, with its storage options.
+- ``ExactResults``: Lightning's collection of the values ``self.log`` receives, whose
+  epoch means are exact over all ranks' rows (``exact_epoch_means``), so what Lightning's
+  callbacks monitor is the history's value.
 - ``EpochRecorder``: a Checkpoint callback that runs after the user's callbacks at each
   epoch end. It seeds the epoch (``resume.seed_epoch``), reports progress, writes the
   epoch's record into the history (the training_step losses and everything logged per
-  epoch, averaged over ranks), counts the epoch's batches drawn and optimizer steps, writes
-  the epoch's checkpoint to the store, and carries the run's own state (history, data
-  position) inside Lightning's checkpoint.
+  epoch, as Lightning computed it, over ranks by ``over_ranks``), counts the epoch's
+  batches drawn and optimizer steps, writes the epoch's checkpoint to the store, and
+  carries the run's own state (history, data position) inside Lightning's checkpoint.
 - ``SharedMemoryGradients``: a callback that gives the DDP model the shared-memory
   gradient allreduce (``shared_memory_allreduce``) when every rank is a CPU process on one
   host. Lightning's own ``ddp_comm_hook`` option registers hooks on CUDA only.
@@ -23,6 +26,9 @@ was written against (``lightning_package`` finds it):
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -89,19 +95,89 @@ def epoch_metrics(trainer) -> dict[str, float]:
     return out
 
 
-def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
-    """Each name's mean over the ranks that logged it (one collective)."""
+def over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each name's value over the ranks that logged it (one collective): the value where
+    they all hold the same (one reduced over ranks: an exact mean, a synced sum), else
+    their mean (a sum, max or min each rank computed alone)."""
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, values)
     names = sorted({name for rank_values in gathered for name in rank_values})
-    return {
-        name: sum(v[name] for v in gathered if name in v) / sum(name in v for v in gathered)
-        for name in names
-    }
+    out = {}
+    for name in names:
+        held = [v[name] for v in gathered if name in v]
+        same = all(value == held[0] for value in held)
+        out[name] = held[0] if same else sum(held) / len(held)
+    return out
 
 
+def _exact_mean_candidate(metric) -> bool:
+    """A mean-reduced tensor value logged for the epoch by every rank (not rank_zero_only)
+    and reduced over the whole group, not yet computed this epoch."""
+    meta = metric.meta
+    sync = meta.sync
+    return (
+        metric.is_tensor
+        and meta.on_epoch
+        and meta.is_mean_reduction
+        and metric._computed is None
+        and not sync.rank_zero_only
+        and not (sync.should and sync.group is not None)
+    )
+
+
+def exact_epoch_means(results) -> None:
+    """Compute the epoch value of every mean-reduced value in Lightning's collection
+    ``results`` (a ``_ResultCollection``) that is not yet computed, as its exact mean over
+    all ranks' rows: the ranks' sums of value x batch size over their sums of batch sizes
+    (one collective). Lightning's own reduction of such a value is not: with ``sync_dist``
+    it averages the ranks' integer row counts (25 rows on 2 ranks count as 12 on gloo);
+    without, each rank keeps the mean of its own rows.
+
+    Each value's result is set as the metric's computed value, which Lightning then reads
+    (its ``trainer.callback_metrics``, what ModelCheckpoint and EarlyStopping monitor, its
+    loggers) in place of its own reduction; every rank gets the same. Sums, max and min,
+    ``torchmetrics.Metric`` values, values logged with ``rank_zero_only`` or a
+    ``sync_dist_group`` are left to Lightning. Called where Lightning computes epoch values
+    (on their first read after the epoch's last ``self.log``), which every rank does at
+    the same hooks, as for ``sync_dist``."""
+    pending = {key: m for key, m in results.valid_items() if _exact_mean_candidate(m)}
+    if not pending:
+        return
+    sums = torch.stack(
+        [torch.stack([m.value.double(), m.cumulated_batch_size.double()]) for m in pending.values()]
+    )
+    local = dict(zip(pending, sums.cpu().tolist()))
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, local)
+    for key, metric in pending.items():
+        parts = [rank_sums[key] for rank_sums in gathered if key in rank_sums]
+        total, rows = sum(p[0] for p in parts), sum(p[1] for p in parts)  # in rank order
+        mean = total / rows if rows else math.nan
+        metric._computed = torch.tensor(mean, dtype=metric.value.dtype, device=metric.value.device)
+
+
+@functools.cache
 def lightning_parts(pl):
-    """Our plug-in classes built on package ``pl`` (lightning.pytorch or pytorch_lightning)."""
+    """Our plug-in classes built on package ``pl`` (lightning.pytorch or pytorch_lightning),
+    once per package."""
+    result = importlib.import_module(f"{pl.__name__}.trainer.connectors.logger_connector.result")
+
+    class ExactResults(result._ResultCollection):
+        """The values ``self.log`` received in one loop (training or validation), their
+        epoch means exact over all ranks' rows (``exact_epoch_means``)."""
+
+        def metrics(self, on_step: bool):
+            if not on_step:
+                exact_epoch_means(self)
+            return super().metrics(on_step)
+
+        @staticmethod
+        def install(trainer) -> None:
+            """Make the collections of ``trainer``'s fit (its training and validation loops)
+            ours, before it runs."""
+            epoch_loop = trainer.fit_loop.epoch_loop
+            epoch_loop._results = ExactResults(training=True)
+            epoch_loop.val_loop._results = ExactResults(training=False)
 
     class TaskEnvironment(pl.plugins.ClusterEnvironment):
         def __init__(self, rank: int, world_size: int):
@@ -278,7 +354,7 @@ def lightning_parts(pl):
                 "lr": self.lrs,
                 "train": train,
             }
-            for key, value in mean_over_ranks(logged).items():
+            for key, value in over_ranks(logged).items():
                 split, name = key.split("/", 1)
                 record.setdefault(split, {})[name] = value
             self.history.append(record)
@@ -317,7 +393,7 @@ def lightning_parts(pl):
         def on_train_start(self, trainer, pl_module) -> None:  # DDP wraps the module by now
             trainer.strategy.model.register_comm_hook(self.shared, shared_memory_allreduce)
 
-    return TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients
+    return TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients, ExactResults
 
 
 def _batch_rows(batch) -> int:

@@ -2,7 +2,8 @@
 
 Each rank unpickles the LightningModule, its callbacks and ``trainer_args``, and runs
 ``Trainer.fit`` with DDP over the process group the task already joined (see
-``lightning_parts``): one device per task, ``max_epochs = epochs``. The data comes from
+``lightning_parts``): one device per task, ``max_epochs = epochs``; what the module logs
+per epoch is reduced over all ranks' rows (``ExactResults``). The data comes from
 our loader (``RankData``): each epoch is ``train_steps_per_epoch`` batches (default one
 exact pass) of an endless, seeded stream over the rank's shard, every rank the same number
 of batches. A batch is a dict column name -> tensor (features shaped by ``input_shapes``,
@@ -31,6 +32,7 @@ from ...shared.packages import lightning_package
 from ...shared.serialization import loads, state_dict_digest, state_to_bytes
 from ...shared.spec import TrainSpec
 from ...shared.summary import RankSummary, training_summary
+from ...store import Store
 from ..comm.ddp import open_shared_memory
 from ..comm.ranks import RankInfo
 from ..data.batch import Batch
@@ -118,7 +120,7 @@ def _train(
 ) -> RankSummary:
     module = objects["model"]
     pl = lightning_package(module)
-    TaskEnvironment, StoreCheckpointIO, EpochRecorder, SharedMemoryGradients = lightning_parts(pl)
+    _, _, EpochRecorder, SharedMemoryGradients, _ = lightning_parts(pl)
     rank, world, device = info.rank, info.world_size, info.device
     store, run_id = spec.store, spec.run_id
     recorder = EpochRecorder(
@@ -171,20 +173,14 @@ def _train(
     shared = open_shared_memory(info, spec.collective_timeout)
     if shared is not None:
         callbacks.append(SharedMemoryGradients(shared))
-    trainer_args = {**DEFAULTS, **(objects.get("trainer_args") or {})}
-    trainer_args.setdefault("logger", default_logger(pl, url(store, store.run(run_id).lightning)))
-    trainer = pl.Trainer(
-        **trainer_args,
-        accelerator="gpu" if device.type == "cuda" else "cpu",
-        devices=[device.index] if device.type == "cuda" else 1,
-        num_nodes=world,
-        strategy=pl.strategies.DDPStrategy(cluster_environment=TaskEnvironment(rank, world)),
-        plugins=[StoreCheckpointIO(store)],
-        max_epochs=spec.epochs,
-        callbacks=[*callbacks, recorder],
-        enable_checkpointing=True,
-        default_root_dir=url(store, store.run(run_id).lightning),
-        use_distributed_sampler=False,
+    trainer = task_trainer(
+        pl,
+        info,
+        store,
+        run_id,
+        spec.epochs,
+        [*callbacks, recorder],
+        objects.get("trainer_args") or {},
     )
     ckpt_path = url(store, checkpoints.path(resume_epoch)) if resume_epoch else None
     try:
@@ -217,6 +213,42 @@ def _train(
         recorder.optimizer_steps_per_epoch,
         started,
     )
+
+
+def task_trainer(
+    pl,
+    info: RankInfo,
+    store: Store,
+    run_id: str,
+    epochs: int,
+    callbacks: list,
+    trainer_args: dict,
+):
+    """The Trainer of this task: DDP over the process group it joined (a node of one device,
+    ``TaskEnvironment``), checkpoint files through the store, ``epochs`` epochs,
+    ``callbacks`` (our recorder last), ``trainer_args`` over ``DEFAULTS``, and the values
+    ``self.log`` receives collected by ``ExactResults`` (epoch means exact over all rows)."""
+    TaskEnvironment, StoreCheckpointIO, _, _, ExactResults = lightning_parts(pl)
+    device, folder = info.device, url(store, store.run(run_id).lightning)
+    args = {**DEFAULTS, **trainer_args}
+    args.setdefault("logger", default_logger(pl, folder))
+    trainer = pl.Trainer(
+        **args,
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=[device.index] if device.type == "cuda" else 1,
+        num_nodes=info.world_size,
+        strategy=pl.strategies.DDPStrategy(
+            cluster_environment=TaskEnvironment(info.rank, info.world_size)
+        ),
+        plugins=[StoreCheckpointIO(store)],
+        max_epochs=epochs,
+        callbacks=callbacks,
+        enable_checkpointing=True,
+        default_root_dir=folder,
+        use_distributed_sampler=False,
+    )
+    ExactResults.install(trainer)
+    return trainer
 
 
 def default_logger(pl, folder: str):

@@ -30,7 +30,7 @@ def test_the_package_is_the_one_the_module_subclasses():
     assert lightning_package(Tiny()) is pl
     assert lightning_package(Legacy()) is legacy
     assert lightning_package(torch.nn.Linear(2, 1)) is None
-    environment, checkpoint_io, recorder, gradients = lightning_parts(legacy)
+    environment, checkpoint_io, recorder, gradients, results = lightning_parts(legacy)
     assert issubclass(environment, legacy.plugins.ClusterEnvironment)
     assert issubclass(recorder, legacy.callbacks.Checkpoint)
     assert issubclass(gradients, legacy.Callback)
