@@ -56,6 +56,7 @@ class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams)
     """
 
     _MODEL = TorchModel
+    _STRING_LABELS = False  # the loss takes numbers: a string label needs a decode_fn
     _BUNDLED = _BUNDLED
     _REQUIRED = ("model", "optimizer", "feature_cols", "label_cols", "store")
 

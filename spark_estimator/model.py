@@ -33,7 +33,7 @@ from .driver.constructors import TorchModelConstructor
 from .driver.params import ModelParams
 from .driver.persistence import ObjectParamsReadWrite
 from .driver.stage_profile import task_profile
-from .driver.task_python import use_task_python
+from .driver.task_python import local_python, use_task_python
 from .shared.serialization import dumps
 from .shared.spec import FLOAT_DTYPES, ROW_NAMES, ColumnSpec, DecodeSpec
 from .worker.predict import predict_batches
@@ -66,7 +66,14 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
     >>> TorchModel(model=net, feature_cols=["x"]).transform(df)         # doctest: +SKIP
     """
 
-    _NOT_PARAMS = ("history", "output_shapes", "run_id", "training_summary", "feature_kinds")
+    _NOT_PARAMS = (
+        "history",
+        "output_shapes",
+        "run_id",
+        "training_summary",
+        "feature_kinds",
+        "fit_label_cols",
+    )
 
     def _init_keywords(self, keywords: dict) -> None:
         """Sets the params given, and keeps what fit hands the model (``KEYWORDS``)."""
@@ -79,6 +86,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         # column -> [kind, dtype] fit trained it as, where the schema alone cannot tell:
         # arrays of varying length are "sequence"s (padded, a mask after them)
         self._feature_kinds = dict(state["feature_kinds"] or {})
+        self._fit_label_cols = list(state["fit_label_cols"] or [])
 
     def copy(self, extra=None) -> TorchModel:
         """A copy with the same uid and the ``extra`` params (a dict Param -> value). It
@@ -91,6 +99,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         that._output_shapes = deepcopy(self._output_shapes)
         that._training_summary = deepcopy(self._training_summary)
         that._feature_kinds = dict(self._feature_kinds)
+        that._fit_label_cols = list(self._fit_label_cols)
         return that
 
     def getTrainingSummary(self) -> dict:
@@ -163,6 +172,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         ]
         validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols(), features)
         decode = validate.decode_spec(self, features, [])
+        self._check_decode_device(dataset.sparkSession, decode, features)
         use_task_python(dataset.sparkSession)  # the driver's Python on a local master
         if self.getClassification():
             return self._transform_classes(dataset, features, decode)
@@ -182,6 +192,21 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             for n, s in zip(names, scalar)
         ]
         return self._map_batches(dataset, features, fields, scalar_outputs=scalar, decode=decode)
+
+    def _check_decode_device(self, spark, decode: DecodeSpec, features: list[ColumnSpec]) -> None:
+        """``decode_device='cuda'`` needs a GPU in transform's tasks (and, on a local master,
+        torchvision's decoder in this Python)."""
+        if decode.device != "cuda" or not any(c.variable for c in features):
+            return
+        stage = task_profile(spark, self.getStageLevelScheduling(), job="transform")
+        validate.check_decode_device(
+            decode.device,
+            validate.check_use_gpu(spark, "auto", stage),
+            "transform's tasks get no GPU here "
+            f"({' and '.join(validate.GPU_AMOUNTS)} are not set): "
+            "model.setDecodeDevice('cpu') decodes them on the CPU",
+            local_python(spark),
+        )
 
     def _as_trained(self, spec: ColumnSpec) -> ColumnSpec:
         """An array column fit read as a sequence (its lengths varied) is one here too, its
@@ -227,6 +252,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             input_shapes=self.getInputShapes(),
             output_cols=[f.name for f in fields],
             row_names=names if any(c.variable for c in features) else None,
+            fit_labels=self._fit_label_cols,
             **options,
         )
         schema = StructType(list(dataset.schema.fields) + fields)
@@ -254,6 +280,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             "run_id": self._run_id,
             "training_summary": self._training_summary,
             "feature_kinds": self._feature_kinds,
+            "fit_label_cols": self._fit_label_cols,
         }
 
     def _restore(self, objects: dict, metadata: dict) -> None:
@@ -263,6 +290,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         self._run_id = metadata.get("run_id")
         self._training_summary = metadata.get("training_summary") or {}
         self._feature_kinds = metadata.get("feature_kinds") or {}
+        self._fit_label_cols = metadata.get("fit_label_cols") or []
 
 
 def _col(name: str):

@@ -71,3 +71,26 @@ def test_resize_keeps_the_dtype():
     image = torch.full((3, 8, 8), 100, dtype=torch.uint8)
     out = resize(image, (4, 6))
     assert out.shape == (3, 4, 6) and out.dtype == torch.uint8 and (out == 100).all()
+
+
+def test_a_16_bit_grayscale_png_is_scaled_to_8_bits_keeping_its_range_or_given_whole():
+    values = (np.arange(64 * 64).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    data = encoded(values)
+    assert Image.open(io.BytesIO(data)).mode == "I;16"
+    scaled = torch.from_numpy(((values.astype(np.int64) + 128) // 257).astype(np.uint8))
+    gray = decode_image(data, mode="L")
+    assert gray.dtype == torch.uint8 and torch.equal(gray[0], scaled)
+    rgb = decode_image(data)  # the default decoding: 3 equal channels, not saturated
+    assert rgb.shape == (3, 64, 64) and all(torch.equal(c, scaled) for c in rgb)
+    assert len(rgb.unique()) == 256
+    assert decode_image(data, mode="L", size=(32, 32)).shape == (1, 32, 32)
+    whole = decode_image(data, mode="L", depth=16)
+    assert whole.dtype == torch.int32
+    assert torch.equal(whole[0], torch.from_numpy(values.astype(np.int32)))
+    assert decode_image(data, depth=16).shape == (3, 64, 64)
+    eight = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    assert decode_image(encoded(eight), mode="L", depth=16).tolist() == [
+        (eight.astype(np.int32) * 257).tolist()
+    ]
+    with pytest.raises(ValueError, match="^depth: 8"):
+        decode_image(data, depth=12)

@@ -299,7 +299,8 @@ def test_a_lightning_module_gets_images_and_sequence_masks_in_its_batches(spark,
     pl = pytest.importorskip("lightning.pytorch")
     from spark_estimator import LightningEstimator
 
-    df = spark.createDataFrame(sentences(60), "text string, label long")
+    rows = [(text, label, ["neg", "pos"][label]) for text, label in sentences(60)]
+    df = spark.createDataFrame(rows, "text string, label long, topic string")
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -310,6 +311,8 @@ def test_a_lightning_module_gets_images_and_sequence_masks_in_its_batches(spark,
             return self.net(ids, mask)
 
         def training_step(self, batch, batch_idx):
+            # a label column of strings reaches the module as the batch's list of strings
+            assert batch["topic"] == [["neg", "pos"][i] for i in batch["label"].tolist()]
             logits = self(batch["text"], batch["text_mask"])
             return torch.nn.functional.cross_entropy(logits, batch["label"])
 
@@ -319,8 +322,9 @@ def test_a_lightning_module_gets_images_and_sequence_masks_in_its_batches(spark,
     model = LightningEstimator(
         model=Module(),
         feature_cols=["text"],
-        label_cols=["label"],
-        decode_fn=lambda row, augment: {"text": char_ids(row["text"])},
+        label_cols=["label", "topic"],
+        # row.get: transform's rows hold no labels, and the labels it returns are dropped
+        decode_fn=lambda row, augment: {"text": char_ids(row["text"]), "topic": row.get("topic")},
         epochs=3,
         batch_size=16,
         num_proc=2,
@@ -356,3 +360,103 @@ def test_fit_on_parquet_reads_binary_and_string_columns_as_a_fit_does(spark, sto
         image_estimator(
             store, feature_cols=["text"], decode_fn=None, validation=None
         ).fit_on_parquet("mine")
+
+
+def test_string_labels_and_gpu_decoding_without_gpus_are_refused_on_the_driver(spark, store):
+    labelled = spark.createDataFrame([(1.0, "pos"), (0.0, "neg")] * 4, "x double, topic string")
+    images = spark.createDataFrame(
+        [(bytearray(b"\xff\xd8 a jpeg"), 1)] * 4, "content binary, label long"
+    )
+    net = torch.nn.Linear(1, 2)
+    base = dict(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.CrossEntropyLoss(),
+        num_proc=1,
+        store=store,
+    )
+    cases = [
+        (labelled, dict(feature_cols=["x"], label_cols=["topic"]), "label_cols: column 'topic' holds strings, which the loss cannot take; index them first with pyspark.ml.feature.StringIndexer"),
+        (images, dict(feature_cols=["content"], label_cols=["label"], decode_device="cuda", use_gpu=False), "decode_device: 'cuda' decodes JPEG images on the GPU of each process, but use_gpu=False trains on the CPU"),
+        (images, dict(feature_cols=["content"], label_cols=["label"], decode_device="cuda"), "decode_device: 'cuda' decodes JPEG images on the GPU of each process, but this fit trains on the CPU: Spark gives its tasks no GPU"),
+    ]  # fmt: skip
+    group = f"refused-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, "refused on the driver")
+    try:
+        for df, params, message in cases:
+            with pytest.raises(ValueError, match="^" + re.escape(message)):
+                TorchEstimator(**{**base, **params}).fit(df)
+        model = TorchModel(model=SmallCNN(), feature_cols=["content"], decode_device="cuda")
+        with pytest.raises(
+            ValueError, match=r"^decode_device: .* but transform's tasks get no GPU"
+        ):
+            model.transform(images)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
+    assert not Path(store.datasets).exists() or not any(Path(store.datasets).iterdir())
+
+
+def test_a_decode_fn_maps_string_labels_and_transform_says_when_it_reads_one(
+    spark, store, tmp_path
+):
+    topics = ["sports", "weather"]
+    rows = [(text, topics[label]) for text, label in sentences(80)]
+    df = spark.createDataFrame(rows, "text string, topic string")
+
+    def decode(row, augment):
+        return {"text": char_ids(row["text"]), "topic": torch.tensor(topics.index(row["topic"]))}
+
+    params = dict(feature_cols=["text"], label_cols=["topic"], epochs=8, batch_size=16)
+    model = estimator(BagOfTokens(), store, 0.05, decode_fn=decode, **params).fit(df)
+    model.write().overwrite().save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    for fitted in (model, loaded):
+        with pytest.raises(Exception) as info:
+            fitted.transform(df.limit(2)).collect()
+        assert (
+            "decode_fn: read 'topic', a label column of the fit; transform's rows hold only the "
+            "variable feature columns (text)"
+        ) in str(info.value)
+
+    def decode_either(row, augment):
+        out = {"text": char_ids(row["text"])}
+        if "topic" in row:
+            out["topic"] = torch.tensor(topics.index(row["topic"]))
+        return out
+
+    scored = model.setDecodeFn(decode_either).transform(df).collect()
+    right = [topics[int(np.argmax(r.prediction))] == r.topic for r in scored]
+    assert np.mean(right) > 0.95
+
+
+def test_a_corrupt_image_in_parquet_read_in_place_or_from_the_store_is_named_by_its_path(
+    spark, tmp_path
+):
+    import pyarrow as pa
+
+    folder = write_digits(tmp_path / "digits", count=40, broken=7)
+    files = sorted(folder.rglob("*.*"))
+    table = pa.table(
+        {
+            "content": pa.array([f.read_bytes() for f in files], pa.binary()),
+            "path": [f"file:{f}" for f in files],
+            "label": pa.array([int(f.parent.name) for f in files], pa.int64()),
+        }
+    )
+    pq.write_table(table, tmp_path / "table.parquet", row_group_size=10)
+    store = Store.create(str(tmp_path / "store"))
+    with store.open_atomic(store.join("mine/part-0.parquet")) as f:
+        pq.write_table(table, f, row_group_size=10)
+    broken = next(f for f in files if f.stem == "0007")
+    for fit in (
+        lambda est: est.fit(spark.read.parquet(str(tmp_path / "table.parquet"))),
+        lambda est: est.fit_on_parquet("mine"),
+    ):
+        with pytest.raises(TrainingError) as info:
+            fit(image_estimator(store, epochs=1, validation=None, data_copy="never"))
+        message = str(info.value).splitlines()[0]
+        assert re.match(
+            r"BadRow: decode_fn: row \d+ of the split \(path file:.*/0007\.jpg\)", message
+        )
+        assert f"file:{broken}" in message

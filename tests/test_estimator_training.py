@@ -118,6 +118,11 @@ def test_gradient_compression_communicates_in_the_chosen_dtype(df, store, dtype)
     assert {(r["gradient_path"], r["gradient_allreduces"]) for r in ranks(store, exact)} == {
         ("shared memory", 4 * 3)
     }
+    if dtype == "fp16":  # one process communicates nothing: no dtype is recorded
+        alone = ranks(store, fit(df, store, gradient_compression=dtype, num_proc=1))
+        assert [(r["gradient_path"], r["communicated_dtypes"]) for r in alone] == [
+            ("none (one process)", None)
+        ]
     assert not torch.equal(weights(compressed), weights(exact))
     assert torch.allclose(weights(compressed), weights(exact), atol=0.05)
 

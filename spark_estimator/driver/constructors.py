@@ -649,6 +649,7 @@ class TorchModelConstructor:
         run_id: str | None = None,
         training_summary: dict | None = None,
         feature_kinds: dict[str, list[str]] | None = None,
+        fit_label_cols: list[str] | None = None,
     ) -> None:
         """Set the params given as keywords; the others keep their defaults.
 
@@ -726,6 +727,9 @@ class TorchModelConstructor:
         feature_kinds : dict[str, list[str]] | None
             column -> [kind, dtype] fit read it as, where the schema cannot tell (arrays of
             varying length are 'sequence's)
+        fit_label_cols : list[str] | None
+            the label columns of the fit (transform's rows do not hold them: a decode_fn that
+            reads one is told so)
         """
         super().__init__()
         self._init_keywords(self._input_kwargs)

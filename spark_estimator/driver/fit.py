@@ -353,6 +353,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
             decode_workers=self.getDecodeWorkers(),
             decode_device=self.getDecodeDevice(),
             feature_kinds={c.name: [c.kind, c.dtype] for c in data.features},
+            fit_label_cols=self.getLabelCols(),
             history=result["history"],
             output_shapes=result["output_shapes"],
             run_id=run_id,

@@ -19,7 +19,7 @@ from .in_place import DATA_COPIES
 from .launch import available_slots
 from .materialize import COMPRESSIONS
 from .stage_profile import TaskProfile, task_profile
-from .task_python import check_task_python
+from .task_python import check_task_python, local_python
 
 # a fit's lines (its first, on the learning rates), on the fit's logger, as docs name it
 logger = logging.getLogger("spark_estimator.driver.fit")
@@ -101,6 +101,10 @@ class FitChecks:
     """The estimators' checks before any job (a mixin of ``StoreEstimator``: its params,
     ``_training`` and ``_REQUIRED``)."""
 
+    # whether the trainer takes a label column of strings as it is (a LightningModule may;
+    # TorchEstimator's loss cannot, so it needs a decode_fn that maps them)
+    _STRING_LABELS = True
+
     def _check_columns(
         self, dataset: DataFrame | None
     ) -> tuple[list[ColumnSpec] | None, list[ColumnSpec] | None, ColumnSpec | None]:
@@ -160,6 +164,15 @@ class FitChecks:
         validate.check_no_dynamic_allocation(spark)
         stage = task_profile(spark, self.getStageLevelScheduling(), self.getUseGpu())
         use_gpu = validate.check_use_gpu(spark, self.getUseGpu(), stage)
+        validate.check_decode_device(
+            decode.device,
+            use_gpu,
+            "use_gpu=False trains on the CPU"
+            if self.getUseGpu() is False
+            else "this fit trains on the CPU: Spark gives its tasks no GPU "
+            f"({' and '.join(validate.GPU_AMOUNTS)} are not set)",
+            local_python(spark),
+        )
         if self.getMlflowLogging():
             mlflow_log.check_installed()
         slots = available_slots(spark, self.getNumProc(), profile=stage.profile)
@@ -219,6 +232,7 @@ class FitChecks:
             self.getReader(),
             self.getBadRows(),
             self.getBucketByLength(),
+            self._STRING_LABELS,
         )
 
     def _check_run_id(self, store: Store, manifest: dict) -> None:

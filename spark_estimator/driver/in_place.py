@@ -37,7 +37,7 @@ from pyspark.sql import DataFrame
 
 from ..shared.column_stats import check_observed, merge_stats
 from ..shared.row_split import RowSplit
-from ..shared.spec import ColumnSpec, DatasetInfo, InPlace
+from ..shared.spec import ColumnSpec, DatasetInfo, InPlace, row_names_column
 from ..store import Store, spark_url
 from ..worker.data.table_stats import COUNTED_SCHEMA, TableCounts, count_row_groups
 from .cache_key import FILE_STATUS, cache_key, source_fingerprint
@@ -45,6 +45,7 @@ from .data_checks import check_dataset, checked_columns, counted_columns
 from .data_checks import label_ranges as counted_label_ranges
 from .launch import is_connect
 from .materialize import as_sequence, check_not_empty
+from .parquet_dataset import arrow_strings
 from .parquet_dataset import column_spec as parquet_column_spec
 from .validate import sequence_element_integral
 
@@ -272,6 +273,7 @@ def in_place_dataset(
         row_lengths=row_lengths,
         label_ranges=counted_label_ranges(metrics, columns),
         in_place=in_place,
+        row_names=row_names_column(arrow_strings(schema), features + labels),
     )
     check_not_empty(data, validation)
     check_dataset(data, input_shapes, check)

@@ -45,7 +45,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import IntegralType, StringType
 
 from ..shared.column_stats import check_observed, merge_stats
-from ..shared.spec import ROW_NAMES, SPLITS, ColumnSpec, DatasetInfo
+from ..shared.spec import SPLITS, ColumnSpec, DatasetInfo, row_names_column
 from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
 from .cache_key import cache_key, source_fingerprint
@@ -194,11 +194,8 @@ def materialize(
 def _row_names(df: DataFrame, columns: list[ColumnSpec]) -> str | None:
     """The column naming each row (binaryFile's ``path``), written beside variable columns
     so that a row that fails to decode is named; None without one or without those."""
-    if not any(c.variable for c in columns) or ROW_NAMES not in df.schema.names:
-        return None
-    used = {c.name for c in columns}
-    string = isinstance(df.schema[ROW_NAMES].dataType, StringType)
-    return ROW_NAMES if string and ROW_NAMES not in used else None
+    strings = {f.name for f in df.schema.fields if isinstance(f.dataType, StringType)}
+    return row_names_column(strings, columns)
 
 
 def as_sequence(spec: ColumnSpec, integers: bool) -> ColumnSpec:

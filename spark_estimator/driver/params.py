@@ -674,6 +674,13 @@ class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
             default=None,
             hint="dict[str, list[str]]",
         ),
+        ParamSpec(
+            "fit_label_cols",
+            "the label columns of the fit (transform's rows do not hold them: a decode_fn "
+            "that reads one is told so)",
+            default=None,
+            hint="list[str]",
+        ),
     )
 
     _specs = (

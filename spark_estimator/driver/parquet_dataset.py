@@ -24,7 +24,7 @@ import posixpath
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..shared.spec import IMAGE_FIELDS, ColumnSpec, DatasetInfo, column_param
+from ..shared.spec import IMAGE_FIELDS, ColumnSpec, DatasetInfo, column_param, row_names_column
 from ..store import DatasetFolder, Store
 from .data_checks import check_row_lengths
 from .materialize import check_not_empty
@@ -80,6 +80,13 @@ def _add_null_counts(meta: pq.FileMetaData, counts: dict[str, int | None]) -> No
             counts[chunk.path_in_schema] = (
                 total + stats.null_count if known and total is not None else None
             )
+
+
+def arrow_strings(schema: pa.Schema) -> set[str]:
+    """The string columns of a Parquet file's ``schema``."""
+    return {
+        f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)
+    }
 
 
 def column_spec(schema: pa.Schema, name: str, role: str, dtype: str, where: str) -> ColumnSpec:
@@ -203,12 +210,14 @@ def parquet_dataset(
         weight = sample_weight_col and column_spec(
             schema, sample_weight_col, "sample_weight", dtype, where
         )
+        strings[split] = arrow_strings(schema)
         return (
             [column_spec(schema, c, "feature", dtype, where) for c in feature_cols],
             [column_spec(schema, c, "label", dtype, where) for c in label_cols],
             weight or None,
         )
 
+    strings: dict[str, set[str]] = {}
     features, labels, weight = split_specs("train")
     if class_indices:
         labels = [as_class_indices(c) if i else c for c, i in zip(labels, class_indices)]
@@ -223,6 +232,14 @@ def parquet_dataset(
         sample_weight=weight,
         row_lengths=meta.row_lengths if meta is not None else {},
         write_id=meta.write_id if meta is not None else None,
+        row_names=(
+            meta.row_names
+            if meta is not None
+            else row_names_column(
+                set.intersection(*strings.values()),
+                features + labels + ([weight] if weight else []),
+            )
+        ),
     )
     check_not_empty(data, validation_path)
     if meta is None:

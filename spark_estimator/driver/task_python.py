@@ -56,6 +56,20 @@ def use_task_python(spark) -> str | None:
     return sc.pythonExec
 
 
+def local_python(spark) -> bool:
+    """Whether ``spark``'s tasks run on this machine with the driver's own interpreter (a
+    local master whose chosen Python is this one): what imports here imports there."""
+    if is_connect(spark):
+        return False
+    sc = spark.sparkContext
+    if not sc.master.startswith("local"):
+        return False
+    chosen = chosen_python(
+        sc.master, sc.getConf().get("spark.pyspark.python"), os.environ.get("PYSPARK_PYTHON")
+    )
+    return chosen is not None and os.path.realpath(chosen) == os.path.realpath(sys.executable)
+
+
 def _probe_function():
     """The function of the checking task: each module of ``NEEDED`` its Python cannot
     import, and why. Made here, so that it is pickled by value: the task must not need

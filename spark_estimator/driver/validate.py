@@ -21,7 +21,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..shared.packages import require_petastorm
+from ..shared.packages import require_gpu_jpeg, require_petastorm
 from ..shared.serialization import dumps
 from ..shared.spec import (
     BAD_ROWS,
@@ -89,17 +89,21 @@ def decode_spec(
     reader: str = "arrow",
     bad_rows: str = "fail",
     bucket_by_length: bool = False,
+    string_labels: bool = True,
 ) -> DecodeSpec:
     """How the executors decode ``stage``'s variable columns (its decode_fn, collate_fn,
     padding_value, decode_workers and decode_device params; a fit's ``bad_rows`` and
-    ``bucket_by_length``), checked with the columns they apply to (``check_decoding``)."""
+    ``bucket_by_length``), checked with the columns they apply to (``check_decoding``;
+    ``string_labels``: whether the trainer takes a label column of strings as it is)."""
     fn, collate = stage.getDecodeFn(), stage.getCollateFn()
     padding, workers, device = (
         stage.getPaddingValue(),
         stage.getDecodeWorkers(),
         stage.getDecodeDevice(),
     )
-    check_decoding(features, labels, reader, fn, collate, padding, workers, device, bad_rows)
+    check_decoding(
+        features, labels, reader, fn, collate, padding, workers, device, bad_rows, string_labels
+    )
     return DecodeSpec(
         decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
         collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
@@ -121,10 +125,13 @@ def check_decoding(
     decode_workers: int | None,
     decode_device: str,
     bad_rows: str = "fail",
+    string_labels: bool = True,
 ) -> None:
     """The decoding params, and what variable columns need: a string feature a decode step
-    (it would reach forward() as a list of Python strings), the Arrow reader, and no
-    decode_fn with decode_device='cuda' (the images are still bytes after it)."""
+    (it would reach forward() as a list of Python strings), a string label one too unless
+    ``string_labels`` (a LightningModule may take strings; our loop's loss cannot), the
+    Arrow reader, and no decode_fn with decode_device='cuda' (the images are still bytes
+    after it)."""
     for name, fn in (("decode_fn", decode_fn), ("collate_fn", collate_fn)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name}: expected a function, got {type(fn).__name__}")
@@ -152,12 +159,39 @@ def check_decoding(
             "into token ids, e.g. lambda row, augment: {'" + strings[0] + "': torch.tensor("
             "tokenizer.encode(row['" + strings[0] + "']).ids)} (or a collate_fn)"
         )
+    string_label = [c.name for c in labels or [] if c.kind == "string"]
+    if string_label and not string_labels and decode_fn is None and collate_fn is None:
+        name = string_label[0]
+        raise ValueError(
+            f"label_cols: column '{name}' holds strings, which the loss cannot take; index "
+            f"them first with pyspark.ml.feature.StringIndexer(inputCol='{name}', "
+            f"outputCol='{name}_index') and train on label_cols=['{name}_index'] (transform's "
+            "prediction is then that index), or give a decode_fn that maps each row's "
+            f"string to a number: lambda row, augment: {{..., '{name}': "
+            f"torch.tensor(classes[row['{name}']])}}"
+        )
     if decode_device == "cuda" and decode_fn is not None:
         raise ValueError(
             "decode_device: 'cuda' decodes the encoded images of a batch on the GPU, after "
             "the rows' decoding, so it cannot be combined with a decode_fn; augment on the "
             "GPU with transformation_fn instead, or decode on the CPU"
         )
+
+
+def check_decode_device(decode_device: str, gpus: bool | str, none_why: str, local: bool) -> None:
+    """``decode_device='cuda'`` decodes on each process's GPU: refused where the tasks get
+    none (``gpus``: ``tasks_use_gpu``'s answer, False for none; ``none_why`` says why), and
+    on a local master, whose tasks run the driver's Python, where torchvision's GPU
+    decoder does not import (``require_gpu_jpeg``)."""
+    if decode_device != "cuda":
+        return
+    if gpus is False:
+        raise ValueError(
+            "decode_device: 'cuda' decodes JPEG images on the GPU of each process, but "
+            f"{none_why}; use decode_device='cpu'"
+        )
+    if local:
+        require_gpu_jpeg()
 
 
 def check_bucketing(bucket_by_length: bool, columns: list[ColumnSpec] | None, shuffle: bool):

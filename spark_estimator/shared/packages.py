@@ -1,7 +1,8 @@
 """The optional packages a fit may need, found the same way on the driver (to refuse a fit
 early) and on the executors (to use them): petastorm, which imports only on the legacy stack
-named in ``PETASTORM_STACK``, and Lightning, which comes as two packages with separate class
-hierarchies (``lightning.pytorch`` and ``pytorch_lightning``)."""
+named in ``PETASTORM_STACK``, Lightning, which comes as two packages with separate class
+hierarchies (``lightning.pytorch`` and ``pytorch_lightning``), and torchvision's GPU JPEG
+decoder (``decode_device="cuda"``)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,17 @@ def lightning_package(model):
             "'spark-estimator[lightning]' (or lightning) on the driver and the executors"
         )
     return next((pl for pl in found if isinstance(model, pl.LightningModule)), None)
+
+
+def require_gpu_jpeg():
+    """torchvision's ``decode_jpeg`` and ``ImageReadMode``, or an ImportError naming
+    ``decode_device`` (torchvision missing, or a wheel that does not load with this torch)."""
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except Exception as e:
+        raise ImportError(
+            "decode_device: 'cuda' decodes JPEG images with torchvision.io.decode_jpeg, "
+            f"which does not import here ({type(e).__name__}: {e}); install a torchvision "
+            "built for the installed torch, or use decode_device='cpu'"
+        ) from e
+    return decode_jpeg, ImageReadMode

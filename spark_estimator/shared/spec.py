@@ -38,6 +38,7 @@ def column_param(role: str) -> str:
 
 VARIABLE_KINDS = ("binary", "string", "image", "sequence")
 ROW_NAMES = "path"  # a string column naming each row (binaryFile's): named in decoding errors
+
 # Spark's image source: a struct of these fields (BGR bytes in ``data``, OpenCV's ``mode``)
 IMAGE_FIELDS = ("origin", "height", "width", "nChannels", "mode", "data")
 BAD_ROWS = ("fail", "skip")  # what a row whose decoding fails does (bad_rows)
@@ -67,6 +68,16 @@ class ColumnSpec:
     @property
     def torch_dtype(self):
         return torch_dtype(self.dtype)
+
+
+def row_names_column(strings: set[str], columns: list[ColumnSpec]) -> str | None:
+    """``ROW_NAMES`` where the data has it as a string column (``strings``: its string
+    columns) beside variable ``columns`` it is not one of: read with them, so that a row
+    that fails to decode is named; else None."""
+    used = {c.name for c in columns}
+    if ROW_NAMES in strings and ROW_NAMES not in used and any(c.variable for c in columns):
+        return ROW_NAMES
+    return None
 
 
 @dataclass(frozen=True)

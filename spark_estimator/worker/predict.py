@@ -35,12 +35,14 @@ def predict_batches(
     classification: bool = False,
     decode: DecodeSpec | None = None,
     row_names: str | None = None,
+    fit_labels: list[str] | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Append the model's outputs to each batch: one column per output (a double where
     ``scalar_outputs`` says so, else array<float>), or with ``classification`` the three
     columns of ``class_columns`` named by ``output_cols`` (raw, probability, prediction).
     Variable columns are decoded as in training's validation (``decode``: no augmentation),
-    a row that fails naming ``row_names``' value where given."""
+    a row that fails naming ``row_names``' value where given, a decode_fn that reads one of
+    the fit's ``fit_labels`` (not in transform's rows) told so."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
@@ -49,7 +51,8 @@ def predict_batches(
     expected = 1 if classification else len(output_cols)
     decoder = None
     if any(c.variable for c in features):
-        decoder = Decoder(decode or DecodeSpec(), features, set(), 0, row_names)
+        labels = list(fit_labels or [])
+        decoder = Decoder(decode or DecodeSpec(), features, set(), 0, row_names, labels)
     try:
         with torch.no_grad():
             for batch in batches:
@@ -76,13 +79,17 @@ def _inputs(batch, features, input_shapes, decoder, row_names, device) -> list:
     variable one decoded and collated, a sequence's mask after it), on ``device``."""
     shapes = input_shapes or [None] * len(features)
     fixed = {
-        c.name: column_to_tensor(c.name, batch.column(c.name), c.torch_dtype)
+        c.name: column_to_tensor(c.name, batch.column(c.name), c.torch_dtype, "transform")
         for c in features
         if not c.variable
     }
     masks = {}
     if decoder is not None:
-        raws = {c.name: variable_to_numpy(c, batch.column(c.name)) for c in features if c.variable}
+        raws = {
+            c.name: variable_to_numpy(c, batch.column(c.name), "transform")
+            for c in features
+            if c.variable
+        }
         if row_names:
             raws[row_names] = batch.column(row_names).to_numpy(zero_copy_only=False)
         decoded, _ = decoder(raws, None)

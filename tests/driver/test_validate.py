@@ -236,3 +236,20 @@ def test_use_gpu_true_is_required_of_every_task_where_gpus_are_configured():
 def test_use_gpu_true_without_a_gpu_per_task_is_refused_naming_it(conf):
     with pytest.raises(ValueError, match=r"use_gpu: True .*spark.task.resource.gpu.amount"):
         validate.tasks_use_gpu(True, conf.get)
+
+
+def test_gpu_decoding_needs_gpus_and_on_a_local_master_torchvision_here():
+    validate.check_decode_device("cpu", False, "no GPU", local=True)  # nothing asked of the CPU
+    with pytest.raises(ValueError, match=r"^decode_device: 'cuda' .* but there are none here; "):
+        validate.check_decode_device("cuda", False, "there are none here", local=False)
+    validate.check_decode_device("cuda", "auto", "", local=False)  # a cluster's own Python
+    try:
+        import torchvision.io  # noqa: F401
+
+        pytest.skip("torchvision imports here")
+    except Exception:
+        pass
+    with pytest.raises(
+        ImportError, match=r"^decode_device: 'cuda' decodes JPEG images with torchvision"
+    ):
+        validate.check_decode_device("cuda", "auto", "", local=True)

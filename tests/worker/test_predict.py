@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spark_estimator.shared.serialization import dumps
-from spark_estimator.shared.spec import ColumnSpec
+from spark_estimator.shared.spec import ColumnSpec, DecodeSpec
 from spark_estimator.worker.predict import class_columns, predict_batches
 
 
@@ -91,3 +91,32 @@ def test_outputs_without_one_row_per_input_row_are_refused(classification):
     names = ("raw", "prob", "pred") if classification else ("prediction",)
     with pytest.raises(ValueError, match=r"output '(raw|prediction)' has shape \[1, 2\] for a "):
         predict(BatchMean(), classification, names)
+
+
+def test_nulls_in_transform_are_refused_saying_to_drop_them_before_transform():
+    text = pa.array(["a b", None, "c"])
+    x = pa.array([1.0, None, 2.0], pa.float32())
+    record = pa.RecordBatch.from_arrays([text, x], names=["text", "x"])
+
+    def outputs(features, **decoding):
+        return list(
+            predict_batches(
+                iter([record]),
+                model_bytes=dumps(torch.nn.Identity(), "model"),
+                features=features,
+                input_shapes=None,
+                output_cols=["prediction"],
+                scalar_outputs=[False],
+                **decoding,
+            )
+        )
+
+    decode = DecodeSpec(decode_fn=dumps(lambda row, augment: {"text": torch.ones(2)}, "fn"))
+    with pytest.raises(
+        ValueError, match=r"column 'text': 1 null values; drop or fill them before transform"
+    ):
+        outputs([ColumnSpec("text", "string", "float32")], decode=decode, fit_labels=[])
+    with pytest.raises(
+        ValueError, match=r"column 'x': 1 null values; drop or fill them before transform"
+    ):
+        outputs([ColumnSpec("x", "scalar", "float32")])

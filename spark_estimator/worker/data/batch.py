@@ -54,6 +54,9 @@ class Batch:
         shapes = spec.input_shapes or [None] * len(spec.data.features)
         if chunk and decoder is None and next(iter(chunk.values())).device != device:
             chunk = to_device(chunk, spec.data.columns, device)
+        for c, shape in zip(spec.data.features, shapes):
+            if shape is not None and c.name in masks:
+                check_not_ragged(c.name, masks[c.name], shape)
         self.features = [
             reshape_input(c.name, chunk[c.name], shape)
             for c, shape in zip(spec.data.features, shapes)
@@ -71,6 +74,20 @@ class Batch:
             [self.sample_weight] if self.sample_weight is not None else []
         )
         return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def check_not_ragged(name: str, mask: torch.Tensor, shape: list[int]) -> None:
+    """``input_shapes`` cannot shape a sequence whose rows differ in length (``mask``: its
+    padded batch's, True at the rows' own values)."""
+    lengths = mask.sum(1)
+    if len(lengths) and lengths.min() != lengths.max():
+        raise ValueError(
+            f"input_shapes: column '{name}' holds sequences whose rows vary in length "
+            f"({int(lengths.min())} to {int(lengths.max())} values in this batch), padded "
+            f"per batch to the longest; input_shapes ({shape}) cannot shape a sequence: "
+            "leave input_shapes out (forward() gets the padded values and their mask), or "
+            "give a decode_fn that pads or cuts every row to one length"
+        )
 
 
 def _on(columns: dict, device: torch.device) -> dict:

@@ -123,15 +123,13 @@ def numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 
 
 def column_to_numpy(
-    name: str, column: pa.Array | pa.ChunkedArray, dtype: np.dtype | None = None
+    name: str, column: pa.Array | pa.ChunkedArray, dtype: np.dtype | None = None, when="fit"
 ) -> np.ndarray:
     """A column as one array: scalars and lists in Arrow's dtype (zero-copy where Arrow
-    allows), ML vectors decoded into ``dtype`` (None: float64, their values' dtype)."""
+    allows), ML vectors decoded into ``dtype`` (None: float64, their values' dtype); nulls
+    refused, saying to drop them before ``when`` (fit or transform)."""
     arr = _combine(column)
-    if arr.null_count:
-        raise ValueError(
-            f"column '{name}': {arr.null_count} null values; drop or fill them before fit"
-        )
+    _refuse_nulls(name, arr, when)
     if pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type):
         return _list_to_numpy(name, arr)
     if pa.types.is_struct(arr.type):
@@ -139,15 +137,23 @@ def column_to_numpy(
     return arr.to_numpy(zero_copy_only=False)
 
 
-def variable_to_numpy(spec: ColumnSpec, column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """A variable column's rows as a NumPy array of Python objects, one per row, for the
-    per-row decoding (``Decoder``): bytes (binary), str (string), a 1-D array
-    (sequence, in the column's dtype) or a dict of Spark's image fields (image)."""
-    arr = _combine(column)
+def _refuse_nulls(name: str, arr: pa.Array, when: str) -> None:
     if arr.null_count:
         raise ValueError(
-            f"column '{spec.name}': {arr.null_count} null values; drop or fill them before fit"
+            f"column '{name}': {arr.null_count} null values; drop or fill them before {when} "
+            f"(df.na.drop(subset=['{name}']))"
         )
+
+
+def variable_to_numpy(
+    spec: ColumnSpec, column: pa.Array | pa.ChunkedArray, when: str = "fit"
+) -> np.ndarray:
+    """A variable column's rows as a NumPy array of Python objects, one per row, for the
+    per-row decoding (``Decoder``): bytes (binary), str (string), a 1-D array
+    (sequence, in the column's dtype) or a dict of Spark's image fields (image); nulls
+    refused as ``column_to_numpy`` does."""
+    arr = _combine(column)
+    _refuse_nulls(spec.name, arr, when)
     out = np.empty(len(arr), dtype=object)
     if spec.kind == "sequence":
         offsets = arr.offsets.to_numpy(zero_copy_only=False) - arr.offsets[0].as_py()
@@ -186,9 +192,9 @@ def class_indices(name: str, values: np.ndarray) -> np.ndarray:
     return values.astype(np.int64)
 
 
-def column_to_tensor(name: str, column, dtype: torch.dtype) -> torch.Tensor:
+def column_to_tensor(name: str, column, dtype: torch.dtype, when: str = "fit") -> torch.Tensor:
     np_dtype = numpy_dtype(dtype)
-    array = column_to_numpy(name, column, np_dtype)
+    array = column_to_numpy(name, column, np_dtype, when)
     # Arrow's buffers are read-only; torch needs writable memory, so copy only if required
     tensor = torch.from_numpy(np.require(array, dtype=np_dtype, requirements=["C", "W"]))
     return tensor.to(dtype)

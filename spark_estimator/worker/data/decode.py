@@ -15,7 +15,10 @@ rank it is read, so an exact resume and an elastic resize see each row once per 
 the transforms it would have had. A row whose decoding raises fails the batch naming the
 column (or ``decode_fn``), the row's index and name (binaryFile's ``path``, an image's
 ``origin``) with ``bad_rows="fail"``; with ``"skip"`` it is left out of its batch and
-counted.
+counted (each row once, however many epochs skip it). In ``transform`` (``fit_labels``
+given) a row holds the variable feature columns only: a ``decode_fn`` that reads one of the
+fit's label columns is told so, one that returns them anyway has them dropped, and a bad
+row is named with what to filter.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from ...decoding import default_decode
+from ...shared.packages import require_gpu_jpeg
 from ...shared.serialization import loads
 from ...shared.spec import ColumnSpec, DecodeSpec, column_param
 from .arrow_reader import ROW_ID
@@ -77,8 +81,11 @@ class Decoder:
         labels: set[str],
         seed: int,
         row_names: str | None = None,
+        fit_labels: list[str] | None = None,
     ):
         self.spec, self.seed, self.row_names = spec, seed, row_names
+        # transform's decoder: the fit's label columns, which its rows do not hold
+        self.fit_labels = fit_labels
         self.columns = [c for c in columns if c.variable]
         self.labels = labels
         self.kinds = {c.name: c.kind for c in self.columns}
@@ -92,7 +99,7 @@ class Decoder:
             if self.workers > 1
             else None
         )
-        self.skipped = 0  # rows left out (bad_rows="skip")
+        self.skipped_rows: set[tuple[bool, int]] = set()  # (validation?, row) left out
         self.padding = [0, 0]  # values of padded sequences: real, in all (with the padding)
         self.empty: Decoded | None = None  # zero rows of each column, as decoded (``prime``)
 
@@ -100,11 +107,16 @@ class Decoder:
         """Decode ``first`` (a split's first rows) once, not counted, to know the decoded
         columns' shapes: a batch without rows then gets zero rows of each."""
         decoded, _ = self(first, None)
-        self.skipped, self.padding = 0, [0, 0]
+        self.skipped_rows, self.padding = set(), [0, 0]
         if decoded.rows:
             columns = {n: v[:0] for n, v in decoded.columns.items()}
             masks = {n: m[:0] for n, m in decoded.masks.items()}
             self.empty = Decoded(columns, masks, 0)
+
+    @property
+    def skipped(self) -> int:
+        """The rows left out (``bad_rows="skip"``), each counted once."""
+        return len(self.skipped_rows)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -127,7 +139,8 @@ class Decoder:
         decoded = [row for part in parts for row in part]
         kept = [i for i, row in enumerate(decoded) if row is not None]
         if len(kept) < rows:
-            self.skipped += rows - len(kept)
+            left_out = set(range(rows)).difference(kept)
+            self.skipped_rows.update((epoch is None, int(ids[i])) for i in left_out)
         good = [decoded[i] for i in kept]
         collated = self.collate(good) if good or self.empty is None else self.empty
         kept_rows = None if len(kept) == rows else np.asarray(kept, dtype=np.int64)
@@ -154,6 +167,7 @@ class Decoder:
                 else:
                     decoded = _default(row, self.kinds)
             except Exception as e:
+                self._check_labels_read(e, row)
                 name = names[i] if names is not None else _origin(row)
                 error = self._bad_row(e, row_id, name)
                 if self.spec.bad_rows == "fail":
@@ -162,9 +176,26 @@ class Decoder:
                 out.append(None)
                 continue
             if self.decode_fn is not None:
-                _check_decoded(decoded, row)
+                if self.fit_labels and isinstance(decoded, dict):  # transform: labels unused
+                    decoded = {
+                        k: v for k, v in decoded.items() if k in row or k not in self.fit_labels
+                    }
+                _check_decoded(decoded, row, row_id, self.collate_fn is not None)
             out.append(decoded)
         return out
+
+    def _check_labels_read(self, error: Exception, row: dict) -> None:
+        """In transform, a decode_fn that failed reading one of the fit's label columns
+        (a KeyError): not a bad row, so said as it is."""
+        if self.fit_labels is None or self.decode_fn is None or not isinstance(error, KeyError):
+            return
+        name = error.args[0] if error.args else None
+        if name in self.fit_labels and name not in row:
+            raise KeyError(
+                f"decode_fn: read '{name}', a label column of the fit; transform's rows hold "
+                f"only the variable feature columns ({', '.join(sorted(row))}): read a label "
+                f"only where the row has it (if '{name}' in row: ...)"
+            ) from error
 
     def _bad_row(self, error: Exception, row_id: int, name: str | None) -> BadRow:
         where = getattr(error, "column", None)
@@ -175,6 +206,12 @@ class Decoder:
             param = "decode_fn"
         named = f" ({self.row_names or 'origin'} {name})" if name else ""
         cause = error.__cause__ if where is not None and error.__cause__ else error
+        if self.fit_labels is not None:  # transform: no bad_rows, the rows are the caller's
+            return BadRow(
+                f"{param}: row {row_id} of the batch{named} could not be decoded "
+                f"({type(cause).__name__}: {cause}); fix it, or filter such rows out of the "
+                "DataFrame before transform"
+            )
         return BadRow(
             f"{param}: row {row_id} of the split{named} could not be decoded "
             f"({type(cause).__name__}: {cause}); fix or filter it, or set bad_rows='skip' to "
@@ -226,6 +263,14 @@ class Decoder:
         if len(shapes) > 1:
             a, b = sorted(shapes)[:2]
             role = "label" if label else "feature"
+            if len(a) == len(b) == 3 and a[1:] == b[1:]:  # images of other channel counts
+                raise ValueError(
+                    f"{column_param(role)}: column '{name}' has images of {a[0]} and {b[0]} "
+                    f"channels in one batch ({'x'.join(map(str, a))} and "
+                    f"{'x'.join(map(str, b))}); give decode_fn that decodes them in one mode "
+                    "(spark_estimator.decoding.decode_image(row[...], mode='RGB'), or 'L' for "
+                    "grayscale)"
+                )
             raise ValueError(
                 f"{column_param(role)}: column '{name}' has rows of different shapes in one "
                 f"batch ({'x'.join(map(str, a))} and {'x'.join(map(str, b))}); give decode_fn "
@@ -250,13 +295,7 @@ def pad_sequences(values: list[torch.Tensor], fill: float) -> tuple[torch.Tensor
 def decode_jpegs(name: str, images: list[bytes], device: torch.device) -> torch.Tensor:
     """JPEG images decoded on ``device`` (a GPU) in one batch by torchvision's
     ``decode_jpeg``, as uint8 ``[rows, 3, H, W]`` (RGB)."""
-    try:
-        from torchvision.io import ImageReadMode, decode_jpeg
-    except Exception as e:  # not installed, or a wheel that does not load with this torch
-        raise ImportError(
-            "decode_device: 'cuda' decodes JPEG images with torchvision.io.decode_jpeg, "
-            f"which does not import here ({type(e).__name__}: {e}); use decode_device='cpu'"
-        ) from e
+    decode_jpeg, ImageReadMode = require_gpu_jpeg()
     data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in images]
     if not data:
         return torch.empty((0, 3, 0, 0), dtype=torch.uint8, device=device)
@@ -299,9 +338,22 @@ def _origin(row: dict) -> str | None:
     return None
 
 
-def _check_decoded(decoded, row: dict) -> None:
+def _check_decoded(decoded, row: dict, row_id: int, collated: bool) -> None:
+    """A decode_fn's result: a dict with a value for each column of ``row``; without a
+    collate_fn (``collated``), none of them a list, tuple or NumPy array, which would reach
+    forward() as a list of rows."""
     if not isinstance(decoded, dict) or set(decoded) != set(row):
         got = sorted(decoded) if isinstance(decoded, dict) else type(decoded).__name__
         raise TypeError(
             f"decode_fn: must return a dict with a value for each of {sorted(row)}, got {got}"
         )
+    if collated:
+        return
+    for name, value in decoded.items():
+        if isinstance(value, (list, tuple, np.ndarray)):
+            raise TypeError(
+                f"decode_fn: returned a {type(value).__name__} of {len(value)} values for "
+                f"column '{name}' of row {row_id}; return a tensor (torch.tensor(...), "
+                "torch.from_numpy(...)), which a batch stacks or pads, or give a collate_fn "
+                "that batches these values"
+            )

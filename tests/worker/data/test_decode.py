@@ -2,6 +2,7 @@
 decoded in threads, augmented by (seed, epoch, row) whatever the sharding, padded and
 masked, bad rows named or skipped."""
 
+import dataclasses
 import io
 import itertools
 from collections import Counter
@@ -234,3 +235,97 @@ def test_a_rank_without_rows_gets_empty_batches_shaped_as_decoded_rows(tmp_path,
     assert image.shape == (0, 1, 4, 4) and tokens.shape[0] == 0 and mask.dtype == torch.bool
     assert batch.size == 0 and text == []
     assert decoder.padding == [0, 0] and decoder.skipped == 0  # priming is not counted
+
+
+def test_a_bad_row_skipped_in_several_epochs_is_counted_once(tmp_path, store):
+    data = image_dataset(tmp_path, images={4: b"not an image"}, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+    rows = first_rows(spec, "train", 6)
+    skipping = decoder_for(spec, bad_rows="skip")
+    for epoch in (1, 2, 3):
+        assert skipping(rows, epoch)[1].tolist() == [0, 1, 2, 3, 5]
+    skipping(rows, None)  # the same index in validation is another row
+    assert skipping.skipped == 2
+
+
+def test_a_decode_fn_that_returns_a_list_is_told_to_return_a_tensor(tmp_path, store):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+
+    def as_lists(row, augment):
+        return {**augmented(row, augment), "tokens": row["tokens"].tolist()}
+
+    decoder = decoder_for(spec, decode_fn=dumps(as_lists, "decode_fn"))
+    with pytest.raises(TypeError) as info:
+        decoder(first_rows(spec, "train", 3), None)
+    assert str(info.value).startswith(
+        "decode_fn: returned a list of 1 values for column 'tokens' of row 0; return a tensor"
+    )
+    collated = decoder_for(  # with a collate_fn, the rows are its to batch
+        spec,
+        decode_fn=dumps(as_lists, "decode_fn"),
+        collate_fn=dumps(lambda rows: {"n": torch.tensor([len(r["tokens"]) for r in rows])}, "c"),
+    )
+    assert collated(first_rows(spec, "train", 3), None)[0]["n"].tolist() == [1, 2, 3]
+
+
+def test_images_of_other_channel_counts_in_a_batch_are_told_to_decode_in_one_mode(tmp_path, store):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+
+    def mixed(row, augment):  # row 1 in RGB, the rest grayscale
+        from spark_estimator.decoding import decode_image
+
+        mode = "RGB" if row["tokens"][0] == 1 else "L"
+        return {**augmented(row, None), "img": decode_image(row["img"], mode=mode)}
+
+    with pytest.raises(ValueError) as info:
+        decoder_for(spec, decode_fn=dumps(mixed, "decode_fn"))(first_rows(spec, "train", 3), None)
+    message = str(info.value)
+    assert message.startswith(
+        "feature_cols: column 'img' has images of 1 and 3 channels in one batch (1x6x6 and 3x6x6)"
+    )
+    assert "mode='RGB'" in message and "resizes" not in message
+
+
+def test_in_transform_a_bad_row_is_named_with_what_to_filter_and_labels_read_are_told(
+    tmp_path, store
+):
+    data = image_dataset(tmp_path, images={1: b"not an image"}, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+    rows = first_rows(spec, "train", 3)
+    features = [c for c in data.columns if c.name != "y"]
+    transform = Decoder(DecodeSpec(), features, set(), 0, data.row_names, fit_labels=["y"])
+    with pytest.raises(BadRow) as info:
+        transform(rows, None)
+    message = str(info.value)
+    assert message.startswith(
+        "feature_cols: column 'img': row 1 of the batch (path file:/data/1.png)"
+    )
+    assert "filter such rows out of the DataFrame before transform" in message
+    assert "bad_rows" not in message
+
+    def reads_label(row, augment):
+        return {**augmented(row, augment), "y": torch.tensor(row["y"])}
+
+    decode = DecodeSpec(decode_fn=dumps(reads_label, "decode_fn"))
+    good = image_dataset(tmp_path / "good", row_group_size=10)
+    with pytest.raises(KeyError) as info:
+        Decoder(decode, features, set(), 0, None, fit_labels=["y"])(
+            first_rows(train_spec(good, store, shuffle=False), "train", 2), None
+        )
+    assert info.value.args[0].startswith(
+        "decode_fn: read 'y', a label column of the fit; transform's rows hold only the "
+        "variable feature columns (img, text, tokens)"
+    )
+
+
+def test_input_shapes_on_a_sequence_whose_rows_vary_in_length_says_so(tmp_path, store):
+    data = image_dataset(tmp_path, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+    shaped = dataclasses.replace(spec, input_shapes=[[-1, 1, 4, 4], [-1, 4], [-1]])
+    with pytest.raises(ValueError) as info:
+        Batch(first_rows(spec, "train", 6), shaped, torch.device("cpu"), None, decoder_for(spec))
+    assert str(info.value).startswith(
+        "input_shapes: column 'tokens' holds sequences whose rows vary in length (1 to 5 "
+        "values in this batch)"
+    )
+    assert "cannot shape a sequence" in str(info.value)
