@@ -1,14 +1,15 @@
 """``spark-estimator-run``: run a training script on N barrier tasks of a Spark job.
 
-    spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--store URL]
-        [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
+    spark-estimator-run -np 4 [--master URL] [--conf key=value ...] [--py-files FILES]
+        [--store URL] [--run-id ID] [--env K=V ...] [--verbose N] [--max-restarts N]
         [--min-np N] [--max-np N] [--elastic-timeout S]
         [--start-timeout S] [--gpu | --no-gpu] [--no-stage-level-scheduling]
         SCRIPT [script args ...]
 
 (also ``python -m spark_estimator.launcher``). The launcher creates a SparkSession, with
 ``--master`` (default ``local[<np>]``: this machine, one core per rank) and every
-``--conf``, runs the script with ``spark_estimator.run`` in script mode (docs/horovod.md),
+``--conf``, adds the ``--py-files`` (``SparkContext.addPyFile``: on every rank's
+``sys.path``), runs the script with ``spark_estimator.run`` in script mode (docs/horovod.md),
 and prints each rank's lines as they arrive, ``[rank <r>] <line>``: the ranks' stdout on
 its stdout, their stderr and logging on its stderr. It exits 0 when every rank finished;
 1 when a rank failed, with that rank's error and traceback on stderr; 2 for bad arguments.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -59,6 +61,13 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a Spark configuration entry (repeatable)",
+    )
+    p.add_argument(
+        "--py-files",
+        default="",
+        metavar="FILES",
+        help="comma-separated .py, .zip or .egg files put on every rank's sys.path, as "
+        "spark-submit's (the .py modules beside the script travel without it)",
     )
     p.add_argument(
         "--store",
@@ -177,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     """The ``spark-estimator-run`` command: parse ``argv`` (by default the command line),
     run the script on Spark and return the exit status (0, 1 or 2, as the module says)."""
     options = parser().parse_args(argv)
+    py_files = [path for path in options.py_files.split(",") if path]
+    missing = [path for path in py_files if "://" not in path and not os.path.isfile(path)]
+    if missing:
+        print(
+            f"spark-estimator-run: --py-files: no such file: {', '.join(missing)}", file=sys.stderr
+        )
+        return 2
     from pyspark.sql import SparkSession
 
     master = options.master or f"local[{max(1, options.num_proc)}]"
@@ -184,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in _defaults(dict(options.conf)).items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    try:
+        for path in py_files:
+            spark.sparkContext.addPyFile(path)
+    except Exception as e:  # one Spark cannot read, before any job
+        spark.stop()
+        print(f"spark-estimator-run: --py-files: {e}", file=sys.stderr)
+        return 2
     timeout = {} if options.start_timeout is None else {"start_timeout": options.start_timeout}
     try:
         # warnings as lines, not Python's warnings

@@ -4,8 +4,9 @@ function, or an unmodified script, on every barrier task.
 The Horovod-on-Spark way of working: ``fn`` runs once per rank inside an initialised
 torch.distributed process group (gloo on CPU, NCCL on GPU) with the GPU Spark assigned
 already pinned; inside it, ``spark_estimator.distributed`` gives rank, size,
-device and collectives. A script runs as ``__main__`` with torchrun's variables set, and
-forms the group itself (``hvd.init()`` or ``init_process_group``). The ranks' output
+device and collectives. A script runs as ``__main__`` with torchrun's variables set (ranks
+numbered host by host, as torchrun's) and the modules beside it importable, and forms the
+group itself (``hvd.init()`` or ``init_process_group``). The ranks' output
 comes back through the run's folder in a store while they run (``FitMonitor``); a launch
 whose ranks entered ``hvd.elastic.run`` is started again after a lost rank, and with more
 ranks when the cluster offers more slots (``hvd.elastic``, ``ElasticSize``). Every input is
@@ -15,6 +16,7 @@ checked before any Spark job starts.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import io
 import logging
@@ -41,6 +43,7 @@ from .driver.launch import (
     SLOT_WAIT_S,
     available_slots,
     cancel_jobs,
+    is_connect,
     run_barrier_job,
     tasks_print_here,
 )
@@ -53,9 +56,11 @@ from .shared.failures import TrainingError, carried_failure, read_failure
 from .shared.serialization import dumps
 from .shared.spec import COLLECTIVE_TIMEOUT_S
 from .store import Store
-from .worker.run_task import RunSpec, run_task
+from .worker.run_task import RunSpec, Script, run_task
 
 log = logging.getLogger(__name__)
+
+MODULES_MAX_BYTES = 2 << 20  # the most of the .py modules beside a script that run() ships
 
 
 class _LostRank(Exception):
@@ -78,7 +83,7 @@ def _decode_result(text: str) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-def _read_script(fn, args, kwargs) -> tuple[str, str, tuple[str, ...]]:
+def _read_script(fn, args, kwargs) -> Script:
     path = os.fspath(fn)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"fn: no script file at {path!r}")
@@ -87,7 +92,48 @@ def _read_script(fn, args, kwargs) -> tuple[str, str, tuple[str, ...]]:
     if kwargs:
         raise TypeError("kwargs: a script takes no kwargs; pass its command line in args")
     with open(path, encoding="utf-8") as f:
-        return path, f.read(), tuple(args)
+        return Script(path, os.path.abspath(path), f.read(), tuple(args))
+
+
+def _modules_beside(file: str) -> dict[str, bytes]:
+    """The ``.py`` files in the folder of the script ``file`` (not the script itself, nor
+    subfolders), their bytes by name: what a task that does not see this filesystem needs
+    to import what lies beside the script. A ValueError naming the largest where they hold
+    more than ``MODULES_MAX_BYTES`` together (they travel inside the job's tasks)."""
+    folder = os.path.dirname(file)
+    names = sorted(
+        name
+        for name in os.listdir(folder)
+        if name.endswith(".py")
+        and name != os.path.basename(file)
+        and os.path.isfile(os.path.join(folder, name))
+    )
+    sizes = {name: os.path.getsize(os.path.join(folder, name)) for name in names}
+    if sum(sizes.values()) > MODULES_MAX_BYTES:
+        largest = sorted(sizes, key=lambda name: -sizes[name])[:5]
+        raise ValueError(
+            f"fn: the .py modules beside the script in {folder} hold {_size(sum(sizes.values()))}"
+            f" ({', '.join(f'{n} {_size(sizes[n])}' for n in largest)}"
+            f"{', ...' if len(names) > len(largest) else ''}), more than the "
+            f"{_size(MODULES_MAX_BYTES)} shipped to executors that do not see this machine's "
+            "files; put the script in a folder with only the modules it imports, or ship "
+            "them as a zip (SparkContext.addPyFile, spark-estimator-run --py-files)"
+        )
+    modules = {}
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as f:
+            modules[name] = f.read()
+    return modules
+
+
+def _size(n: int) -> str:
+    return f"{n} B" if n < 1 << 10 else f"{n / (1 << 10):.0f} KiB"
+
+
+def _tasks_see_this_machine(spark) -> bool:
+    """Whether the job's tasks run on this machine (``local``, ``local[N]`` and
+    ``local-cluster`` masters), and so see its files; not so on Spark Connect."""
+    return not is_connect(spark) and spark.sparkContext.master.startswith("local")
 
 
 def _check_seconds(name: str, value) -> float:
@@ -181,11 +227,19 @@ def run(
     ----------
     fn : callable, str or os.PathLike
         A function, or the path of a Python script. The script is read here and shipped, so
-        executors need not see this filesystem, and runs as ``__main__`` with
-        ``sys.argv = [fn, *args]``; it forms the process group itself (``hvd.init()``, or
-        ``torch.distributed.init_process_group()`` from the ``RANK``, ``WORLD_SIZE``,
-        ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set on
-        each rank, as torchrun does). ``sys.exit(0)`` ends a script successfully.
+        executors need not see this filesystem, and runs as ``__main__`` as ``python fn``
+        runs it: ``sys.argv = [fn, *args]``, ``__file__`` its absolute path here, and its
+        folder first on ``sys.path`` (where the script lies at that path on the executor
+        too, else a temporary folder with the ``.py`` files beside it, which are shipped
+        when the tasks do not run on this machine: at most ``MODULES_MAX_BYTES``, 2 MiB,
+        else a ValueError names the largest; subfolders and other files travel with
+        ``SparkContext.addPyFile`` / ``addFile``). It forms the process group itself
+        (``hvd.init()``, or ``torch.distributed.init_process_group()`` from torchrun's
+        variables set on each rank: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+        ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``,
+        ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``TORCHELASTIC_RUN_ID`` (``run_id``),
+        ``MASTER_ADDR``, ``MASTER_PORT``; docs/horovod.md). ``sys.exit(0)`` ends a script
+        successfully.
     args : tuple or list, optional
         The function's positional arguments, or the script's command line (strings).
     kwargs : dict, optional
@@ -280,6 +334,10 @@ def run(
 
     Notes
     -----
+    The ranks are numbered host by host, as torchrun numbers them: the ranks of one host
+    are consecutive (``local_rank`` counts them), and each host's index is its
+    ``GROUP_RANK``, so a Lightning ``Trainer(devices=k, num_nodes=n)`` script takes the
+    ranks ``RANK`` says (``TorchElasticEnvironment``) on a job of n hosts of k ranks each.
     Each resize of an elastic job is one log line on the ``spark_estimator.runner`` logger
     (a loss: WARNING; a growth: INFO). A rank lost outside ``hvd.elastic.run`` fails the
     job with Spark's own error.
@@ -333,7 +391,7 @@ def run(
         raise ValueError(f"run_id: expected a folder name (no '/'), got {run_id!r}")
     if script:
         shipped, payload = _read_script(fn, args, kwargs), None
-        name = os.path.basename(shipped[0])
+        name = os.path.basename(shipped.path)
     else:
         shipped, payload = None, _payload(fn, tuple(args), dict(kwargs))
         name = getattr(fn, "__qualname__", type(fn).__name__)
@@ -341,6 +399,8 @@ def run(
         raise TypeError(f"store: expected a Store or a URL, got {type(store).__name__}")
     use_gpu = to_use_gpu(use_gpu)
     spark = spark if spark is not None else SparkSession.active()
+    if script and not _tasks_see_this_machine(spark):
+        shipped = dataclasses.replace(shipped, modules=_modules_beside(shipped.file))
     stage = task_profile(spark, stage_level_scheduling, use_gpu)
     use_gpu = check_use_gpu(spark, use_gpu, stage)
     slots = available_slots(spark, num_proc, start_timeout, stage.profile)

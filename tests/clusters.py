@@ -11,15 +11,15 @@ installed pyspark (``SPARK_HOME`` = the pyspark package) instead:
   ``{"name": "gpu", "addresses": ["<i>"]}``, the Worker's index as its address, so every
   executor that asks ``spark.executor.resource.gpu.amount=1`` holds a GPU address of its
   own (no CUDA behind it: a rank falls back to the CPU with that address recorded);
-- ``NetnsCluster(workers=3)``: the same, but each Worker is a host of its own: it runs in
-  a Linux network namespace with its own IP address, joined by a veth pair to a bridge in
-  this namespace that carries the driver's and the Master's address. Inside a namespace the
-  machine's host name resolves to that host's address (``/etc/netns/<ns>/hosts``, which
-  ``ip netns exec`` mounts over ``/etc/hosts``), as on a real multi-host cluster; with
-  ``resolve_own_name=False`` no such file is written, so the name resolves as this
-  machine's ``/etc/hosts`` says (often to a loopback address, as on hosts whose
-  ``/etc/hosts`` maps their own name to 127.0.x.1). Creating namespaces needs root and
-  ``ip``; where that fails the test is skipped, saying why.
+- ``NetnsCluster(workers=3)``: the same (``cores`` too), but each Worker is a host of its
+  own: it runs in a Linux network namespace with its own IP address, joined by a veth pair
+  to a bridge in this namespace that carries the driver's and the Master's address. Inside
+  a namespace the machine's host name resolves to that host's address
+  (``/etc/netns/<ns>/hosts``, which ``ip netns exec`` mounts over ``/etc/hosts``), as on a
+  real multi-host cluster; with ``resolve_own_name=False`` no such file is written, so the
+  name resolves as this machine's ``/etc/hosts`` says (often to a loopback address, as on
+  hosts whose ``/etc/hosts`` maps their own name to 127.0.x.1). Creating namespaces needs
+  root and ``ip``; where that fails the test is skipped, saying why.
 
 Both are context managers: entering starts the daemons and waits until the Master lists
 every Worker ALIVE. Every daemon binds ports of its own choosing (port 0) and the Master's
@@ -398,8 +398,9 @@ class NetnsCluster(StandaloneCluster):
         workers: int = 3,
         master_conf: dict[str, str] | None = None,
         resolve_own_name: bool = True,
+        cores: int = 1,
     ):
-        super().__init__(workers, master_conf)
+        super().__init__(workers, master_conf, cores)
         self.resolve_own_name = resolve_own_name
         pid = os.getpid()
         self.bridge = f"sebr{pid}"

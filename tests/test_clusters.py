@@ -339,3 +339,34 @@ def test_gloo_crosses_hosts_whose_own_name_resolves_elsewhere(tmp_path):
         assert sorted(r["address"] for r in ranks) == hosts
         assert all(r["resolves_to"] != r["address"] for r in ranks)
         assert [r["sum"] for r in ranks] == [3.0, 3.0]
+
+
+def test_a_lightning_script_on_two_hosts_gets_torchruns_ranks_host_by_host(tmp_path):
+    """Two hosts of two ranks each, ``Trainer(strategy="ddp", devices=2, num_nodes=2)``:
+    Spark hands the tasks out round-robin over the executors, the ranks of a host are
+    numbered in a row (as torchrun's), and Lightning takes each rank's RANK and the host's
+    GROUP_RANK (not a second rank 0 from node rank 0)."""
+    pytest.importorskip("lightning")
+    from spark_estimator import run
+    from tests.test_runner import LIGHTNING_SCRIPT, Recorder, lightning_ranks
+
+    script = tmp_path / "train_lightning.py"
+    script.write_text(
+        LIGHTNING_SCRIPT
+        + "import socket\nprint('on', socket.gethostbyname(socket.gethostname()))\n"
+    )
+    with NetnsCluster(workers=2, cores=2) as cluster:
+        spark = cluster.session(**{"spark.executor.cores": "2"})
+        out = Recorder()
+        run(
+            str(script), args=["2", "2"], num_proc=4, use_gpu=False, spark=spark,
+            store=str(tmp_path / "store"), stdout=out,
+        )  # fmt: skip
+    said = [line.split() for line in out.lines]  # "[rank <r>] on <address>"
+    hosts = {int(w[1].rstrip("]")): w[3] for w in said if w[2] == "on"}
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts  # a host's ranks in a row
+    assert sorted(set(hosts.values())) == [f"{cluster.subnet}.{10 + i}" for i in range(2)]
+    assert lightning_ranks(out.lines) == {
+        r: [str(r), str(r // 2), str(r % 2), "4"] * 2 + ["TorchElasticEnvironment"]
+        for r in range(4)
+    }

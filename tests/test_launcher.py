@@ -4,6 +4,7 @@ ranks' output on the terminal by rank and stream, the exit code."""
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +16,11 @@ import torch.distributed as dist
 from spark_estimator.worker.comm.rendezvous import init_default_group
 
 init_default_group()
+try:
+    import launcher_deps  # in the zip that --py-files gives, where a test gives it
+    print("from --py-files:", launcher_deps.VALUE, file=sys.stderr)
+except ImportError:
+    pass
 total = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(total)
 print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "sum", total.item(), sys.argv[1:])
@@ -36,9 +42,14 @@ def launch(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_launcher_runs_a_script_and_shows_each_ranks_lines_by_stream(tmp_path):
+    deps = tmp_path / "elsewhere" / "deps.zip"
+    deps.parent.mkdir()
+    with zipfile.ZipFile(deps, "w") as z:
+        z.writestr("launcher_deps/__init__.py", "VALUE = 'zipped'\n")
     done = launch(
         tmp_path, "-np", "2", "--master", "local[2]", "--conf", "spark.ui.enabled=false",
-        "--env", "MY_SETTING=on", "--verbose", "2", "train.py", "--lr", "0.1",
+        "--env", "MY_SETTING=on", "--verbose", "2", "--py-files", str(deps),
+        "train.py", "--lr", "0.1",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GPU" not in done.stderr and "Warning" not in done.stderr  # a CPU run by default
@@ -47,6 +58,7 @@ def test_the_launcher_runs_a_script_and_shows_each_ranks_lines_by_stream(tmp_pat
     assert "[rank 1] rank 1 of 2 sum 1.0 ['--lr', '0.1']" in out
     err = done.stderr.splitlines()
     assert "[rank 0] setting on" in err and "[rank 1] setting on" in err
+    assert "[rank 0] from --py-files: zipped" in err and "[rank 1] from --py-files: zipped" in err
     assert any(line.startswith("[rank 1] spark-estimator: rank 1 of 2 on ") for line in err)
 
 
@@ -55,13 +67,17 @@ def test_a_failing_rank_makes_the_launcher_exit_non_zero_with_its_traceback(tmp_
     assert done.returncode == 1
     assert "spark-estimator-run: rank 1 failed: ValueError: boom on rank 1" in done.stderr
     assert "Traceback (most recent call last)" in done.stderr
-    assert 'train.py", line 13' in done.stderr
+    assert 'train.py", line 18' in done.stderr
 
 
 def test_bad_arguments_exit_2_before_any_spark(tmp_path):
     done = launch(tmp_path, "--master", "local[2]", "train.py")  # no -np
     assert done.returncode == 2 and "-np" in done.stderr
     assert "SparkContext" not in done.stderr
+    done = launch(tmp_path, "-np", "1", "--py-files", "a.py,missing.zip", "train.py")
+    assert done.returncode == 2
+    assert "spark-estimator-run: --py-files: no such file: a.py, missing.zip" in done.stderr
+    assert "Spark" not in done.stderr
 
 
 def test_setup_declares_the_console_script():

@@ -14,6 +14,7 @@ import torch
 
 from spark_estimator import TrainingError, run
 from spark_estimator import distributed as sd
+from spark_estimator.runner import _modules_beside
 from tests.conftest import LOCAL, spark_session
 
 
@@ -359,6 +360,9 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"]
 print("env", " ".join(os.environ[n] for n in names), sys.argv[1:])
+nodes = ["GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "TORCHELASTIC_RUN_ID"]
+print("nodes", " ".join(os.environ[n] for n in nodes))
+print("argv[0]", sys.argv[0], "__file__", __file__)
 print("master set", bool(os.environ["MASTER_ADDR"]), int(os.environ["MASTER_PORT"]) > 0)
 total = torch.tensor([dist.get_rank() + 1.0])
 dist.all_reduce(total)
@@ -371,16 +375,137 @@ def test_a_torchrun_style_script_forms_its_group_from_the_environment(spark, tmp
     script = tmp_path / "train_torchrun.py"
     script.write_text(TORCHRUN_SCRIPT)
     out, err = Recorder(), Recorder()
+    given = os.path.relpath(script)  # as a command line names it
     result = run(
-        str(script), args=["--epochs", "3"], num_proc=2, use_gpu=False, spark=spark,
-        stdout=out, stderr=err,
+        given, args=["--epochs", "3"], num_proc=2, use_gpu=False, spark=spark,
+        stdout=out, stderr=err, run_id="torchrun-env",
     )  # fmt: skip
     assert result is None
     for r in (0, 1):
         assert f"[rank {r}] env {r} 2 {r} 2 ['--epochs', '3']" in out.lines
+        # one host: node 0 of 1; torchrun's variables that make Lightning read RANK
+        assert f"[rank {r}] nodes 0 1 {r} 2 torchrun-env" in out.lines
+        # as `python train_torchrun.py` sets them (and the docs say), not a copy's
+        assert f"[rank {r}] argv[0] {given} __file__ {script}" in out.lines
         assert f"[rank {r}] master set True True" in out.lines
         assert f"[rank {r}] sum 3.0 of 2" in out.lines
     assert err.lines == []
+
+
+BESIDE_SCRIPT = """
+import datautils
+from helpers.more import VALUE  # a package in a subfolder: on sys.path through the folder
+print("imported", datautils.NAME, VALUE)
+"""
+
+
+def test_a_script_imports_the_modules_beside_it_from_another_working_directory(spark, tmp_path):
+    """As under torchrun, which puts the script's folder on sys.path (PyTorch's own
+    ddp-tutorial-series/multigpu_torchrun.py imports datautils from beside it)."""
+    folder = tmp_path / "ddp-tutorial"
+    (folder / "helpers").mkdir(parents=True)
+    (folder / "train.py").write_text(BESIDE_SCRIPT)
+    (folder / "datautils.py").write_text("NAME = 'datautils'\n")
+    (folder / "helpers" / "__init__.py").write_text("")
+    (folder / "helpers" / "more.py").write_text("VALUE = 42\n")
+    assert os.getcwd() != str(folder)
+    out = Recorder()
+    run(str(folder / "train.py"), num_proc=2, use_gpu=False, spark=spark, stdout=out)
+    assert sorted(out.lines) == ["[rank 0] imported datautils 42", "[rank 1] imported datautils 42"]
+    # the tasks' Python workers, reused, keep neither the folder on sys.path nor its modules
+    leftovers = run(_script_leftovers, args=(str(folder),), num_proc=2, use_gpu=False, spark=spark)
+    assert leftovers == [[]] * 2
+
+
+def _script_leftovers(folder: str) -> list[str]:
+    names = [
+        n for n, m in sys.modules.items() if (getattr(m, "__file__", None) or "").startswith(folder)
+    ]
+    return names + [p for p in sys.path if p.startswith(folder)]
+
+
+def test_the_modules_beside_a_script_are_shipped_within_a_cap_else_refused_naming_them(
+    tmp_path, monkeypatch
+):
+    """For executors that do not see the driver's filesystem: the .py files in the
+    script's folder, not its subfolders nor other files."""
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "train.py").write_text("import datautils\n")
+    (tmp_path / "datautils.py").write_bytes(b"NAME = 'caf\xc3\xa9'\n")
+    (tmp_path / "notes.txt").write_text("not a module\n")
+    (tmp_path / "helpers" / "more.py").write_text("VALUE = 42\n")
+    assert _modules_beside(str(tmp_path / "train.py")) == {
+        "datautils.py": b"NAME = 'caf\xc3\xa9'\n"
+    }
+    (tmp_path / "big.py").write_text("x = 1\n" * 100)
+    monkeypatch.setattr("spark_estimator.runner.MODULES_MAX_BYTES", 300)
+    with pytest.raises(ValueError, match=r"fn: the \.py modules beside .* \(big\.py 600 B, "):
+        _modules_beside(str(tmp_path / "train.py"))
+
+
+LIGHTNING_SCRIPT = """
+import os, sys
+from datetime import timedelta
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, index):
+        return self.layer(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+devices, num_nodes = int(sys.argv[1]), int(sys.argv[2])
+# strategy="ddp", with a bound on the wait for the group (ranks that disagree on who is
+# who wait for each other, by default for 30 minutes)
+trainer = pl.Trainer(
+    strategy=DDPStrategy(timeout=timedelta(seconds=90)), accelerator="cpu", devices=devices,
+    num_nodes=num_nodes, max_steps=1, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+)
+data = torch.utils.data.TensorDataset(torch.randn(8 * devices * num_nodes, 2))
+trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=4))
+said = [os.environ[n] for n in ("RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE")]
+print(
+    "ranks", *said, trainer.global_rank, trainer.node_rank, trainer.local_rank,
+    trainer.world_size, type(trainer.strategy.cluster_environment).__name__,
+)
+"""
+
+
+def lightning_ranks(lines: list[str]) -> dict[int, list[str]]:
+    """What each rank of LIGHTNING_SCRIPT printed: its variables (RANK, GROUP_RANK,
+    LOCAL_RANK, WORLD_SIZE), then the Trainer's view (global, node and local rank, world
+    size) and Lightning's cluster environment."""
+    found = [line.split() for line in lines if " ranks " in line]
+    return {int(words[1].rstrip("]")): words[3:] for words in found}
+
+
+def test_a_lightning_script_takes_torchruns_ranks_and_logs_each_line_once(spark, tmp_path):
+    pytest.importorskip("lightning")
+    script = tmp_path / "train_lightning.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    out, err = Recorder(), Recorder()
+    run(
+        str(script), args=["2", "1"], num_proc=2, use_gpu=False, spark=spark, stdout=out, stderr=err
+    )
+    assert lightning_ranks(out.lines) == {
+        r: [str(r), "0", str(r), "2", str(r), "0", str(r), "2", "TorchElasticEnvironment"]
+        for r in (0, 1)
+    }
+    # Lightning's own handler on the "lightning" logger writes to stderr, which the rank
+    # captures: its records are not captured a second time from the root logger
+    said = [line for line in err.lines if "GPU available" in line]
+    assert said == ["[rank 0] INFO: GPU available: False, used: False"], err.lines
+    assert not [line for line in err.lines if "INFO lightning" in line], err.lines
 
 
 LIVE_SCRIPT = """

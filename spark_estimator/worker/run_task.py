@@ -1,8 +1,9 @@
 """Executor: the barrier task behind ``spark_estimator.run``.
 
 Each task records where it runs (``RunFolder.process``: rank, host, pid, launch and task
-attempt), joins the job's process group and runs the user's function, or a script as
-``__main__`` (``run_script``), with ``run``'s ``env`` set. It returns a summary with its
+attempt), joins the job's process group, its ranks numbered host by host as torchrun's
+(``ranks.ranks_by_host``), and runs the user's function, or a script as ``__main__``
+(``run_script``), with ``run``'s ``env`` set. It returns a summary with its
 rank, its CPU-fallback note, the function's return value and whether it stopped for the
 job to grow (``EndLaunchToGrow``). The value is written with
 ``torch.save`` through cloudpickle (any picklable object; tensors are stored so that the
@@ -20,12 +21,15 @@ even where the driver cannot read the store.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import linecache
 import os
-import runpy
 import socket
 import sys
 import tempfile
+import types
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import cloudpickle
@@ -36,6 +40,7 @@ from ..shared.serialization import loads
 from ..shared.spec import launch_secret
 from ..store import Store
 from .comm.meeting import Meeting
+from .comm.ranks import job_ranks
 from .comm.rendezvous import process_group
 from .environ import environ
 from .observe.run_log import RankLog
@@ -44,11 +49,24 @@ NOTE_LINES = 20  # the most of a failing rank's last lines carried in its error
 
 
 @dataclass(frozen=True)
+class Script:
+    """A script ``run`` runs, read on the driver."""
+
+    path: str  # as given: its sys.argv[0]
+    file: str  # its absolute path on the driver: its __file__
+    source: str
+    args: tuple[str, ...] = ()
+    # the .py files beside it (their bytes by name), for executors that do not see the
+    # driver's filesystem; none where they do (local masters)
+    modules: Mapping[str, bytes] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
 class RunSpec:
     """One launch of ``run``: what every task runs, and where the run's folder is."""
 
     payload: bytes | None  # cloudpickled (fn, args, kwargs); None for a script
-    script: tuple[str, str, tuple[str, ...]] | None  # (path as given, its source, args)
+    script: Script | None
     env: dict[str, str]
     use_gpu: bool | str  # as TrainSpec.use_gpu
     rank0_only: bool
@@ -92,23 +110,69 @@ def encode_result(value, rank: int) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def run_script(path: str, source: str, args: tuple[str, ...]) -> None:
-    """Run ``source`` (the script ``path`` read on the driver) as ``__main__`` with
-    ``sys.argv = [path, *args]``, from a copy in a temporary folder. ``sys.exit(0)`` or
+def run_script(script: Script) -> None:
+    """Run ``script`` as ``__main__``, as ``python <script>`` (and torchrun) would:
+    ``sys.argv = [path as given, *args]``, ``__file__`` its absolute path on the driver,
+    and its folder first on ``sys.path``, so that the modules beside it import. Where the
+    script lies at that path on this machine too (a local master, a shared filesystem) that
+    folder is the one on ``sys.path``; elsewhere a temporary folder holding the modules the
+    driver shipped (``Script.modules``). Both leave ``sys.path`` after the script, and so do
+    the modules imported from them (PySpark reuses its Python workers). ``sys.exit(0)`` or
     ``sys.exit()`` is success; any other exit raises its ``SystemExit``."""
-    argv = sys.argv
-    with tempfile.TemporaryDirectory(prefix="spark-estimator-script-") as folder:
-        copy = os.path.join(folder, os.path.basename(path))
-        with open(copy, "w", encoding="utf-8") as f:
-            f.write(source)
-        sys.argv = [path, *args]
+    with _script_folder(script) as folder:
+        before = set(sys.modules)
+        argv, path = sys.argv, list(sys.path)
+        sys.argv = [script.path, *script.args]
+        sys.path.insert(0, folder)
         try:
-            runpy.run_path(copy, run_name="__main__")
+            _run_main(script.file, script.source)
         except SystemExit as e:
             if e.code not in (None, 0):
                 raise
         finally:
-            sys.argv = argv
+            sys.argv, sys.path[:] = argv, path
+            inside = os.path.join(folder, "")
+            for name in set(sys.modules) - before:
+                if (getattr(sys.modules[name], "__file__", None) or "").startswith(inside):
+                    del sys.modules[name]
+
+
+@contextlib.contextmanager
+def _script_folder(script: Script) -> Iterator[str]:
+    """The folder whose modules the script imports: its own, where the same script lies at
+    its path here; else a temporary one with the modules shipped beside it."""
+    try:
+        with open(script.file, encoding="utf-8") as f:
+            here = f.read() == script.source
+    except (OSError, ValueError):
+        here = False
+    if here:
+        yield os.path.dirname(script.file)
+        return
+    with tempfile.TemporaryDirectory(prefix="spark-estimator-script-") as folder:
+        for name, data in script.modules.items():
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(data)
+        yield folder
+
+
+def _run_main(file: str, source: str) -> None:
+    """Run ``source`` as the module ``__main__`` of file ``file``, as Python runs a script
+    (``sys.modules["__main__"]`` is that module meanwhile, so that its classes pickle);
+    a traceback shows its lines also where ``file`` is not on this machine."""
+    code = compile(source, file, "exec", dont_inherit=True)
+    linecache.cache[file] = (len(source), None, source.splitlines(True), file)  # kept
+    module = types.ModuleType("__main__")
+    module.__file__ = file
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if main is None:
+            sys.modules.pop("__main__", None)
+        else:
+            sys.modules["__main__"] = main
 
 
 def run_task(spec: RunSpec) -> dict:
@@ -120,7 +184,7 @@ def run_task(spec: RunSpec) -> dict:
 
     ctx = BarrierTaskContext.get()
     store, run = spec.store, spec.store.run(spec.run_id)
-    rank, attempt = ctx.partitionId(), ctx.taskAttemptId()
+    rank, attempt = job_ranks(ctx, by_host=True)[0], ctx.taskAttemptId()
     host, pid = socket.gethostname(), os.getpid()
     store.write_json(
         run.process(rank),
@@ -143,6 +207,8 @@ def run_task(spec: RunSpec) -> dict:
                     on_failure,
                     spec.script is None,
                     on_error=log.write_now,
+                    ranks_by_host=True,
+                    run_id=spec.run_id,
                 ) as info,
                 environ(spec.env),
             ):
@@ -155,7 +221,7 @@ def run_task(spec: RunSpec) -> dict:
                 paused, value = False, None
                 try:
                     if spec.script is not None:
-                        run_script(*spec.script)
+                        run_script(spec.script)
                     else:
                         fn, args, kwargs = call
                         value = fn(*args, **kwargs)

@@ -13,9 +13,14 @@ reuses workers; what ``at_leave`` registered is closed before the group goes.
 
 A script run by ``run(script_path)`` forms the default group itself: the task exports
 torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``) and ``TORCHELASTIC_USE_AGENT_STORE=True``, with which
-torch's ``env://`` rendezvous connects every rank, rank 0 included, as a client to the
-TCPStore rank 0's task already serves, instead of starting a server of its own.
+``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``,
+``TORCHELASTIC_RUN_ID``, ``MASTER_ADDR``, ``MASTER_PORT``; ``torchrun_env``) and
+``TORCHELASTIC_USE_AGENT_STORE=True``, with which torch's ``env://`` rendezvous connects
+every rank, rank 0 included, as a client to the TCPStore rank 0's task already serves,
+instead of starting a server of its own. ``TORCHELASTIC_RUN_ID`` makes
+``torch.distributed.is_torchelastic_launched()`` true, so Lightning takes its
+``TorchElasticEnvironment``: the ranks from ``RANK``, the node from ``GROUP_RANK``.
+``run`` numbers its ranks host by host (``ranks.ranks_by_host``; ``ranks_by_host``).
 ``init_default_group`` (``hvd.init()``) does the same for scripts that never call
 ``init_process_group``, and forms a group of one outside any task.
 """
@@ -38,7 +43,7 @@ from ..environ import environ
 from .device import task_device, task_gpu_addresses
 from .meeting import TAMPERED, Meeting, first_failure, meet
 from .network import gloo_interface
-from .ranks import RankInfo, cross_ranks, homogeneous, local_ranks
+from .ranks import RankInfo, cross_ranks, homogeneous, job_ranks, local_ranks, node_ranks
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,8 @@ def process_group(
     on_failure: Callable[[int, BaseException], None] | None = None,
     init_group: bool = True,
     on_error: Callable[[], None] | None = None,
+    ranks_by_host: bool = False,
+    run_id: str = "none",
 ) -> Iterator[RankInfo]:
     """Join the barrier job's process group for the duration of the ``with`` block; the
     ranks meet at ``meeting`` (see ``Meeting``).
@@ -88,18 +95,20 @@ def process_group(
     With ``init_group=False`` (a script) the default group is not formed here: the block
     runs with torchrun's variables exported (see above), the ranks meet at its end through
     the job's store (the script may have destroyed its group), and a group the script left
-    initialised is destroyed after it.
+    initialised is destroyed after it; ``run_id`` is its ``TORCHELASTIC_RUN_ID``.
+
+    With ``ranks_by_host`` the ranks are numbered host by host, as torchrun's (see
+    ``ranks``), not as Spark numbers the tasks; task 0 is rank 0 either way.
     """
     global _current, _script_timeout
-    infos = ctx.getTaskInfos()
-    rank, world_size = ctx.partitionId(), len(infos)
+    rank, hosts = job_ranks(ctx, ranks_by_host)
+    world_size = len(hosts)
     try:
         device, note = task_device(ctx, use_gpu)
     except RuntimeError as e:  # use_gpu=True and no GPU here: the driver raises it
         if on_failure is not None:
             on_failure(rank, e)
         raise
-    hosts = [info.address.rsplit(":", 1)[0] for info in infos]
     timeout = timedelta(seconds=timeout_s)
     network = gloo_interface(hosts, rank)
     began = time.monotonic()
@@ -129,6 +138,7 @@ def process_group(
         traceback.clear_frames(e.__traceback__)
         del store, server
         raise error from e
+    node, nodes = node_ranks(hosts, rank)
     _current = RankInfo(
         rank,
         world_size,
@@ -138,19 +148,13 @@ def process_group(
         *cross_ranks(hosts, rank),
         tuple(task_gpu_addresses(ctx.resources())),
         homogeneous=homogeneous(hosts),
+        node_rank=node,
+        num_nodes=nodes,
     )
-    torchrun = {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(_current.local_rank),
-        "LOCAL_WORLD_SIZE": str(_current.local_size),
-        "MASTER_ADDR": hosts[0],
-        "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": str(True),
-    }
+    torchrun = {} if init_group else torchrun_env(_current, hosts[0], port, run_id)
     _script_timeout = None if init_group else timeout
     try:
-        with environ({**network, **({} if init_group else torchrun)}):
+        with environ({**network, **torchrun}):
             yield _current
         # nobody leaves while another rank still works: a gloo peer that closes its
         # connections early fails the others' collectives (and their setup)
@@ -188,6 +192,28 @@ def process_group(
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def torchrun_env(info: RankInfo, master: str, port: int, run_id: str) -> dict[str, str]:
+    """The variables torchrun gives each worker, for the rank ``info`` of a job whose
+    rank 0 serves its TCPStore at ``master``:``port``: one role ("default") of every rank,
+    one node per host, ``run_id`` as the rendezvous id; ``TORCHELASTIC_USE_AGENT_STORE``
+    has torch's ``env://`` rendezvous join that store as a client."""
+    return {
+        "RANK": str(info.rank),
+        "WORLD_SIZE": str(info.world_size),
+        "LOCAL_RANK": str(info.local_rank),
+        "LOCAL_WORLD_SIZE": str(info.local_size),
+        "GROUP_RANK": str(info.node_rank),
+        "GROUP_WORLD_SIZE": str(info.num_nodes),
+        "ROLE_RANK": str(info.rank),
+        "ROLE_WORLD_SIZE": str(info.world_size),
+        "ROLE_NAME": "default",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": str(True),
+    }
 
 
 def at_leave(close: Callable[[], None]) -> None:

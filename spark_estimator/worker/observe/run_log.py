@@ -3,11 +3,12 @@
 While a training task runs, ``RankLog`` copies the lines the process writes to
 ``sys.stdout`` and ``sys.stderr`` (they still reach the executor's own log too, unless not
 ``echo``: on a local master that log is the driver's terminal, which shows the lines from the
-store already) and the
-records of Python ``logging`` (INFO and above, on the root logger; counted as stderr, where
-logging writes by default) into a buffer. A background thread writes the buffer every
-``CHUNK_S`` seconds (when it holds lines, and at the end) as new chunk files, one per stream
-that has lines, so it works on stores that cannot append (S3)::
+store already) and the records of Python ``logging`` (INFO and above, on the root logger;
+counted as stderr, where logging writes by default; not those a handler on their way writes
+to the captured stderr already, as the ``lightning`` package's does) into a buffer. A
+background thread writes the buffer every ``CHUNK_S`` seconds (when it holds lines, and at
+the end) as new chunk files, one per stream that has lines, so it works on stores that
+cannot append (S3)::
 
     runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.log      stdout
     runs/<run_id>/logs/rank-<r>/<launch_id>-<task attempt id>-<seq>.err.log  stderr, logging
@@ -44,13 +45,25 @@ _FORMAT = logging.Formatter("%(levelname)s %(name)s: %(message)s")
 
 class _Tee(io.TextIOBase):
     """A text stream that writes through to ``stream`` (with ``echo``) and hands whole
-    lines to ``sink`` (as ``sink(name, line)``, ``name`` being "stdout" or "stderr")."""
+    lines to ``sink`` (as ``sink(name, line)``, ``name`` being "stdout" or "stderr").
+
+    Once its capture ended (``end``) it writes to ``sys.<name>`` as it is then: a logging
+    handler made during one task on the captured ``sys.stderr`` (as the ``lightning``
+    package makes one on import) keeps this stream after the task, and its lines belong to
+    whichever task of the reused Python worker runs then."""
 
     def __init__(self, stream, sink, name: str, echo: bool = True):
         self.stream, self.sink, self.name, self.partial = stream, sink, name, ""
-        self.echo = echo
+        self.echo, self.ended = echo, False
+
+    def end(self) -> None:
+        self.close_line()
+        self.ended = True
 
     def write(self, text: str) -> int:
+        if self.ended:
+            now = getattr(sys, self.name)
+            return (self.stream if now is self else now).write(text)
         if self.echo:
             self.stream.write(text)
         *lines, self.partial = (self.partial + text).split("\n")
@@ -77,11 +90,31 @@ class _Handler(logging.Handler):
         self.setFormatter(_FORMAT)
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _written_to_capture(record):
+            return
         try:
             for line in self.format(record).split("\n"):
                 self.sink("stderr", line)
         except Exception:
             self.handleError(record)
+
+
+def _written_to_capture(record: logging.LogRecord) -> bool:
+    """Whether a handler on the way from the record's logger to the root (as far as it
+    propagates) writes it to a captured stream already (a ``_Tee``): the ``lightning``
+    package's handler on its logger writes to ``sys.stderr``; a second line from the root
+    would repeat each of its records."""
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None:
+        for handler in logger.handlers:
+            if (
+                isinstance(getattr(handler, "stream", None), _Tee)
+                and record.levelno >= handler.level
+                and handler.filter(record)
+            ):
+                return True
+        logger = logger.parent if logger.propagate else None
+    return False
 
 
 class OutputCapture:
@@ -107,7 +140,7 @@ class OutputCapture:
     def __exit__(self, *exc) -> None:
         for tee in (sys.stdout, sys.stderr):
             if isinstance(tee, _Tee):
-                tee.close_line()
+                tee.end()
         sys.stdout, sys.stderr = self.stdout, self.stderr
         root = logging.getLogger()
         root.removeHandler(self.handler)

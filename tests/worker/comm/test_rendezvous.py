@@ -1,6 +1,7 @@
 import contextlib
 import json
 import multiprocessing
+import os
 import re
 import socket
 import threading
@@ -37,11 +38,12 @@ class FakeTaskInfo:
 class FakeBarrierContext:
     """The parts of BarrierTaskContext that process_group uses, for one process."""
 
-    def __init__(self, rank, world_size, gpus=()):
+    def __init__(self, rank, world_size, gpus=(), hosts=None):
         self.rank, self.world_size, self.gpus = rank, world_size, list(gpus)
+        self.hosts = hosts or ["127.0.0.1"] * world_size  # the host of each task
 
     def getTaskInfos(self):
-        return [FakeTaskInfo("127.0.0.1:7077")] * self.world_size
+        return [FakeTaskInfo(f"{host}:7077") for host in self.hosts]
 
     def partitionId(self):
         return self.rank
@@ -228,6 +230,51 @@ def test_the_ranks_meet_through_the_store_without_the_barriers_all_gather(tmp_pa
     assert results == [{"rank": r, "sum": 6.0} for r in range(3)]
     meeting = meeting_in(tmp_path)
     assert not meeting.store.fs.find(meeting.run.rendezvous)  # none left
+
+
+TORCHRUN_NAMES = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+    "MASTER_PORT",
+)  # fmt: skip
+
+
+def _script_task(task: int, hosts: list[str], folder: str) -> None:
+    """A script's task (no group formed here) of a job whose tasks run on ``hosts``: what
+    it exports, where it sits, and the address of the TCPStore rank 0's task serves."""
+    ctx = FakeBarrierContext(task, len(hosts), hosts=hosts)
+    with process_group(
+        ctx, meeting_in(folder), False, 60, init_group=False, ranks_by_host=True, run_id="run-1"
+    ) as info:
+        env = {name: os.environ.get(name) for name in TORCHRUN_NAMES}
+        served = meeting_in(folder).store.read_json(meeting_in(folder).address_file(ctx))
+        where = (info.rank, info.local_rank, info.cross_rank, info.node_rank, info.num_nodes)
+    torch.save({"env": env, "where": where, "served": served}, f"{folder}/task-{task}.pt")
+
+
+def test_a_scripts_ranks_are_numbered_host_by_host_with_torchruns_node_variables(tmp_path):
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.1"]  # tasks 0 and 2 share a host, as Spark
+    ctx = multiprocessing.get_context("spawn")  # hands out tasks round-robin over executors
+    procs = [ctx.Process(target=_script_task, args=(t, hosts, str(tmp_path))) for t in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    got = [torch.load(tmp_path / f"task-{t}.pt") for t in range(3)]
+    # (rank, local rank, cross rank, node rank, nodes): task 2 is rank 1, next to task 0
+    assert [g["where"] for g in got] == [(0, 0, 0, 0, 2), (2, 0, 1, 1, 2), (1, 1, 0, 0, 2)]
+    for task, rank, local, group in [(0, 0, 0, 0), (1, 2, 0, 1), (2, 1, 1, 0)]:
+        assert got[task]["env"] == {
+            "RANK": str(rank), "WORLD_SIZE": "3", "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": "3", "ROLE_NAME": "default", "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": "2" if group == 0 else "1", "GROUP_RANK": str(group),
+            "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "run-1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": got[task]["env"]["MASTER_PORT"],
+        }  # fmt: skip
+    served = got[0]["served"]  # by rank 0, task 0: the address every rank connects to
+    assert served["host"] == "127.0.0.1" and all(g["served"] == served for g in got)
+    assert {g["env"]["MASTER_PORT"] for g in got} == {str(served["port"])}
 
 
 def test_a_rendezvous_that_cannot_form_is_a_clear_error_within_the_timeout(tmp_path):

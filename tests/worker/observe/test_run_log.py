@@ -6,7 +6,7 @@ import sys
 import time
 
 from spark_estimator import Store
-from spark_estimator.worker.observe.run_log import RankLog
+from spark_estimator.worker.observe.run_log import OutputCapture, RankLog
 
 
 def chunks(store: Store, run_id: str, rank: int) -> list[str]:
@@ -95,3 +95,33 @@ def test_the_last_lines_survive_a_failed_final_write(tmp_path):
     assert store.failed
     text = "".join(store.read_bytes(p).decode() for p in chunks(store, "r", 1))
     assert text == "the failing rank's last words\n"
+
+
+def test_a_record_that_a_handler_writes_to_the_captured_stderr_is_captured_once():
+    """As the ``lightning`` package does on import: a StreamHandler of its own on
+    ``sys.stderr`` (the rank's captured stream), whose records also reach the root."""
+    first: list[tuple[str, str]] = []
+    later: list[tuple[str, str]] = []
+    logger = logging.getLogger("lib.with.handler")
+    try:
+        with OutputCapture(lambda stream, line: first.append((stream, line)), echo=False):
+            handler = logging.StreamHandler()  # on sys.stderr as it is now: the capture's
+            handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.info("once")
+            logging.getLogger("lib.with.handler.child").warning("once too")
+            logging.getLogger("other").info("from the root only")
+        # the next task of a reused Python worker: the module stays imported, its handler
+        # on the first task's stream; this task's capture gets the handler's lines, once
+        with OutputCapture(lambda stream, line: later.append((stream, line)), echo=False):
+            logger.info("next task")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert first == [
+        ("stderr", "INFO: once"),
+        ("stderr", "WARNING: once too"),
+        ("stderr", "INFO other: from the root only"),
+    ]
+    assert later == [("stderr", "INFO: next task")]
