@@ -35,7 +35,7 @@ from .driver.persistence import ObjectParamsReadWrite
 from .driver.stage_profile import task_profile
 from .driver.task_python import local_python, use_task_python
 from .shared.serialization import dumps
-from .shared.spec import FLOAT_DTYPES, ROW_NAMES, ColumnSpec, DecodeSpec
+from .shared.spec import DECODE_FUNCTIONS, FLOAT_DTYPES, ROW_NAMES, ColumnSpec, DecodeSpec
 from .worker.predict import predict_batches
 
 
@@ -260,7 +260,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
 
     # -- persistence (ObjectParamsReadWrite) -----------------------------------------------
     def _objects(self) -> dict:
-        names = ("model", "decode_fn", "collate_fn")
+        names = ("model", *DECODE_FUNCTIONS)
         return {n: self.getOrDefault(n) for n in names if self.isDefined(n)}
 
     def _weights(self) -> dict | None:

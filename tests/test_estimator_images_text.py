@@ -285,8 +285,11 @@ def test_a_fit_started_again_goes_on_exactly_with_augmentation_on(
     params = dict(epochs=3, commit_every_steps=2, validation=None)
     clean = image_estimator(store, run_id="clean", **params).fit(df)
     fault = Fault("kill", rank=1, epoch=2, marker=tmp_path / "m", after_batches=3)
-    resumed = image_estimator(store, run_id="lost", callbacks=[fault], **params).fit(df)
+    # decoded by worker processes this time: the killed rank's workers end with it
+    workers = dict(decode_pool="processes", decode_workers=2)
+    resumed = image_estimator(store, run_id="lost", callbacks=[fault], **params, **workers).fit(df)
     assert (tmp_path / "m").exists()
+    assert not decode_workers()
     assert resumed.getTrainingSummary()["resumed_from_commit"] == {"epoch": 2, "step": 2}
     want, got = clean.getModel().state_dict(), resumed.getModel().state_dict()
     for name, value in want.items():
@@ -375,11 +378,22 @@ def test_string_labels_and_gpu_decoding_without_gpus_are_refused_on_the_driver(s
         num_proc=1,
         store=store,
     )
+    gpu = "decode_device: 'cuda' decodes JPEG images on the GPU of each process, but"
+    images_params = dict(feature_cols=["content"], label_cols=["label"], decode_device="cuda")
     cases = [
-        (labelled, dict(feature_cols=["x"], label_cols=["topic"]), "label_cols: column 'topic' holds strings, which the loss cannot take; index them first with pyspark.ml.feature.StringIndexer"),
-        (images, dict(feature_cols=["content"], label_cols=["label"], decode_device="cuda", use_gpu=False), "decode_device: 'cuda' decodes JPEG images on the GPU of each process, but use_gpu=False trains on the CPU"),
-        (images, dict(feature_cols=["content"], label_cols=["label"], decode_device="cuda"), "decode_device: 'cuda' decodes JPEG images on the GPU of each process, but this fit trains on the CPU: Spark gives its tasks no GPU"),
-    ]  # fmt: skip
+        (
+            labelled,
+            dict(feature_cols=["x"], label_cols=["topic"]),
+            "label_cols: column 'topic' holds strings, which the loss cannot take; index them "
+            "first with pyspark.ml.feature.StringIndexer",
+        ),
+        (images, dict(images_params, use_gpu=False), f"{gpu} use_gpu=False trains on the CPU"),
+        (
+            images,
+            images_params,
+            f"{gpu} this fit trains on the CPU: Spark gives its tasks no GPU",
+        ),
+    ]
     group = f"refused-{uuid.uuid4().hex}"
     spark.sparkContext.setJobGroup(group, "refused on the driver")
     try:
@@ -460,3 +474,93 @@ def test_a_corrupt_image_in_parquet_read_in_place_or_from_the_store_is_named_by_
             r"BadRow: decode_fn: row \d+ of the split \(path file:.*/0007\.jpg\)", message
         )
         assert f"file:{broken}" in message
+
+
+def decode_workers() -> list[str]:
+    """The decode worker processes of ranks running on this machine (once they had a few
+    seconds to end); not transform's, which Spark's Python workers keep."""
+    import subprocess
+    import time
+
+    for _ in range(50):
+        out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+        found = [
+            line for line in out.splitlines() if "data.decode_worker" in line and " rank-" in line
+        ]
+        if not found:
+            return []
+        time.sleep(0.2)
+    return found
+
+
+def test_worker_processes_fit_and_transform_as_threads_do_started_once_per_python_worker(
+    spark, store, digits_folder, tmp_path
+):
+    df = image_df(spark, digits_folder)
+    marks = tmp_path / "inits"
+    marks.mkdir()
+
+    def init():  # a decode worker's start: where (its Python worker), and that it ran
+        import os
+
+        (marks / f"{os.getppid()}-{os.getpid()}").write_text("")
+
+    params = dict(epochs=2, validation=0.2, decode_init_fn=init)
+    threads = image_estimator(store, decode_pool="threads", **params).fit(df)
+    processes = image_estimator(store, decode_pool="processes", decode_workers=2, **params).fit(df)
+    for name, value in threads.getModel().state_dict().items():
+        assert torch.equal(processes.getModel().state_dict()[name], value), name
+    losses = [[h[s]["loss"] for s in ("train", "validation")] for h in threads.getHistory()]
+    assert [
+        [h[s]["loss"] for s in ("train", "validation")] for h in processes.getHistory()
+    ] == losses
+    decoding = processes.getTrainingSummary()["decoding"]
+    assert [(d["rank"], d["pool"], d["workers"]) for d in decoding] == [
+        (0, "processes", 2),
+        (1, "processes", 2),
+    ]
+    assert all(len(d["worker_peak_rss_mib"]) == 2 for d in decoding)
+    assert all(mib > 50 for d in decoding for mib in d["worker_peak_rss_mib"])
+    assert threads.getTrainingSummary()["decoding"][0]["pool"] == "threads"
+    # with threads once in each rank, with processes once in each worker of each rank
+    assert len(list(marks.iterdir())) == 2 + 2 * 2
+    assert not decode_workers()
+    # transform: the same predictions, the workers started once per Spark Python worker
+    many = df.repartition(8)
+    want = {r.path: r.prediction for r in threads.transform(many).collect()}
+    for mark in marks.iterdir():
+        mark.unlink()
+    got = {r.path: r.prediction for r in processes.setDecodeWorkers(1).transform(many).collect()}
+    assert got == want
+    parents = [m.name.split("-")[0] for m in marks.iterdir()]
+    assert len(parents) == len(set(parents)) < 8  # fewer starts than partitions
+
+
+def test_a_decode_worker_killed_mid_fit_fails_it_naming_the_cause_and_leaves_nothing(
+    spark, store, digits_folder, tmp_path
+):
+    df = image_df(spark, digits_folder)
+    marker = tmp_path / "killed"
+
+    def dies_once(row, augment):  # the 40th row a worker decodes in training kills it
+        import os
+        import signal
+
+        global decoded_here
+        decoded_here = globals().get("decoded_here", 0) + (augment is not None)
+        if decoded_here == 40 and not marker.exists():
+            marker.write_text("")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return decode_digit(row, augment)
+
+    params = dict(epochs=2, validation=None, decode_pool="processes", decode_workers=1)
+    with pytest.raises(TrainingError) as info:
+        image_estimator(store, decode_fn=dies_once, **params).fit(df)
+    message = str(info.value).splitlines()[0]
+    assert re.match(
+        r"DecodeWorkerDied: decode worker 0 \(pid \d+\) of rank \d died while decoding the "
+        r"batch whose first row is \d+ of the split \(path file:.*\.(jpg|png)\): killed by "
+        r"SIGKILL \(out of memory, or killed from outside\)",
+        message,
+    ), message
+    assert not decode_workers()

@@ -38,8 +38,14 @@ class TorchEstimatorConstructor:
         output_cols: list[str] | None = None,
         decode_fn: Callable[[dict[str, Any], np.random.Generator | None], dict[str, Any]]
         | None = None,
+        decode_batch_fn: Callable[
+            [dict[str, list], list[np.random.Generator] | None], dict[str, Any]
+        ]
+        | None = None,
+        decode_init_fn: Callable[[], None] | None = None,
         collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         padding_value: float = 0.0,
+        decode_pool: str = "auto",
         decode_workers: int | None = None,
         decode_device: str = "cpu",
         label_cols: list[str] | None = None,
@@ -133,13 +139,28 @@ class TorchEstimatorConstructor:
             output, 'prediction_0', 'prediction_1', ... for several
         decode_fn : Callable[[dict[str, Any], Generator | None], dict[str, Any]] | None
             function (row, augment) -> row applied to every row's variable columns (binary,
-            string, Spark image struct, arrays of varying length), in a pool of threads on each
-            process: row is a dict column -> bytes, str, image dict or 1-D NumPy array; augment
-            a numpy.random.Generator seeded by (random_seed, epoch, row) in training, None in
-            validation and transform. Returns a dict with a value (a tensor) for each of those
-            columns. Default: encoded images decoded to uint8 [C, H, W] (RGB, Pillow), image
-            structs likewise, sequences as 1-D tensors, strings left as they are
-            (spark_estimator.decoding)
+            string, Spark image struct, arrays of varying length) by each process's decode
+            workers (decode_pool): row is a dict column -> bytes, str, image dict or 1-D NumPy
+            array; augment a numpy.random.Generator seeded by (random_seed, epoch, row) in
+            training, None in validation and transform. Returns a dict with a value (a tensor)
+            for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB;
+            spark_estimator.decoding.decode_images, a batch at a time), image structs likewise,
+            sequences as 1-D tensors, strings left as they are
+        decode_batch_fn : Callable[[dict[str, list], list[Generator] | None], dict[str, Any]] | None
+            the batch form of decode_fn (one or the other): function (rows, augments) -> dict
+            called once per batch, for work that is faster a batch at a time (tokenizers'
+            encode_batch, vectorised augmentation): rows is a dict column -> list of the batch's
+            values (as decode_fn's row holds them), augments a list of each row's
+            numpy.random.Generator (as decode_fn's augment) in training, None otherwise. Returns
+            a dict column -> the batch's tensor [B, ...] or a list of B row tensors (stacked or
+            padded as decode_fn's), and '<column>_mask' entries. With decode_device='cuda' it
+            runs in the training process after the JPEG columns were decoded on its GPU, and
+            gets them as a uint8 [B, 3, H, W] CUDA tensor
+        decode_init_fn : Callable[[], None] | None
+            function () called once in each decode worker before it decodes (each process of
+            decode_pool='processes', or once per training process with threads), as a
+            DataLoader's worker_init_fn: load a tokenizer once, into a global that decode_fn or
+            decode_batch_fn reads (they are pickled together, so share their globals)
         collate_fn : Callable[[list[dict[str, Any]]], dict[str, Any]] | None
             function (list of decoded rows) -> dict column -> batch tensor, as a DataLoader's
             collate_fn; an entry '<column>_mask' is handed to forward() after that column.
@@ -149,14 +170,21 @@ class TorchEstimatorConstructor:
         padding_value : float
             the value feature sequences are padded with to the batch's longest (integer label
             sequences are padded with -100, which CrossEntropyLoss ignores)
+        decode_pool : str
+            where each process decodes its batches' variable columns: 'processes' (worker
+            processes, each decoding whole batches into shared memory, off the training
+            process's GIL), 'threads' (threads of the training process; Pillow and tokenizers
+            release the GIL, Python in a decode_fn does not) or 'auto' (the default: processes
+            where a task has more than 2 CPUs, else threads)
         decode_workers : int | None
-            threads decoding the rows of variable columns on each process (Pillow and tokenizers
-            release the GIL while they work); default: the task's CPUs
+            how many threads or processes (decode_pool) decode on each training process;
+            default: with threads the task's CPUs, with processes the task's CPUs less 2 (at
+            least 1), which leave the training and its batch thread a core each
         decode_device : str
-            where encoded images (binary columns) are decoded: 'cpu' (Pillow, in the decode
-            threads) or 'cuda' (JPEGs on the process's GPU, a batch at a time, with
+            where encoded images (binary columns) are decoded: 'cpu' (the decode workers) or
+            'cuda' (JPEGs on the process's GPU, a batch at a time, with
             torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch,
-            and no decode_fn)
+            and no decode_fn; per-row augmentation there with decode_batch_fn)
         label_cols : list[str] | None
             label columns; with several, the model returns one output per label (one name alone
             is taken as a one-element list; Spark ML's labelCol is not a param here)
@@ -382,8 +410,14 @@ class LightningEstimatorConstructor:
         output_cols: list[str] | None = None,
         decode_fn: Callable[[dict[str, Any], np.random.Generator | None], dict[str, Any]]
         | None = None,
+        decode_batch_fn: Callable[
+            [dict[str, list], list[np.random.Generator] | None], dict[str, Any]
+        ]
+        | None = None,
+        decode_init_fn: Callable[[], None] | None = None,
         collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         padding_value: float = 0.0,
+        decode_pool: str = "auto",
         decode_workers: int | None = None,
         decode_device: str = "cpu",
         label_cols: list[str] | None = None,
@@ -453,13 +487,28 @@ class LightningEstimatorConstructor:
             output, 'prediction_0', 'prediction_1', ... for several
         decode_fn : Callable[[dict[str, Any], Generator | None], dict[str, Any]] | None
             function (row, augment) -> row applied to every row's variable columns (binary,
-            string, Spark image struct, arrays of varying length), in a pool of threads on each
-            process: row is a dict column -> bytes, str, image dict or 1-D NumPy array; augment
-            a numpy.random.Generator seeded by (random_seed, epoch, row) in training, None in
-            validation and transform. Returns a dict with a value (a tensor) for each of those
-            columns. Default: encoded images decoded to uint8 [C, H, W] (RGB, Pillow), image
-            structs likewise, sequences as 1-D tensors, strings left as they are
-            (spark_estimator.decoding)
+            string, Spark image struct, arrays of varying length) by each process's decode
+            workers (decode_pool): row is a dict column -> bytes, str, image dict or 1-D NumPy
+            array; augment a numpy.random.Generator seeded by (random_seed, epoch, row) in
+            training, None in validation and transform. Returns a dict with a value (a tensor)
+            for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB;
+            spark_estimator.decoding.decode_images, a batch at a time), image structs likewise,
+            sequences as 1-D tensors, strings left as they are
+        decode_batch_fn : Callable[[dict[str, list], list[Generator] | None], dict[str, Any]] | None
+            the batch form of decode_fn (one or the other): function (rows, augments) -> dict
+            called once per batch, for work that is faster a batch at a time (tokenizers'
+            encode_batch, vectorised augmentation): rows is a dict column -> list of the batch's
+            values (as decode_fn's row holds them), augments a list of each row's
+            numpy.random.Generator (as decode_fn's augment) in training, None otherwise. Returns
+            a dict column -> the batch's tensor [B, ...] or a list of B row tensors (stacked or
+            padded as decode_fn's), and '<column>_mask' entries. With decode_device='cuda' it
+            runs in the training process after the JPEG columns were decoded on its GPU, and
+            gets them as a uint8 [B, 3, H, W] CUDA tensor
+        decode_init_fn : Callable[[], None] | None
+            function () called once in each decode worker before it decodes (each process of
+            decode_pool='processes', or once per training process with threads), as a
+            DataLoader's worker_init_fn: load a tokenizer once, into a global that decode_fn or
+            decode_batch_fn reads (they are pickled together, so share their globals)
         collate_fn : Callable[[list[dict[str, Any]]], dict[str, Any]] | None
             function (list of decoded rows) -> dict column -> batch tensor, as a DataLoader's
             collate_fn; an entry '<column>_mask' is handed to forward() after that column.
@@ -469,14 +518,21 @@ class LightningEstimatorConstructor:
         padding_value : float
             the value feature sequences are padded with to the batch's longest (integer label
             sequences are padded with -100, which CrossEntropyLoss ignores)
+        decode_pool : str
+            where each process decodes its batches' variable columns: 'processes' (worker
+            processes, each decoding whole batches into shared memory, off the training
+            process's GIL), 'threads' (threads of the training process; Pillow and tokenizers
+            release the GIL, Python in a decode_fn does not) or 'auto' (the default: processes
+            where a task has more than 2 CPUs, else threads)
         decode_workers : int | None
-            threads decoding the rows of variable columns on each process (Pillow and tokenizers
-            release the GIL while they work); default: the task's CPUs
+            how many threads or processes (decode_pool) decode on each training process;
+            default: with threads the task's CPUs, with processes the task's CPUs less 2 (at
+            least 1), which leave the training and its batch thread a core each
         decode_device : str
-            where encoded images (binary columns) are decoded: 'cpu' (Pillow, in the decode
-            threads) or 'cuda' (JPEGs on the process's GPU, a batch at a time, with
+            where encoded images (binary columns) are decoded: 'cpu' (the decode workers) or
+            'cuda' (JPEGs on the process's GPU, a batch at a time, with
             torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch,
-            and no decode_fn)
+            and no decode_fn; per-row augmentation there with decode_batch_fn)
         label_cols : list[str] | None
             label columns; with several, the model returns one output per label (one name alone
             is taken as a one-element list; Spark ML's labelCol is not a param here)
@@ -634,8 +690,14 @@ class TorchModelConstructor:
         output_cols: list[str] | None = None,
         decode_fn: Callable[[dict[str, Any], np.random.Generator | None], dict[str, Any]]
         | None = None,
+        decode_batch_fn: Callable[
+            [dict[str, list], list[np.random.Generator] | None], dict[str, Any]
+        ]
+        | None = None,
+        decode_init_fn: Callable[[], None] | None = None,
         collate_fn: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None,
         padding_value: float = 0.0,
+        decode_pool: str = "auto",
         decode_workers: int | None = None,
         decode_device: str = "cpu",
         dtype: str = "float32",
@@ -674,13 +736,28 @@ class TorchModelConstructor:
             output, 'prediction_0', 'prediction_1', ... for several
         decode_fn : Callable[[dict[str, Any], Generator | None], dict[str, Any]] | None
             function (row, augment) -> row applied to every row's variable columns (binary,
-            string, Spark image struct, arrays of varying length), in a pool of threads on each
-            process: row is a dict column -> bytes, str, image dict or 1-D NumPy array; augment
-            a numpy.random.Generator seeded by (random_seed, epoch, row) in training, None in
-            validation and transform. Returns a dict with a value (a tensor) for each of those
-            columns. Default: encoded images decoded to uint8 [C, H, W] (RGB, Pillow), image
-            structs likewise, sequences as 1-D tensors, strings left as they are
-            (spark_estimator.decoding)
+            string, Spark image struct, arrays of varying length) by each process's decode
+            workers (decode_pool): row is a dict column -> bytes, str, image dict or 1-D NumPy
+            array; augment a numpy.random.Generator seeded by (random_seed, epoch, row) in
+            training, None in validation and transform. Returns a dict with a value (a tensor)
+            for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB;
+            spark_estimator.decoding.decode_images, a batch at a time), image structs likewise,
+            sequences as 1-D tensors, strings left as they are
+        decode_batch_fn : Callable[[dict[str, list], list[Generator] | None], dict[str, Any]] | None
+            the batch form of decode_fn (one or the other): function (rows, augments) -> dict
+            called once per batch, for work that is faster a batch at a time (tokenizers'
+            encode_batch, vectorised augmentation): rows is a dict column -> list of the batch's
+            values (as decode_fn's row holds them), augments a list of each row's
+            numpy.random.Generator (as decode_fn's augment) in training, None otherwise. Returns
+            a dict column -> the batch's tensor [B, ...] or a list of B row tensors (stacked or
+            padded as decode_fn's), and '<column>_mask' entries. With decode_device='cuda' it
+            runs in the training process after the JPEG columns were decoded on its GPU, and
+            gets them as a uint8 [B, 3, H, W] CUDA tensor
+        decode_init_fn : Callable[[], None] | None
+            function () called once in each decode worker before it decodes (each process of
+            decode_pool='processes', or once per training process with threads), as a
+            DataLoader's worker_init_fn: load a tokenizer once, into a global that decode_fn or
+            decode_batch_fn reads (they are pickled together, so share their globals)
         collate_fn : Callable[[list[dict[str, Any]]], dict[str, Any]] | None
             function (list of decoded rows) -> dict column -> batch tensor, as a DataLoader's
             collate_fn; an entry '<column>_mask' is handed to forward() after that column.
@@ -690,14 +767,21 @@ class TorchModelConstructor:
         padding_value : float
             the value feature sequences are padded with to the batch's longest (integer label
             sequences are padded with -100, which CrossEntropyLoss ignores)
+        decode_pool : str
+            where each process decodes its batches' variable columns: 'processes' (worker
+            processes, each decoding whole batches into shared memory, off the training
+            process's GIL), 'threads' (threads of the training process; Pillow and tokenizers
+            release the GIL, Python in a decode_fn does not) or 'auto' (the default: processes
+            where a task has more than 2 CPUs, else threads)
         decode_workers : int | None
-            threads decoding the rows of variable columns on each process (Pillow and tokenizers
-            release the GIL while they work); default: the task's CPUs
+            how many threads or processes (decode_pool) decode on each training process;
+            default: with threads the task's CPUs, with processes the task's CPUs less 2 (at
+            least 1), which leave the training and its batch thread a core each
         decode_device : str
-            where encoded images (binary columns) are decoded: 'cpu' (Pillow, in the decode
-            threads) or 'cuda' (JPEGs on the process's GPU, a batch at a time, with
+            where encoded images (binary columns) are decoded: 'cpu' (the decode workers) or
+            'cuda' (JPEGs on the process's GPU, a batch at a time, with
             torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch,
-            and no decode_fn)
+            and no decode_fn; per-row augmentation there with decode_batch_fn)
         dtype : str
             float type the features are cast to for the model: float32 or float64 (the
             estimator's dtype, set by fit)

@@ -24,10 +24,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from ..shared import model_factory
 from ..shared.serialization import loads, state_from_bytes
-from ..shared.spec import (
-    DatasetInfo,
-    TrainSpec,
-)
+from ..shared.spec import DECODE_FUNCTIONS, DatasetInfo, TrainSpec
 from ..store import Store
 from . import in_place, mlflow_log, run_manifest
 from .elastic import ElasticSize
@@ -35,6 +32,7 @@ from .fit_checks import Checked, FitChecks, Training, check_bucketing_data
 from .fit_report import FitClock, decoding_summary, log_placements, rank_devices, rank_memory
 from .launch import tasks_print_here
 from .materialize import WriteOptions, materialize
+from .params import DECODE_PARAMS
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
 from .training_job import run_training_job
@@ -347,11 +345,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
             classification=self.getClassification(),
             probabilityCol=self.getProbabilityCol(),
             rawPredictionCol=self.getRawPredictionCol(),
-            decode_fn=self.getDecodeFn(),
-            collate_fn=self.getCollateFn(),
-            padding_value=self.getPaddingValue(),
-            decode_workers=self.getDecodeWorkers(),
-            decode_device=self.getDecodeDevice(),
+            **{name: self.getOrDefault(name) for name in DECODE_PARAMS},
             feature_kinds={c.name: [c.kind, c.dtype] for c in data.features},
             fit_label_cols=self.getLabelCols(),
             history=result["history"],
@@ -401,7 +395,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
         # one pickle, so the optimizer still refers to the model's parameters when loaded
         return {
             name: self.getOrDefault(name)
-            for name in (*self._BUNDLED, "transformation_fn", "decode_fn", "collate_fn")
+            for name in (*self._BUNDLED, "transformation_fn", *DECODE_FUNCTIONS)
             if self.isDefined(name)
         }
 

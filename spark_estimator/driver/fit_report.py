@@ -50,12 +50,35 @@ def rank_memory(summaries: list[RankSummary]) -> list[dict]:
 
 def decoding_summary(summaries: list[RankSummary]) -> dict:
     """What decoding the variable columns did, over all ranks: the rows left out
-    (bad_rows='skip') and the share of padded sequences' values that were padding."""
+    (bad_rows='skip'), the share of padded sequences' values that were padding, and what
+    decoded them on each rank (threads or processes, how many, the worker processes' peak
+    memory)."""
     real = sum(s.padding[0] for s in summaries)
     total = sum(s.padding[1] for s in summaries)
     out = {"rows_skipped": sum(s.rows_skipped for s in summaries)}
     if total:
         out["padding"] = {"values": real, "padded": total, "share": round(1 - real / total, 4)}
+    decoding = [(s.rank, s.decoding) for s in sorted(summaries, key=lambda s: s.rank)]
+    if any(d for _, d in decoding):
+        out["decoding"] = [
+            {
+                "rank": rank,
+                "pool": d["pool"],
+                "workers": d["workers"],
+                **(
+                    {
+                        "worker_peak_rss_mib": [
+                            round(b / 2**20, 1) for b in d["worker_peak_rss_bytes"]
+                        ]
+                    }
+                    if "worker_peak_rss_bytes" in d
+                    else {}
+                ),
+                **({"note": d["note"]} if d.get("note") else {}),
+            }
+            for rank, d in decoding
+            if d
+        ]
     return out
 
 

@@ -38,8 +38,11 @@ class HasModelIOAccessors(Params):
     input_shapes: Param[list[list[int]] | None]
     output_cols: Param[list[str] | None]
     decode_fn: Param[Any]
+    decode_batch_fn: Param[Any]
+    decode_init_fn: Param[Any]
     collate_fn: Param[Any]
     padding_value: Param[float]
+    decode_pool: Param[str]
     decode_workers: Param[int | None]
     decode_device: Param[str]
 
@@ -85,27 +88,71 @@ class HasModelIOAccessors(Params):
 
     def getDecodeFn(self) -> Any:
         """Gets the value of `decode_fn`: function (row, augment) -> row applied to every row's
-        variable columns (binary, string, Spark image struct, arrays of varying length), in a
-        pool of threads on each process: row is a dict column -> bytes, str, image dict or
-        1-D NumPy array; augment a numpy.random.Generator seeded by (random_seed, epoch, row)
-        in training, None in validation and transform. Returns a dict with a value (a tensor)
-        for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB,
-        Pillow), image structs likewise, sequences as 1-D tensors, strings left as they are
-        (spark_estimator.decoding)
+        variable columns (binary, string, Spark image struct, arrays of varying length) by
+        each process's decode workers (decode_pool): row is a dict column -> bytes, str,
+        image dict or 1-D NumPy array; augment a numpy.random.Generator seeded by
+        (random_seed, epoch, row) in training, None in validation and transform. Returns a
+        dict with a value (a tensor) for each of those columns. Default: encoded images
+        decoded to uint8 [C, H, W] (RGB; spark_estimator.decoding.decode_images, a batch at a
+        time), image structs likewise, sequences as 1-D tensors, strings left as they are
         """
         return self.getOrDefault(self.decode_fn)
 
     def setDecodeFn(self: _P, value: Any) -> _P:
         """Sets the value of `decode_fn`: function (row, augment) -> row applied to every row's
-        variable columns (binary, string, Spark image struct, arrays of varying length), in a
-        pool of threads on each process: row is a dict column -> bytes, str, image dict or
-        1-D NumPy array; augment a numpy.random.Generator seeded by (random_seed, epoch, row)
-        in training, None in validation and transform. Returns a dict with a value (a tensor)
-        for each of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB,
-        Pillow), image structs likewise, sequences as 1-D tensors, strings left as they are
-        (spark_estimator.decoding)
+        variable columns (binary, string, Spark image struct, arrays of varying length) by
+        each process's decode workers (decode_pool): row is a dict column -> bytes, str,
+        image dict or 1-D NumPy array; augment a numpy.random.Generator seeded by
+        (random_seed, epoch, row) in training, None in validation and transform. Returns a
+        dict with a value (a tensor) for each of those columns. Default: encoded images
+        decoded to uint8 [C, H, W] (RGB; spark_estimator.decoding.decode_images, a batch at a
+        time), image structs likewise, sequences as 1-D tensors, strings left as they are
         """
         return self._set(decode_fn=value)
+
+    def getDecodeBatchFn(self) -> Any:
+        """Gets the value of `decode_batch_fn`: the batch form of decode_fn (one or the other):
+        function (rows, augments) -> dict called once per batch, for work that is faster a
+        batch at a time (tokenizers' encode_batch, vectorised augmentation): rows is a dict
+        column -> list of the batch's values (as decode_fn's row holds them), augments a list
+        of each row's numpy.random.Generator (as decode_fn's augment) in training, None
+        otherwise. Returns a dict column -> the batch's tensor [B, ...] or a list of B row
+        tensors (stacked or padded as decode_fn's), and '<column>_mask' entries. With
+        decode_device='cuda' it runs in the training process after the JPEG columns were
+        decoded on its GPU, and gets them as a uint8 [B, 3, H, W] CUDA tensor
+        """
+        return self.getOrDefault(self.decode_batch_fn)
+
+    def setDecodeBatchFn(self: _P, value: Any) -> _P:
+        """Sets the value of `decode_batch_fn`: the batch form of decode_fn (one or the other):
+        function (rows, augments) -> dict called once per batch, for work that is faster a
+        batch at a time (tokenizers' encode_batch, vectorised augmentation): rows is a dict
+        column -> list of the batch's values (as decode_fn's row holds them), augments a list
+        of each row's numpy.random.Generator (as decode_fn's augment) in training, None
+        otherwise. Returns a dict column -> the batch's tensor [B, ...] or a list of B row
+        tensors (stacked or padded as decode_fn's), and '<column>_mask' entries. With
+        decode_device='cuda' it runs in the training process after the JPEG columns were
+        decoded on its GPU, and gets them as a uint8 [B, 3, H, W] CUDA tensor
+        """
+        return self._set(decode_batch_fn=value)
+
+    def getDecodeInitFn(self) -> Any:
+        """Gets the value of `decode_init_fn`: function () called once in each decode worker
+        before it decodes (each process of decode_pool='processes', or once per training
+        process with threads), as a DataLoader's worker_init_fn: load a tokenizer once, into
+        a global that decode_fn or decode_batch_fn reads (they are pickled together, so share
+        their globals)
+        """
+        return self.getOrDefault(self.decode_init_fn)
+
+    def setDecodeInitFn(self: _P, value: Any) -> _P:
+        """Sets the value of `decode_init_fn`: function () called once in each decode worker
+        before it decodes (each process of decode_pool='processes', or once per training
+        process with threads), as a DataLoader's worker_init_fn: load a tokenizer once, into
+        a global that decode_fn or decode_batch_fn reads (they are pickled together, so share
+        their globals)
+        """
+        return self._set(decode_init_fn=value)
 
     def getCollateFn(self) -> Any:
         """Gets the value of `collate_fn`: function (list of decoded rows) -> dict column ->
@@ -139,33 +186,53 @@ class HasModelIOAccessors(Params):
         """
         return self._set(padding_value=value)
 
+    def getDecodePool(self) -> str:
+        """Gets the value of `decode_pool`: where each process decodes its batches' variable
+        columns: 'processes' (worker processes, each decoding whole batches into shared
+        memory, off the training process's GIL), 'threads' (threads of the training process;
+        Pillow and tokenizers release the GIL, Python in a decode_fn does not) or 'auto' (the
+        default: processes where a task has more than 2 CPUs, else threads)
+        """
+        return self.getOrDefault(self.decode_pool)
+
+    def setDecodePool(self: _P, value: str) -> _P:
+        """Sets the value of `decode_pool`: where each process decodes its batches' variable
+        columns: 'processes' (worker processes, each decoding whole batches into shared
+        memory, off the training process's GIL), 'threads' (threads of the training process;
+        Pillow and tokenizers release the GIL, Python in a decode_fn does not) or 'auto' (the
+        default: processes where a task has more than 2 CPUs, else threads)
+        """
+        return self._set(decode_pool=value)
+
     def getDecodeWorkers(self) -> int | None:
-        """Gets the value of `decode_workers`: threads decoding the rows of variable columns on
-        each process (Pillow and tokenizers release the GIL while they work); default: the
-        task's CPUs
+        """Gets the value of `decode_workers`: how many threads or processes (decode_pool)
+        decode on each training process; default: with threads the task's CPUs, with
+        processes the task's CPUs less 2 (at least 1), which leave the training and its batch
+        thread a core each
         """
         return self.getOrDefault(self.decode_workers)
 
     def setDecodeWorkers(self: _P, value: int | None) -> _P:
-        """Sets the value of `decode_workers`: threads decoding the rows of variable columns on
-        each process (Pillow and tokenizers release the GIL while they work); default: the
-        task's CPUs
+        """Sets the value of `decode_workers`: how many threads or processes (decode_pool)
+        decode on each training process; default: with threads the task's CPUs, with
+        processes the task's CPUs less 2 (at least 1), which leave the training and its batch
+        thread a core each
         """
         return self._set(decode_workers=value)
 
     def getDecodeDevice(self) -> str:
         """Gets the value of `decode_device`: where encoded images (binary columns) are decoded:
-        'cpu' (Pillow, in the decode threads) or 'cuda' (JPEGs on the process's GPU, a batch
-        at a time, with torchvision.io.decode_jpeg; needs torchvision that loads with the
-        installed torch, and no decode_fn)
+        'cpu' (the decode workers) or 'cuda' (JPEGs on the process's GPU, a batch at a time,
+        with torchvision.io.decode_jpeg; needs torchvision that loads with the installed
+        torch, and no decode_fn; per-row augmentation there with decode_batch_fn)
         """
         return self.getOrDefault(self.decode_device)
 
     def setDecodeDevice(self: _P, value: str) -> _P:
         """Sets the value of `decode_device`: where encoded images (binary columns) are decoded:
-        'cpu' (Pillow, in the decode threads) or 'cuda' (JPEGs on the process's GPU, a batch
-        at a time, with torchvision.io.decode_jpeg; needs torchvision that loads with the
-        installed torch, and no decode_fn)
+        'cpu' (the decode workers) or 'cuda' (JPEGs on the process's GPU, a batch at a time,
+        with torchvision.io.decode_jpeg; needs torchvision that loads with the installed
+        torch, and no decode_fn; per-row augmentation there with decode_batch_fn)
         """
         return self._set(decode_device=value)
 

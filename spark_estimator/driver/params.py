@@ -23,7 +23,7 @@ from typing import Any
 from pyspark.ml.param import Params, TypeConverters
 from pyspark.ml.param.shared import HasProbabilityCol, HasRawPredictionCol
 
-from ..shared.spec import COLLECTIVE_TIMEOUT_S
+from ..shared.spec import COLLECTIVE_TIMEOUT_S, DECODE_FUNCTIONS
 from . import param_accessors as accessors
 from .elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
 from .param_specs import (
@@ -110,15 +110,38 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
         ParamSpec(
             "decode_fn",
             "function (row, augment) -> row applied to every row's variable columns (binary, "
-            "string, Spark image struct, arrays of varying length), in a pool of threads on "
-            "each process: row is a dict column -> bytes, str, image dict or 1-D NumPy array; "
-            "augment a numpy.random.Generator seeded by (random_seed, epoch, row) in training, "
-            "None in validation and transform. Returns a dict with a value (a tensor) for each "
-            "of those columns. Default: encoded images decoded to uint8 [C, H, W] (RGB, "
-            "Pillow), image structs likewise, sequences as 1-D tensors, strings left as they "
-            "are (spark_estimator.decoding)",
+            "string, Spark image struct, arrays of varying length) by each process's decode "
+            "workers (decode_pool): row is a dict column -> bytes, str, image dict or 1-D NumPy "
+            "array; augment a numpy.random.Generator seeded by (random_seed, epoch, row) in "
+            "training, None in validation and transform. Returns a dict with a value (a tensor) "
+            "for each of those columns. Default: encoded images decoded to uint8 [C, H, W] "
+            "(RGB; spark_estimator.decoding.decode_images, a batch at a time), image structs "
+            "likewise, sequences as 1-D tensors, strings left as they are",
             default=None,
             hint="Callable[[dict[str, Any], np.random.Generator | None], dict[str, Any]]",
+        ),
+        ParamSpec(
+            "decode_batch_fn",
+            "the batch form of decode_fn (one or the other): function (rows, augments) -> dict "
+            "called once per batch, for work that is faster a batch at a time (tokenizers' "
+            "encode_batch, vectorised augmentation): rows is a dict column -> list of the "
+            "batch's values (as decode_fn's row holds them), augments a list of each row's "
+            "numpy.random.Generator (as decode_fn's augment) in training, None otherwise. "
+            "Returns a dict column -> the batch's tensor [B, ...] or a list of B row tensors "
+            "(stacked or padded as decode_fn's), and '<column>_mask' entries. With "
+            "decode_device='cuda' it runs in the training process after the JPEG columns were "
+            "decoded on its GPU, and gets them as a uint8 [B, 3, H, W] CUDA tensor",
+            default=None,
+            hint="Callable[[dict[str, list], list[np.random.Generator] | None], dict[str, Any]]",
+        ),
+        ParamSpec(
+            "decode_init_fn",
+            "function () called once in each decode worker before it decodes (each process of "
+            "decode_pool='processes', or once per training process with threads), as a "
+            "DataLoader's worker_init_fn: load a tokenizer once, into a global that decode_fn "
+            "or decode_batch_fn reads (they are pickled together, so share their globals)",
+            default=None,
+            hint="Callable[[], None]",
         ),
         ParamSpec(
             "collate_fn",
@@ -138,18 +161,29 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             default=0.0,
         ),
         ParamSpec(
+            "decode_pool",
+            "where each process decodes its batches' variable columns: 'processes' (worker "
+            "processes, each decoding whole batches into shared memory, off the training "
+            "process's GIL), 'threads' (threads of the training process; Pillow and "
+            "tokenizers release the GIL, Python in a decode_fn does not) or 'auto' (the "
+            "default: processes where a task has more than 2 CPUs, else threads)",
+            TypeConverters.toString,
+            default="auto",
+        ),
+        ParamSpec(
             "decode_workers",
-            "threads decoding the rows of variable columns on each process (Pillow and "
-            "tokenizers release the GIL while they work); default: the task's CPUs",
+            "how many threads or processes (decode_pool) decode on each training process; "
+            "default: with threads the task's CPUs, with processes the task's CPUs less 2 (at "
+            "least 1), which leave the training and its batch thread a core each",
             to_optional_int,
             default=None,
         ),
         ParamSpec(
             "decode_device",
-            "where encoded images (binary columns) are decoded: 'cpu' (Pillow, in the decode "
-            "threads) or 'cuda' (JPEGs on the process's GPU, a batch at a time, with "
+            "where encoded images (binary columns) are decoded: 'cpu' (the decode workers) or "
+            "'cuda' (JPEGs on the process's GPU, a batch at a time, with "
             "torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch, "
-            "and no decode_fn)",
+            "and no decode_fn; per-row augmentation there with decode_batch_fn)",
             TypeConverters.toString,
             default="cpu",
         ),
@@ -699,6 +733,15 @@ class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
     )
 
 
+# The decoding params a fitted TorchModel takes from its estimator (transform decodes alike)
+DECODE_PARAMS = (
+    *DECODE_FUNCTIONS,
+    "padding_value",
+    "decode_pool",
+    "decode_workers",
+    "decode_device",
+)
+
 # Params whose values are Python objects: persisted by pickle, not in JSON metadata.
 OBJECT_PARAMS = (
     "model",
@@ -713,8 +756,7 @@ OBJECT_PARAMS = (
     "loss_constructors",
     "trainer_args",
     "profiler",
-    "decode_fn",
-    "collate_fn",
+    *DECODE_FUNCTIONS,
 )
 
 

@@ -22,10 +22,12 @@ from pyspark.sql.types import (
 )
 
 from ..shared.packages import require_gpu_jpeg, require_petastorm
-from ..shared.serialization import dumps
+from ..shared.serialization import dumps, pack_functions
 from ..shared.spec import (
     BAD_ROWS,
     DECODE_DEVICES,
+    DECODE_FUNCTIONS,
+    DECODE_POOLS,
     IMAGE_FIELDS,
     READERS,
     ColumnSpec,
@@ -91,23 +93,24 @@ def decode_spec(
     bucket_by_length: bool = False,
     string_labels: bool = True,
 ) -> DecodeSpec:
-    """How the executors decode ``stage``'s variable columns (its decode_fn, collate_fn,
-    padding_value, decode_workers and decode_device params; a fit's ``bad_rows`` and
-    ``bucket_by_length``), checked with the columns they apply to (``check_decoding``;
-    ``string_labels``: whether the trainer takes a label column of strings as it is)."""
-    fn, collate = stage.getDecodeFn(), stage.getCollateFn()
-    padding, workers, device = (
+    """How the executors decode ``stage``'s variable columns (its ``DECODE_PARAMS``; a
+    fit's ``bad_rows`` and ``bucket_by_length``), checked with the columns they apply to
+    (``check_decoding``; ``string_labels``: whether the trainer takes a label column of
+    strings as it is)."""
+    functions = {name: stage.getOrDefault(name) for name in DECODE_FUNCTIONS}
+    padding, workers, device, pool = (
         stage.getPaddingValue(),
         stage.getDecodeWorkers(),
         stage.getDecodeDevice(),
+        stage.getDecodePool(),
     )
     check_decoding(
-        features, labels, reader, fn, collate, padding, workers, device, bad_rows, string_labels
+        features, labels, reader, functions, padding, workers, device, pool, bad_rows, string_labels
     )
     return DecodeSpec(
-        decode_fn=dumps(fn, "decode_fn") if fn is not None else None,
-        collate_fn=dumps(collate, "collate_fn") if collate is not None else None,
+        functions=pack_functions(**functions),
         padding_value=float(padding),
+        pool=pool,
         workers=workers,
         bad_rows=bad_rows,
         device=device,
@@ -119,30 +122,42 @@ def check_decoding(
     features: list[ColumnSpec] | None,
     labels: list[ColumnSpec] | None,
     reader: str,
-    decode_fn,
-    collate_fn,
+    functions: dict,
     padding_value: float,
     decode_workers: int | None,
     decode_device: str,
+    decode_pool: str = "auto",
     bad_rows: str = "fail",
     string_labels: bool = True,
 ) -> None:
-    """The decoding params, and what variable columns need: a string feature a decode step
-    (it would reach forward() as a list of Python strings), a string label one too unless
-    ``string_labels`` (a LightningModule may take strings; our loop's loss cannot), the
-    Arrow reader, and no decode_fn with decode_device='cuda' (the images are still bytes
-    after it)."""
-    for name, fn in (("decode_fn", decode_fn), ("collate_fn", collate_fn)):
+    """The decoding params (``functions``: each of ``DECODE_FUNCTIONS``, or None), and what
+    variable columns need: a string feature a decode step (it would reach forward() as a
+    list of Python strings), a string label one too unless ``string_labels`` (a
+    LightningModule may take strings; our loop's loss cannot), the Arrow reader, decode_fn
+    or decode_batch_fn, not both, and no decode_fn with decode_device='cuda' (the images
+    are still bytes after it)."""
+    for name, fn in functions.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"{name}: expected a function, got {type(fn).__name__}")
         if fn is not None:
             dumps(fn, name)
     check_choice("bad_rows", bad_rows, BAD_ROWS)
     check_choice("decode_device", decode_device, DECODE_DEVICES)
+    check_choice("decode_pool", decode_pool, DECODE_POOLS)
     if decode_workers is not None:
         check_positive("decode_workers", decode_workers)
     if not isinstance(padding_value, (int, float)):
         raise TypeError(f"padding_value: expected a number, got {padding_value!r}")
+    decode_fn, batch_fn = functions.get("decode_fn"), functions.get("decode_batch_fn")
+    if decode_fn is not None and batch_fn is not None:
+        raise ValueError(
+            "decode_batch_fn: is the batch form of decode_fn; give one of them, not both"
+        )
+    if batch_fn is not None and functions.get("collate_fn") is not None:
+        raise ValueError(
+            "collate_fn: decode_batch_fn returns the batch's tensors itself; give no collate_fn "
+            "with it"
+        )
     variable = [c for c in (features or []) + (labels or []) if c.variable]
     if not variable:
         return
@@ -151,16 +166,18 @@ def check_decoding(
             f"reader: {reader!r} reads numeric columns only; column '{variable[0].name}' is "
             f"{variable[0].kind}: use reader='arrow'"
         )
+    decoded = decode_fn is not None or batch_fn is not None
     strings = [c.name for c in features or [] if c.kind == "string"]
-    if strings and decode_fn is None and collate_fn is None:
+    if strings and not decoded and functions.get("collate_fn") is None:
         raise ValueError(
             f"decode_fn: feature column '{strings[0]}' holds strings, which would reach "
             "forward() as a list of Python strings; give decode_fn that turns each row's text "
             "into token ids, e.g. lambda row, augment: {'" + strings[0] + "': torch.tensor("
-            "tokenizer.encode(row['" + strings[0] + "']).ids)} (or a collate_fn)"
+            "tokenizer.encode(row['" + strings[0] + "']).ids)} (or decode_batch_fn, or a "
+            "collate_fn)"
         )
     string_label = [c.name for c in labels or [] if c.kind == "string"]
-    if string_label and not string_labels and decode_fn is None and collate_fn is None:
+    if string_label and not string_labels and not decoded and functions.get("collate_fn") is None:
         name = string_label[0]
         raise ValueError(
             f"label_cols: column '{name}' holds strings, which the loss cannot take; index "
@@ -174,7 +191,8 @@ def check_decoding(
         raise ValueError(
             "decode_device: 'cuda' decodes the encoded images of a batch on the GPU, after "
             "the rows' decoding, so it cannot be combined with a decode_fn; augment on the "
-            "GPU with transformation_fn instead, or decode on the CPU"
+            "GPU with decode_batch_fn instead (it gets the decoded batch there), or decode on "
+            "the CPU"
         )
 
 

@@ -44,6 +44,14 @@ def dumps(obj: Any, what: str) -> bytes:
         ) from e
 
 
+def pack_functions(**functions: Any) -> bytes | None:
+    """The given functions (None ones left out) in one cloudpickle, so that functions of
+    one module pickled by value (a script's, a notebook's) keep sharing that module's
+    globals where they are unpickled; None when none is given."""
+    given = {name: fn for name, fn in functions.items() if fn is not None}
+    return dumps(given, ", ".join(sorted(given))) if given else None
+
+
 def loads(data: bytes) -> Any:
     """Unpickle the user's objects. This runs code: only for pickles we made or the user
     chose to trust (never for files in the store, which are weights-only)."""

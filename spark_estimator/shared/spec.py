@@ -43,6 +43,9 @@ ROW_NAMES = "path"  # a string column naming each row (binaryFile's): named in d
 IMAGE_FIELDS = ("origin", "height", "width", "nChannels", "mode", "data")
 BAD_ROWS = ("fail", "skip")  # what a row whose decoding fails does (bad_rows)
 DECODE_DEVICES = ("cpu", "cuda")  # where encoded images are decoded (decode_device)
+DECODE_POOLS = ("auto", "threads", "processes")  # what decodes them on a rank (decode_pool)
+# the user's decoding functions (DecodeSpec.functions: pickled together, sharing globals)
+DECODE_FUNCTIONS = ("decode_fn", "decode_batch_fn", "decode_init_fn", "collate_fn")
 
 
 @dataclass(frozen=True)
@@ -195,16 +198,18 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class DecodeSpec:
-    """How the rows of variable columns become a batch's tensors (``Decoder``):
-    the user's per-row ``decode_fn`` and per-batch ``collate_fn`` (cloudpickled; None: the
-    defaults), padding, the pool of decoding threads, what a row that fails does."""
+    """How the rows of variable columns become a batch's tensors (``Decoder``): the user's
+    functions (``decode_fn``, ``decode_batch_fn``, ``decode_init_fn``, ``collate_fn``: one
+    cloudpickle of a dict of those given, so that they share their globals; None: the
+    defaults), padding, the decode workers (threads or processes, how many), what a row
+    that fails does."""
 
-    decode_fn: bytes | None = None  # fn(row: dict, augment: np.random.Generator | None) -> dict
-    collate_fn: bytes | None = None  # fn(rows: list[dict]) -> dict of tensors
+    functions: bytes | None = None  # serialization.pack_functions(decode_fn=..., ...)
     padding_value: float = 0.0  # pads feature sequences to the batch's longest
-    workers: int | None = None  # threads per rank; None: the task's CPUs
+    pool: str = "auto"  # "auto" | "threads" | "processes" (DECODE_POOLS)
+    workers: int | None = None  # threads or processes per rank; None: from the task's CPUs
     bad_rows: str = "fail"  # "fail" | "skip"
-    device: str = "cpu"  # where encoded images are decoded: "cpu" (Pillow) | "cuda"
+    device: str = "cpu"  # where encoded images are decoded: "cpu" | "cuda"
     bucket_by_length: bool = False  # batches of sequences of similar lengths
 
 

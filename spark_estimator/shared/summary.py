@@ -45,6 +45,9 @@ class RankSummary:
     rows_skipped: int = 0  # rows whose decoding failed, left out (bad_rows="skip")
     # values of the padded sequences this rank collated: [their own, with the padding]
     padding: list[int] = field(default_factory=lambda: [0, 0])
+    # how it decoded variable columns (Decoder.summary: pool, workers, the workers' peak
+    # memory); None without them
+    decoding: dict | None = None
 
 
 def training_summary(

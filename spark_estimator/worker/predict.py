@@ -11,7 +11,7 @@ probabilities and the class index, see ``class_columns``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -20,9 +20,9 @@ import torch
 from ..shared.serialization import loads
 from ..shared.spec import ColumnSpec, DecodeSpec
 from .comm.device import task_device
-from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow, variable_to_numpy
-from .data.decode import Decoder
+from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow
 from .loop.loss import as_outputs
+from .predict_decode import decoded_batches, decoder_for, release
 
 
 def predict_batches(
@@ -50,15 +50,22 @@ def predict_batches(
     model = loads(model_bytes).to(device).eval()
     expected = 1 if classification else len(output_cols)
     decoder = None
+    prepared: Iterable = ((batch, None) for batch in batches if batch.num_rows)
     if any(c.variable for c in features):
-        labels = list(fit_labels or [])
-        decoder = Decoder(decode or DecodeSpec(), features, set(), 0, row_names, labels)
+        task = f"transform's task {ctx.partitionId()}" if ctx else "transform"
+        decoder = decoder_for(
+            decode or DecodeSpec(),
+            features,
+            row_names,
+            list(fit_labels or []),
+            task,
+            device.type == "cuda",
+        )
+        prepared = decoded_batches(batches, features, row_names, decoder)
     try:
         with torch.no_grad():
-            for batch in batches:
-                if batch.num_rows == 0:
-                    continue
-                inputs = _inputs(batch, features, input_shapes, decoder, row_names, device)
+            for batch, decoded in prepared:
+                inputs = _inputs(batch, features, input_shapes, decoder, decoded, device)
                 yield _predicted(
                     model,
                     inputs,
@@ -71,12 +78,12 @@ def predict_batches(
                 )
     finally:
         if decoder is not None:
-            decoder.close()
+            release(decoder)
 
 
-def _inputs(batch, features, input_shapes, decoder, row_names, device) -> list:
+def _inputs(batch, features, input_shapes, decoder, decoded, device) -> list:
     """forward()'s arguments for an Arrow batch: each feature column as a tensor (a
-    variable one decoded and collated, a sequence's mask after it), on ``device``."""
+    variable one as ``decoded``, a sequence's mask after it), on ``device``."""
     shapes = input_shapes or [None] * len(features)
     fixed = {
         c.name: column_to_tensor(c.name, batch.column(c.name), c.torch_dtype, "transform")
@@ -84,15 +91,7 @@ def _inputs(batch, features, input_shapes, decoder, row_names, device) -> list:
         if not c.variable
     }
     masks = {}
-    if decoder is not None:
-        raws = {
-            c.name: variable_to_numpy(c, batch.column(c.name), "transform")
-            for c in features
-            if c.variable
-        }
-        if row_names:
-            raws[row_names] = batch.column(row_names).to_numpy(zero_copy_only=False)
-        decoded, _ = decoder(raws, None)
+    if decoded is not None:
         decoder.on_device(decoded, device)
         fixed.update(decoded.columns)
         masks = decoded.masks

@@ -4,7 +4,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from spark_estimator.shared.serialization import dumps
+from spark_estimator.shared.serialization import dumps, pack_functions
 from spark_estimator.shared.spec import ColumnSpec, DecodeSpec
 from spark_estimator.worker.predict import class_columns, predict_batches
 
@@ -111,7 +111,9 @@ def test_nulls_in_transform_are_refused_saying_to_drop_them_before_transform():
             )
         )
 
-    decode = DecodeSpec(decode_fn=dumps(lambda row, augment: {"text": torch.ones(2)}, "fn"))
+    decode = DecodeSpec(
+        functions=pack_functions(decode_fn=lambda row, augment: {"text": torch.ones(2)})
+    )
     with pytest.raises(
         ValueError, match=r"column 'text': 1 null values; drop or fill them before transform"
     ):

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from ...shared.spec import ColumnSpec, TrainSpec
 from .columns import Columns, Layout
 from .convert import chunk_rows, reshape_input
-from .decode import MASK, Decoder
+from .decode import MASK, Decoded, Decoder
 
 
 class Batch:
     """The tensors of one batch, decoded, transformed, moved to the device and shaped for
     forward(). ``size`` is its rows; ``drawn`` the rows the loader gave it, which differ
     where rows that failed to decode were left out (``Decoder``, bad_rows="skip").
+    ``decoded``: the ``decoder``'s result for ``chunk``, where decoded ahead
+    (``Decoder.ahead``); else it is decoded here.
 
     A padded sequence column (``Decoded.masks``) is two arguments of forward(): its values
     ``[rows, longest]`` and its mask (True at each row's values); for a
@@ -29,14 +32,15 @@ class Batch:
         transform=None,
         decoder: Decoder | None = None,
         epoch: int | None = None,
+        decoded: tuple[Decoded, np.ndarray | None] | None = None,
     ):
         self.drawn = chunk.rows if isinstance(chunk, Columns) else chunk_rows(chunk)
         masks: dict[str, torch.Tensor] = {}
         if decoder is not None:
             if not isinstance(chunk, Columns):  # a resized epoch's rest (remainder_batches)
                 chunk = Layout(chunk, spec.data.columns).assemble(chunk)
-            decoded, kept = decoder(chunk, epoch)
-            decoder.on_device(decoded, device)
+            decoded, kept = decoded if decoded is not None else decoder(chunk, epoch)
+            decoder.on_device(decoded, device, epoch)
             if kept is not None:
                 chunk = chunk.take(kept)
             masks = decoded.masks

@@ -1,78 +1,72 @@
-"""Executor: a batch's variable columns decoded row by row, in a pool of threads, and
-collated into tensors.
+"""Executor: a rank's decoding of its batches' variable columns, in threads or in worker
+processes (``decode_pool``), and with ``decode_device="cuda"`` on its GPU.
 
 The loader hands over batches whose variable columns (encoded images, Spark's image
 structs, strings, arrays of varying length) are arrays of Python objects, in the rows'
-seeded order. ``Decoder`` turns one such batch into tensors, as a PyTorch ``Dataset``'s
-``__getitem__`` and a ``DataLoader``'s ``collate_fn`` would: each row's values go through
-``decode_fn(row, augment)`` (``decoding.default_decode`` without one), the rows spread over
-``workers`` threads (Pillow and tokenizers release the GIL while they work), then the
-decoded rows through ``collate_fn`` (``collate`` without one).
+seeded order. ``Decoder`` turns them into tensors with a ``BatchDecoding`` (the per-row
+``decode_fn``, or ``decode_batch_fn``, and collation: see ``decode_batch``), in one of two
+ways, whose results are the same, bit for bit:
 
-``augment`` is a NumPy generator seeded by (seed, epoch, the row's index in its split)
-when training, None otherwise: a row's transforms are the same whenever and on whichever
-rank it is read, so an exact resume and an elastic resize see each row once per epoch with
-the transforms it would have had. A row whose decoding raises fails the batch naming the
-column (or ``decode_fn``), the row's index and name (binaryFile's ``path``, an image's
-``origin``) with ``bad_rows="fail"``; with ``"skip"`` it is left out of its batch and
-counted (each row once, however many epochs skip it). In ``transform`` (``fit_labels``
-given) a row holds the variable feature columns only: a ``decode_fn`` that reads one of the
-fit's label columns is told so, one that returns them anyway has them dropped, and a bad
-row is named with what to filter.
+- ``threads``: in the rank's own process, each batch's rows spread over ``workers`` threads
+  (Pillow and tokenizers release the GIL while they work; Python in a ``decode_fn`` does
+  not, and the training thread waits for the same GIL);
+- ``processes``: ``workers`` decode worker processes (``DecodePool``), each decoding whole
+  batches into shared memory, several batches in flight (``ahead``).
+
+``"auto"`` takes processes where the task has more than ``THREADS_UP_TO_CPUS`` CPUs (a
+worker process costs seconds to start and its own interpreter's memory, which a task of
+one or two CPUs does not win back), and threads where shared memory is too small for the
+workers' batches (said once, as a warning). ``prime`` decodes a split's first rows in the
+rank, to know the columns' decoded shapes (a batch without rows then gets zero rows of
+each) and how large a batch is. The rank keeps what decoding reported: the rows left out
+(``bad_rows="skip"``, each counted once however many epochs skip it) and the padding.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from ...decoding import default_decode
 from ...shared.packages import require_gpu_jpeg
-from ...shared.serialization import loads
-from ...shared.spec import ColumnSpec, DecodeSpec, column_param
+from ...shared.spec import ColumnSpec, DecodeSpec
 from .arrow_reader import ROW_ID
+from .decode_batch import MASK, BadRow, BatchDecoding, BatchResult, Decoded, Recipe
+from .decode_channel import SHM_DIR_ENV, shm_dir, shm_free_bytes
+from .decode_pool import DecodePool
+from .decode_worker import SLOTS
+
+__all__ = ["MASK", "BadRow", "Decoded", "Decoder", "decode_jpegs"]
 
 log = logging.getLogger(__name__)
-LABEL_PADDING = -100  # integer sequence labels: the index CrossEntropyLoss ignores
-MASK = "_mask"  # the suffix of a padded column's mask in a collated batch
+T = TypeVar("T")
+THREADS_UP_TO_CPUS = 2  # decode_pool="auto": threads for tasks of this many CPUs or fewer
+SHM_SHARE = 0.8  # the most of the free shared memory the workers' slots may plan to take
 
 
-class BadRow(ValueError):
-    """A row that could not be decoded (the column or decode_fn, its index and name)."""
-
-
-class Decoded(Mapping):
-    """One batch after decoding: column name -> tensor (or list, for strings left as
-    they are), the ``masks`` of its padded feature sequences, and its ``rows``."""
-
-    def __init__(self, columns: dict[str, Any], masks: dict[str, torch.Tensor], rows: int):
-        self.columns, self.masks, self.rows = columns, masks, rows
-
-    def __getitem__(self, name: str):
-        return self.columns[name]
-
-    def __iter__(self):
-        return iter(self.columns)
-
-    def __len__(self) -> int:
-        return len(self.columns)
-
-
-def default_workers() -> int:
-    """Decoding threads per rank: the CPUs the task may use (torch's intra-op threads are
-    set to its share of the executor's cores)."""
+def task_cpus() -> int:
+    """The CPUs this task may use (torch's intra-op threads are set to its share of the
+    executor's cores)."""
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
+def default_workers(pool: str, cpus: int) -> int:
+    """Decode workers per rank: threads, the task's CPUs; processes, the CPUs less the
+    training thread's and the batch thread's (at least one)."""
+    return cpus if pool == "threads" else max(1, cpus - 2)
+
+
 class Decoder:
-    """Decodes and collates the variable ``columns`` of batches (see the module)."""
+    """Decodes and collates the variable ``columns`` of batches (see the module):
+    ``labels`` are the label columns, ``seed`` seeds augmentation, ``row_names`` the
+    column naming rows in errors, ``fit_labels`` (transform) the fit's label columns,
+    ``rank`` names the rank in errors, ``pin`` copies batches from worker processes into
+    pinned memory, ``batch_rows`` the usual rows of a batch (to size shared memory)."""
 
     def __init__(
         self,
@@ -82,223 +76,208 @@ class Decoder:
         seed: int,
         row_names: str | None = None,
         fit_labels: list[str] | None = None,
+        rank: int | str = 0,
+        pin: bool = False,
+        batch_rows: int = 256,
     ):
-        self.spec, self.seed, self.row_names = spec, seed, row_names
-        # transform's decoder: the fit's label columns, which its rows do not hold
-        self.fit_labels = fit_labels
-        self.columns = [c for c in columns if c.variable]
-        self.labels = labels
-        self.kinds = {c.name: c.kind for c in self.columns}
-        if spec.device == "cuda":  # encoded images are decoded on the GPU, per batch
-            self.kinds = {n: ("bytes" if k == "binary" else k) for n, k in self.kinds.items()}
-        self.decode_fn: Callable | None = loads(spec.decode_fn) if spec.decode_fn else None
-        self.collate_fn: Callable | None = loads(spec.collate_fn) if spec.collate_fn else None
-        self.workers = spec.workers or default_workers()
-        self.pool = (
-            ThreadPoolExecutor(self.workers, thread_name_prefix="spark-estimator-decode")
-            if self.workers > 1
-            else None
+        self.spec, self.row_names, self.rank, self.pin = spec, row_names, rank, pin
+        self.batch_rows = batch_rows
+        variable = tuple(c for c in columns if c.variable)
+        self.recipe = Recipe(
+            spec,
+            variable,
+            frozenset(labels),
+            seed,
+            row_names,
+            tuple(fit_labels) if fit_labels is not None else None,
         )
+        self.local = BatchDecoding(self.recipe)  # the rank's own: threads, and priming
+        self.columns = list(variable)
+        self.kinds = self.local.kinds
+        # with GPU decoding and decode_batch_fn, the whole batch is decoded here (on_device)
+        self.on_gpu = spec.device == "cuda" and self.local.batch_fn is not None
+        cpus = task_cpus()
+        self.kind = _pool_kind(spec.pool, cpus, self.on_gpu)
+        self.workers = spec.workers or default_workers(self.kind, cpus)
+        self.threads: ThreadPoolExecutor | None = None
+        self.processes: DecodePool | None = None
         self.skipped_rows: set[tuple[bool, int]] = set()  # (validation?, row) left out
         self.padding = [0, 0]  # values of padded sequences: real, in all (with the padding)
         self.empty: Decoded | None = None  # zero rows of each column, as decoded (``prime``)
+        self.note: str | None = None  # why processes were asked for and threads decode
+        self.primed = False
 
-    def prime(self, first: Mapping) -> None:
-        """Decode ``first`` (a split's first rows) once, not counted, to know the decoded
-        columns' shapes: a batch without rows then gets zero rows of each."""
-        decoded, _ = self(first, None)
+    # -- set-up --------------------------------------------------------------------------------
+    def prime(self, first: Mapping | None) -> None:
+        """Start the decode workers, and decode ``first`` (a split's first rows, or None)
+        once, not counted, for the decoded columns' shapes (and how much shared memory
+        worker processes need for batches like it)."""
+        self.primed = True
+        self._start()
+        if first is None:
+            return
+        try:
+            ((_, (decoded, _)),) = self.ahead([first], None)
+        except BaseException:
+            self.close()
+            raise
         self.skipped_rows, self.padding = set(), [0, 0]
         if decoded.rows:
-            columns = {n: v[:0] for n, v in decoded.columns.items()}
-            masks = {n: m[:0] for n, m in decoded.masks.items()}
-            self.empty = Decoded(columns, masks, 0)
+            self.empty = decoded.empty()
+            self._check_shared_memory(decoded)
+
+    def _check_shared_memory(self, decoded: Decoded) -> None:
+        """Worker processes decode into shared memory: where it cannot hold their slots for
+        batches of ``batch_rows`` rows like ``decoded``'s, threads decode instead."""
+        if self.processes is None:
+            return
+        tensors = decoded.tensors().values()
+        row = sum(t.numel() * t.element_size() for t in tensors) / decoded.rows
+        need = int(row * self.batch_rows * 1.25) * SLOTS * self.workers
+        folder = shm_dir()
+        free = shm_free_bytes(folder)
+        if need <= free * SHM_SHARE:
+            return
+        self.processes.close()
+        self.processes = None
+        self.note = (
+            f"decode_pool: worker processes decode into shared memory in {folder}, which "
+            f"has {free / 2**20:.0f} MiB free, and {self.workers} of them need about "
+            f"{need / 2**20:.0f} MiB ({SLOTS} batches of {self.batch_rows} rows each); "
+            "decoding in threads instead, which is slower. Give the container more shared "
+            "memory (docker run --shm-size=2g; on Kubernetes an emptyDir of medium Memory "
+            f"mounted at /dev/shm), set {SHM_DIR_ENV} to a larger tmpfs, or lower "
+            "decode_workers"
+        )
+        log.warning(self.note)
+        self.kind = "threads"
+        self.workers = self.spec.workers or default_workers("threads", task_cpus())
+        self._start()
+
+    def _start(self) -> None:
+        if self.kind == "processes" and self.processes is None:
+            self.processes = DecodePool(self.recipe, self.workers, self.rank, self.pin)
+        elif self.kind == "threads" and self.threads is None and self.workers > 1:
+            self.threads = ThreadPoolExecutor(
+                self.workers, thread_name_prefix="spark-estimator-decode"
+            )
 
     @property
     def skipped(self) -> int:
         """The rows left out (``bad_rows="skip"``), each counted once."""
         return len(self.skipped_rows)
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def __call__(self, batch: Mapping, epoch: int | None) -> tuple[Decoded, np.ndarray | None]:
-        """The batch's variable columns decoded (``epoch``: None when not training, so
-        without augmentation), and the positions of the rows kept (None: all of them)."""
-        values = {c.name: batch[c.name] for c in self.columns}
-        rows = len(next(iter(values.values()))) if values else 0
-        ids = batch[ROW_ID].numpy() if ROW_ID in batch else np.arange(rows)
-        names = batch[self.row_names] if self.row_names else None
-        spans = self._spans(rows)
-        work = [(values, ids, names, epoch, start, stop) for start, stop in spans]
-        parts = (
-            list(self.pool.map(self._decode_rows, work))
-            if self.pool
-            else [self._decode_rows(w) for w in work]
-        )
-        decoded = [row for part in parts for row in part]
-        kept = [i for i, row in enumerate(decoded) if row is not None]
-        if len(kept) < rows:
-            left_out = set(range(rows)).difference(kept)
-            self.skipped_rows.update((epoch is None, int(ids[i])) for i in left_out)
-        good = [decoded[i] for i in kept]
-        collated = self.collate(good) if good or self.empty is None else self.empty
-        kept_rows = None if len(kept) == rows else np.asarray(kept, dtype=np.int64)
-        return collated, kept_rows
-
-    def _spans(self, rows: int) -> list[tuple[int, int]]:
-        """Contiguous row ranges, one per thread at most, not below 8 rows each."""
-        parts = max(1, min(self.workers, math.ceil(rows / 8)))
-        bounds = np.linspace(0, rows, parts + 1).astype(int)
-        return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-
-    def _decode_rows(self, work) -> list[dict | None]:
-        values, ids, names, epoch, start, stop = work
-        out = []
-        for i in range(start, stop):
-            row = {name: column[i] for name, column in values.items()}
-            row_id = int(ids[i])
-            augment = None
-            if epoch is not None:
-                augment = np.random.default_rng([self.seed, epoch, row_id])
-            try:
-                if self.decode_fn is not None:
-                    decoded = self.decode_fn(row, augment)
-                else:
-                    decoded = _default(row, self.kinds)
-            except Exception as e:
-                self._check_labels_read(e, row)
-                name = names[i] if names is not None else _origin(row)
-                error = self._bad_row(e, row_id, name)
-                if self.spec.bad_rows == "fail":
-                    raise error from e
-                log.warning("%s; skipped (bad_rows='skip')", error)
-                out.append(None)
-                continue
-            if self.decode_fn is not None:
-                if self.fit_labels and isinstance(decoded, dict):  # transform: labels unused
-                    decoded = {
-                        k: v for k, v in decoded.items() if k in row or k not in self.fit_labels
-                    }
-                _check_decoded(decoded, row, row_id, self.collate_fn is not None)
-            out.append(decoded)
+    def summary(self) -> dict:
+        """How this rank decoded, for its summary."""
+        out = {"pool": self.kind, "workers": self.workers}
+        if self.processes is not None:
+            out["worker_peak_rss_bytes"] = self.processes.peak_rss()
+        if self.note:
+            out["note"] = self.note
         return out
 
-    def _check_labels_read(self, error: Exception, row: dict) -> None:
-        """In transform, a decode_fn that failed reading one of the fit's label columns
-        (a KeyError): not a bad row, so said as it is."""
-        if self.fit_labels is None or self.decode_fn is None or not isinstance(error, KeyError):
+    def close(self) -> None:
+        if self.threads is not None:
+            self.threads.shutdown(wait=False, cancel_futures=True)
+        if self.processes is not None:
+            self.processes.close()
+
+    # -- decoding ------------------------------------------------------------------------------
+    def __call__(self, batch: Mapping, epoch: int | None) -> tuple[Decoded, np.ndarray | None]:
+        """One batch's variable columns decoded (``epoch``: None when not training, so
+        without augmentation), and the positions of the rows kept (None: all of them)."""
+        ((_, out),) = self.ahead([batch], epoch)
+        return out
+
+    def ahead(
+        self,
+        items: Iterable[T],
+        epoch: int | None | Callable[[T], int | None],
+        batch_of: Callable[[T], Mapping] = lambda b: b,
+    ) -> Iterator[tuple[T, tuple[Decoded, np.ndarray | None]]]:
+        """Each of ``items`` with its batch (``batch_of(item)``) decoded, in order: with
+        worker processes several batches ahead, with threads one at a time as asked.
+        ``epoch``: the epoch of every item, or a function giving an item's."""
+        epoch_of = epoch if callable(epoch) else (lambda item: epoch)
+        if self.processes is None:
+            for item in items:
+                decoded = self._decode_here(batch_of(item), epoch_of(item))
+                yield item, self._finish(decoded)
             return
-        name = error.args[0] if error.args else None
-        if name in self.fit_labels and name not in row:
-            raise KeyError(
-                f"decode_fn: read '{name}', a label column of the fit; transform's rows hold "
-                f"only the variable feature columns ({', '.join(sorted(row))}): read a label "
-                f"only where the row has it (if '{name}' in row: ...)"
-            ) from error
 
-    def _bad_row(self, error: Exception, row_id: int, name: str | None) -> BadRow:
-        where = getattr(error, "column", None)
-        if where is not None:
-            role = "label" if where in self.labels else "feature"
-            param = f"{column_param(role)}: column '{where}'"
-        else:
-            param = "decode_fn"
-        named = f" ({self.row_names or 'origin'} {name})" if name else ""
-        cause = error.__cause__ if where is not None and error.__cause__ else error
-        if self.fit_labels is not None:  # transform: no bad_rows, the rows are the caller's
-            return BadRow(
-                f"{param}: row {row_id} of the batch{named} could not be decoded "
-                f"({type(cause).__name__}: {cause}); fix it, or filter such rows out of the "
-                "DataFrame before transform"
-            )
-        return BadRow(
-            f"{param}: row {row_id} of the split{named} could not be decoded "
-            f"({type(cause).__name__}: {cause}); fix or filter it, or set bad_rows='skip' to "
-            "leave such rows out (counted in the training summary)"
-        )
+        def raw(item: T):
+            return (*self._raw(batch_of(item)), epoch_of(item))
 
-    def on_device(self, decoded: Decoded, device: torch.device) -> None:
+        for item, result in self.processes.decode_many(items, raw):
+            yield item, self._finish(result)
+
+    def _decode_here(self, batch: Mapping, epoch: int | None) -> BatchResult:
+        values, ids, names = self._raw(batch)
+        if self.on_gpu:  # decode_batch_fn runs on the GPU's decoded images (on_device)
+            columns = {n: list(v) for n, v in values.items()}
+            decoded = Decoded(columns, {}, len(ids))
+            decoded.rows_of = (ids, names)
+            return BatchResult(decoded)
+        return self.local.decode(values, ids, names, epoch, self.threads)
+
+    def _raw(self, batch: Mapping) -> tuple[dict, np.ndarray, np.ndarray | None]:
+        values = {c.name: batch[c.name] for c in self.columns}
+        ids = self._ids(batch)
+        names = batch[self.row_names] if self.row_names else None
+        return values, ids, names
+
+    def _ids(self, batch: Mapping) -> np.ndarray:
+        if ROW_ID in batch:
+            return batch[ROW_ID].numpy()
+        rows = len(batch[self.columns[0].name]) if self.columns else 0
+        return np.arange(rows)
+
+    def _finish(self, result: BatchResult):
+        """Count what ``result`` reports; its batch (zero rows of each column where none
+        was kept) and the positions of the rows kept."""
+        self.skipped_rows.update(tuple(s) for s in result.skipped)
+        self.padding[0] += result.padding[0]
+        self.padding[1] += result.padding[1]
+        decoded = result.decoded
+        if decoded is None:
+            decoded = self.empty if self.empty is not None else Decoded({}, {}, 0)
+        return decoded, result.kept
+
+    def on_device(self, decoded: Decoded, device: torch.device, epoch: int | None = None) -> None:
         """With ``decode_device="cuda"``: the encoded images, still bytes after the rows'
-        decoding, decoded on ``device`` in one call per column (``decode_jpegs``)."""
+        decoding, decoded on ``device`` in one call per column (``decode_jpegs``); then,
+        with ``decode_batch_fn``, the batch through it (the images on the GPU)."""
         for name, kind in self.kinds.items():
             if kind == "bytes" and isinstance(decoded.columns.get(name), list):
                 decoded.columns[name] = decode_jpegs(name, decoded.columns[name], device)
+        if self.on_gpu:
+            self._gpu_batch_fn(decoded, epoch)
 
-    def collate(self, rows: list[dict]) -> Decoded:
-        """The decoded rows as one batch: ``collate_fn``'s, or ``collate``."""
-        if self.collate_fn is not None:
-            out = self.collate_fn(rows)
-            if not isinstance(out, dict):
-                raise TypeError(
-                    f"collate_fn: must return a dict of column -> tensor, got {type(out).__name__}"
-                )
-            masks = {n[: -len(MASK)]: m for n, m in out.items() if n.endswith(MASK)}
-            columns = {n: v for n, v in out.items() if not n.endswith(MASK)}
-            return Decoded(columns, masks, len(rows))
-        columns, masks = {}, {}
-        for c in self.columns:
-            column = [row[c.name] for row in rows]
-            label = c.name in self.labels
-            columns[c.name], mask = self._collate_column(c.name, column, label)
-            if mask is not None and not label:
-                masks[c.name] = mask
-        return Decoded(columns, masks, len(rows))
-
-    def _collate_column(self, name: str, values: list, label: bool):
-        """One column's rows: tensors of one shape stacked; 1-D tensors (sequences) padded
-        to the longest, with their mask; strings and other objects as a list."""
-        if not values or not all(isinstance(v, torch.Tensor) for v in values):
-            if values and all(isinstance(v, (int, float)) for v in values):
-                return torch.tensor(values), None
-            return values, None
-        if all(v.dim() == 1 for v in values):
-            integral = not values[0].is_floating_point()
-            fill = LABEL_PADDING if label and integral else self.spec.padding_value
-            padded, mask = pad_sequences(values, fill)
-            self.padding[0] += int(mask.sum())
-            self.padding[1] += mask.numel()
-            return padded, mask
-        shapes = {tuple(v.shape) for v in values}
-        if len(shapes) > 1:
-            a, b = sorted(shapes)[:2]
-            role = "label" if label else "feature"
-            if len(a) == len(b) == 3 and a[1:] == b[1:]:  # images of other channel counts
-                raise ValueError(
-                    f"{column_param(role)}: column '{name}' has images of {a[0]} and {b[0]} "
-                    f"channels in one batch ({'x'.join(map(str, a))} and "
-                    f"{'x'.join(map(str, b))}); give decode_fn that decodes them in one mode "
-                    "(spark_estimator.decoding.decode_image(row[...], mode='RGB'), or 'L' for "
-                    "grayscale)"
-                )
-            raise ValueError(
-                f"{column_param(role)}: column '{name}' has rows of different shapes in one "
-                f"batch ({'x'.join(map(str, a))} and {'x'.join(map(str, b))}); give decode_fn "
-                "that resizes or crops them to one size (spark_estimator.decoding.decode_image "
-                "with size=, center_crop, random_crop), or a collate_fn"
-            )
-        return torch.stack(values), None
+    def _gpu_batch_fn(self, decoded: Decoded, epoch: int | None) -> None:
+        """``decode_batch_fn`` on a batch whose JPEGs were decoded on the GPU: its columns
+        and masks replace the batch's."""
+        ids, names = decoded.rows_of
+        result = self.local.decode_batch(decoded.columns, ids, names, epoch)
+        self.padding[0] += result.padding[0]
+        self.padding[1] += result.padding[1]
+        decoded.columns, decoded.masks = result.decoded.columns, result.decoded.masks
 
 
-def pad_sequences(values: list[torch.Tensor], fill: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D tensors as one ``[rows, longest]`` tensor padded with ``fill``, and the mask
-    (True at each row's own values)."""
-    longest = max((len(v) for v in values), default=0)
-    padded = torch.full((len(values), longest), fill, dtype=values[0].dtype if values else None)
-    mask = torch.zeros((len(values), longest), dtype=torch.bool)
-    for i, v in enumerate(values):
-        padded[i, : len(v)] = v
-        mask[i, : len(v)] = True
-    return padded, mask
+def _pool_kind(pool: str, cpus: int, on_gpu: bool) -> str:
+    if on_gpu:
+        return "threads"  # the batch is decoded on the GPU, in the rank's batch thread
+    if pool == "auto":
+        return "processes" if cpus > THREADS_UP_TO_CPUS else "threads"
+    return pool
 
 
 def decode_jpegs(name: str, images: list[bytes], device: torch.device) -> torch.Tensor:
     """JPEG images decoded on ``device`` (a GPU) in one batch by torchvision's
     ``decode_jpeg``, as uint8 ``[rows, 3, H, W]`` (RGB)."""
     decode_jpeg, ImageReadMode = require_gpu_jpeg()
-    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in images]
-    if not data:
+    if not images:
         return torch.empty((0, 3, 0, 0), dtype=torch.uint8, device=device)
+    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in images]
     out = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     shapes = sorted({tuple(t.shape) for t in out})
     if len(shapes) > 1:
@@ -309,51 +288,3 @@ def decode_jpegs(name: str, images: list[bytes], device: torch.device) -> torch.
             "stacks them as they are: resize them to one size before fit"
         )
     return torch.stack(out)
-
-
-class _ColumnFailed(ValueError):
-    """The default decoding of one column raised (its name in ``column``)."""
-
-    def __init__(self, column: str):
-        super().__init__(column)
-        self.column = column
-
-
-def _default(row: dict, kinds: dict[str, str]) -> dict:
-    """``default_decode`` column by column, so a failure names its column."""
-    out = {}
-    for name, value in row.items():
-        try:
-            out.update(default_decode({name: value}, kinds))
-        except Exception as e:
-            raise _ColumnFailed(name) from e
-    return out
-
-
-def _origin(row: dict) -> str | None:
-    """An image struct's ``origin`` (its file), the name of a row without ``row_names``."""
-    for value in row.values():
-        if isinstance(value, dict) and value.get("origin"):
-            return value["origin"]
-    return None
-
-
-def _check_decoded(decoded, row: dict, row_id: int, collated: bool) -> None:
-    """A decode_fn's result: a dict with a value for each column of ``row``; without a
-    collate_fn (``collated``), none of them a list, tuple or NumPy array, which would reach
-    forward() as a list of rows."""
-    if not isinstance(decoded, dict) or set(decoded) != set(row):
-        got = sorted(decoded) if isinstance(decoded, dict) else type(decoded).__name__
-        raise TypeError(
-            f"decode_fn: must return a dict with a value for each of {sorted(row)}, got {got}"
-        )
-    if collated:
-        return
-    for name, value in decoded.items():
-        if isinstance(value, (list, tuple, np.ndarray)):
-            raise TypeError(
-                f"decode_fn: returned a {type(value).__name__} of {len(value)} values for "
-                f"column '{name}' of row {row_id}; return a tensor (torch.tensor(...), "
-                "torch.from_numpy(...)), which a batch stacks or pads, or give a collate_fn "
-                "that batches these values"
-            )

@@ -47,18 +47,26 @@ def training_steps(
         skip = 0
 
 
-def open_decoder(spec: TrainSpec) -> Decoder | None:
+def open_decoder(spec: TrainSpec, info: RankInfo | None = None) -> Decoder | None:
     """The rank's decoder of the data's variable columns (``Decoder``), which has seen the
     first row of the training split, so that it knows each column's decoded shape (for the
-    empty batches of a rank without rows); None without variable columns."""
+    empty batches of a rank without rows), and has started its decode workers; None without
+    variable columns."""
     data = spec.data
     if not data.variable:
         return None
     labels = {c.name for c in data.labels}
-    decoder = Decoder(spec.loader.decode, data.columns, labels, spec.seed, data.row_names)
-    first = first_rows(spec, "train")
-    if first is not None:
-        decoder.prime(first)
+    decoder = Decoder(
+        spec.loader.decode,
+        data.columns,
+        labels,
+        spec.seed,
+        data.row_names,
+        rank=info.rank if info is not None else 0,
+        pin=info is not None and info.device.type == "cuda",
+        batch_rows=spec.batch_size,
+    )
+    decoder.prime(first_rows(spec, "train"))
     return decoder
 
 
@@ -89,7 +97,7 @@ class RankData:
             self.validation_sizes = [s for s in plan.batch_sizes if s][:most]
         else:
             self.validation_sizes = eval_sizes(self.validation.rows, batch_size, most)
-        self.decoder = open_decoder(spec)  # None without variable columns
+        self.decoder = open_decoder(spec, info)  # None without variable columns
 
     def close(self) -> None:
         if self.decoder is not None:
@@ -156,4 +164,5 @@ def rank_summary(
         paused=paused,
         rows_skipped=data.decoder.skipped if data.decoder else 0,
         padding=list(data.decoder.padding) if data.decoder else [0, 0],
+        decoding=data.decoder.summary() if data.decoder else None,
     )

@@ -52,17 +52,25 @@ DEFAULTS = {
 
 
 class _Batches:
-    """Batches for Lightning: ``steps`` dicts per iteration; ``draw()`` gives the chunks."""
+    """Batches for Lightning: ``steps`` dicts per iteration; ``draw()`` gives the
+    (chunk, epoch) pairs (epoch None in validation), ``decode`` decodes them ahead
+    (``Decoder.ahead``; None without variable columns), ``to_dict(chunk, epoch, decoded)``
+    makes the module's batch."""
 
-    def __init__(self, steps: int, draw: Callable, to_dict: Callable):
-        self.steps, self.draw, self.to_dict = steps, draw, to_dict
+    def __init__(self, steps: int, draw: Callable, to_dict: Callable, decode: Callable | None):
+        self.steps, self.draw, self.to_dict, self.decode = steps, draw, to_dict, decode
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self):
-        for chunk in itertools.islice(self.draw(), self.steps):
-            yield self.to_dict(chunk)
+        drawn = itertools.islice(self.draw(), self.steps)
+        if self.decode is None:
+            for chunk, epoch in drawn:
+                yield self.to_dict(chunk, epoch, None)
+            return
+        for (chunk, epoch), decoded in self.decode(drawn):
+            yield self.to_dict(chunk, epoch, decoded)
 
 
 # Lightning's loggers that print to the console themselves (handlers of their own, not
@@ -139,9 +147,10 @@ def _train(
     # lockstep: every rank runs as many validation batches (Lightning may sync what is logged)
     data = RankData(spec, info, lockstep=True)
 
-    def to_dict(chunk, epoch: int | None = None) -> dict:
-        """A batch as the module gets it; ``epoch`` (training only) seeds augmentation."""
-        batch = Batch(chunk, spec, device, transform, data.decoder, epoch)
+    def to_dict(chunk, epoch: int | None, decoded) -> dict:
+        """A batch as the module gets it; ``epoch`` (training only) seeds augmentation,
+        ``decoded``: its variable columns, decoded ahead."""
+        batch = Batch(chunk, spec, device, transform, data.decoder, epoch, decoded)
         if recorder.output_shapes is None and recorder.first_inputs is None:
             recorder.first_inputs = [
                 t[:1].detach().to("cpu") if isinstance(t, torch.Tensor) else t[:1]
@@ -162,11 +171,22 @@ def _train(
             recorder.batches_drawn += 1
             yield chunk, (recorder.batches_drawn - 1) // data.steps_per_epoch + 1
 
-    train_data = _Batches(data.steps_per_epoch, draw_training, lambda drawn: to_dict(*drawn))
+    decode = None
+    if data.decoder is not None:
+        decoder = data.decoder
+
+        def decode(drawn):  # each (chunk, epoch) of a pass, decoded ahead
+            return decoder.ahead(drawn, lambda d: d[1], lambda d: d[0])
+
+    train_data = _Batches(data.steps_per_epoch, draw_training, to_dict, decode)
     val_data = None
     if data.has_validation:
         sizes = data.validation_sizes  # in order, so every pass is the same (pass index 1)
-        val_data = _Batches(len(sizes), lambda: data.validation.batches(sizes, 1), to_dict)
+
+        def draw_validation():
+            return ((chunk, None) for chunk in data.validation.batches(sizes, 1))
+
+        val_data = _Batches(len(sizes), draw_validation, to_dict, decode)
 
     resume_epoch = agree_on_checkpoint(checkpoints, rank, device)
     callbacks = list(objects.get("callbacks") or [])

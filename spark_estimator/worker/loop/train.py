@@ -226,7 +226,7 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
         shared = self.hook if isinstance(self.hook, SharedMemoryAllreduce) else None
         averaged = shared.seconds if shared else 0.0
         started = time.perf_counter()
-        drawn = itertools.islice(source, count)
+        drawn = self._decoded_ahead(itertools.islice(source, count), epoch)
         assemble = functools.partial(self._assemble, epoch=epoch)
         if self.streaming:  # the next batches are made in a thread while this one trains
             steps = Prefetched(drawn, assemble, self.device, lambda made: made[0].tensors())
@@ -251,14 +251,26 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
             "communication": averaged,
         }
 
+    def _decoded_ahead(self, drawn, epoch: int):
+        """The drawn (chunk, weight, last) of ``epoch`` with the chunk's variable columns
+        decoded, a few batches ahead where worker processes decode (``Decoder.ahead``):
+        (chunk, weight, last, decoded), decoded None without variable columns."""
+        decoder = self.data.decoder
+        if decoder is None:
+            return ((*d, None) for d in drawn)
+        ahead = decoder.ahead(drawn, epoch, lambda d: d[0])
+        return ((*d, decoded) for d, decoded in ahead)
+
     def _assemble(self, drawn: tuple, epoch: int) -> tuple:
-        """A drawn (chunk, weight, last) of ``epoch`` with its batch made: decoded and on
-        the device (in the loader's thread when streaming); a chunk a transformation_fn
-        will change is left as it is."""
-        chunk, weight, last = drawn
+        """A drawn (chunk, weight, last, decoded) of ``epoch`` with its batch made: on the
+        device (in the loader's thread when streaming); a chunk a transformation_fn will
+        change is left as it is."""
+        chunk, weight, last, decoded = drawn
         if self.transform is not None:
             return drawn
-        return Batch(chunk, self.spec, self.device, None, self.data.decoder, epoch), weight, last
+        decoder = self.data.decoder
+        batch = Batch(chunk, self.spec, self.device, None, decoder, epoch, decoded)
+        return batch, weight, last
 
     def _run_steps(
         self, epoch: int, sums: EpochSums, steps, first: int, total: int
@@ -278,10 +290,12 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
             drawn = next(steps, None)
             if drawn is None:
                 break
-            batch, weight, last = drawn
+            batch, weight, last = drawn[:3]
             if not isinstance(batch, Batch):  # with a transformation_fn
-                decoder = self.data.decoder
-                batch = Batch(batch, self.spec, self.device, self.transform, decoder, epoch)
+                decoder, decoded = self.data.decoder, drawn[3]
+                batch = Batch(
+                    batch, self.spec, self.device, self.transform, decoder, epoch, decoded
+                )
             ready = clock()
             data += ready - before
             batches += 1
@@ -317,9 +331,11 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
         chunks = self.data.validation.batches(sizes, epoch)
         if self.sharded:
             chunks = self._lockstep(chunks, len(sizes))
+        decoder = self.data.decoder
+        decoded = decoder.ahead(chunks, None) if decoder else ((c, None) for c in chunks)
         with torch.no_grad(), self.stepper.autocast():
-            for chunk in chunks:
-                batch = Batch(chunk, self.spec, self.device, self.transform, self.data.decoder)
+            for chunk, result in decoded:
+                batch = Batch(chunk, self.spec, self.device, self.transform, decoder, None, result)
                 outputs = as_outputs(model(*batch.inputs))
                 if not batch.size:
                     continue

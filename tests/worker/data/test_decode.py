@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from spark_estimator.decoding import random_crop, random_flip
-from spark_estimator.shared.serialization import dumps
+from spark_estimator.shared.serialization import pack_functions
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, DecodeSpec
 from spark_estimator.worker.data.arrow_reader import ROW_ID
 from spark_estimator.worker.data.batch import Batch
-from spark_estimator.worker.data.decode import BadRow, Decoder, pad_sequences
+from spark_estimator.worker.data.decode import BadRow, Decoder
+from spark_estimator.worker.data.decode_batch import pad_sequences
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.remainder import after, own_runs, remainder_batches, reshard
 from spark_estimator.worker.data.shards import StepPlan
@@ -86,10 +87,13 @@ def augmented(row, augment):
     return {"img": image, "tokens": torch.from_numpy(row["tokens"]), "text": row["text"]}
 
 
-def decoder_for(spec, **options) -> Decoder:
-    decode = DecodeSpec(**{"decode_fn": dumps(augmented, "decode_fn"), "workers": 2, **options})
+def decoder_for(spec, decode_fn=augmented, collate_fn=None, **options) -> Decoder:
+    functions = pack_functions(decode_fn=decode_fn, collate_fn=collate_fn)
+    decode = DecodeSpec(**{"functions": functions, "workers": 2, "pool": "threads", **options})
     data = spec.data
-    return Decoder(decode, data.columns, {"y"}, spec.seed, data.row_names)
+    decoder = Decoder(decode, data.columns, {"y"}, spec.seed, data.row_names)
+    decoder.prime(None)
+    return decoder
 
 
 def test_a_pass_decodes_every_row_with_its_own_augmentation_whatever_the_sharding(tmp_path, store):
@@ -185,7 +189,7 @@ def test_a_collate_fn_gives_the_batch_and_its_masks(tmp_path, store):
             "text": [r["text"].upper() for r in rows],
         }
 
-    decoder = decoder_for(spec, collate_fn=dumps(collate, "collate_fn"))
+    decoder = decoder_for(spec, collate_fn=collate)
     batch = Batch(first_rows(spec, "train", 3), spec, torch.device("cpu"), None, decoder)
     image, tokens, mask, text = batch.inputs
     assert image.dtype == torch.float32 and mask.tolist()[0] == [True, False, False]
@@ -254,7 +258,7 @@ def test_a_decode_fn_that_returns_a_list_is_told_to_return_a_tensor(tmp_path, st
     def as_lists(row, augment):
         return {**augmented(row, augment), "tokens": row["tokens"].tolist()}
 
-    decoder = decoder_for(spec, decode_fn=dumps(as_lists, "decode_fn"))
+    decoder = decoder_for(spec, decode_fn=as_lists)
     with pytest.raises(TypeError) as info:
         decoder(first_rows(spec, "train", 3), None)
     assert str(info.value).startswith(
@@ -262,8 +266,8 @@ def test_a_decode_fn_that_returns_a_list_is_told_to_return_a_tensor(tmp_path, st
     )
     collated = decoder_for(  # with a collate_fn, the rows are its to batch
         spec,
-        decode_fn=dumps(as_lists, "decode_fn"),
-        collate_fn=dumps(lambda rows: {"n": torch.tensor([len(r["tokens"]) for r in rows])}, "c"),
+        decode_fn=as_lists,
+        collate_fn=lambda rows: {"n": torch.tensor([len(r["tokens"]) for r in rows])},
     )
     assert collated(first_rows(spec, "train", 3), None)[0]["n"].tolist() == [1, 2, 3]
 
@@ -278,7 +282,7 @@ def test_images_of_other_channel_counts_in_a_batch_are_told_to_decode_in_one_mod
         return {**augmented(row, None), "img": decode_image(row["img"], mode=mode)}
 
     with pytest.raises(ValueError) as info:
-        decoder_for(spec, decode_fn=dumps(mixed, "decode_fn"))(first_rows(spec, "train", 3), None)
+        decoder_for(spec, decode_fn=mixed)(first_rows(spec, "train", 3), None)
     message = str(info.value)
     assert message.startswith(
         "feature_cols: column 'img' has images of 1 and 3 channels in one batch (1x6x6 and 3x6x6)"
@@ -306,7 +310,7 @@ def test_in_transform_a_bad_row_is_named_with_what_to_filter_and_labels_read_are
     def reads_label(row, augment):
         return {**augmented(row, augment), "y": torch.tensor(row["y"])}
 
-    decode = DecodeSpec(decode_fn=dumps(reads_label, "decode_fn"))
+    decode = DecodeSpec(functions=pack_functions(decode_fn=reads_label))
     good = image_dataset(tmp_path / "good", row_group_size=10)
     with pytest.raises(KeyError) as info:
         Decoder(decode, features, set(), 0, None, fit_labels=["y"])(

@@ -41,7 +41,8 @@ def batches(sizes: list[list[int]], rank: int, first: int = 0) -> _Batches:
         y = torch.tensor(values[:size])
         values = values[size:]
         out.append({"x": torch.stack([y, torch.ones_like(y)], 1), "y": y})
-    return _Batches(len(out), lambda: iter(out), lambda batch: batch)
+    draw = lambda: ((batch, None) for batch in out)  # noqa: E731
+    return _Batches(len(out), draw, lambda batch, epoch, decoded: batch, None)
 
 
 class LogsEveryKind(pl.LightningModule):

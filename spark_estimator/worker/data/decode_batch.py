@@ -1,0 +1,413 @@
+"""Executor: one batch's variable columns decoded and collated into tensors, the same in a
+rank's threads and in its decode worker processes (``decode_pool``).
+
+``BatchDecoding`` holds what decoding needs (the user's functions, the columns and their
+kinds, the seed) and turns a batch's raw values (NumPy arrays of Python objects: bytes,
+strings, image dicts, 1-D arrays; the rows' indices in their split; their names) into a
+``Decoded`` batch, as a PyTorch ``Dataset``'s ``__getitem__`` and a ``DataLoader``'s
+``collate_fn`` would: each row through ``decode_fn(row, augment)`` (``default_decode``
+without one), or the whole batch through ``decode_batch_fn(rows, augments)``, then
+``collate_fn`` (``collate`` without one: tensors of one shape stacked, 1-D tensors padded
+with their mask, other values listed).
+
+``augment`` is a NumPy generator seeded by (seed, epoch, the row's index in its split) when
+training, None otherwise: a row's transforms are the same whenever, on whichever rank and
+by whichever worker it is decoded, so results do not depend on how many workers decode,
+and an exact resume or an elastic resize sees each row with the transforms it would have
+had. A row whose decoding raises fails the batch naming the column (or ``decode_fn``), the
+row's index and name (binaryFile's ``path``, an image's ``origin``) with
+``bad_rows="fail"``; with ``"skip"`` it is left out and reported (``BatchResult.skipped``).
+In ``transform`` (``fit_labels`` given) a row holds the variable feature columns only: a
+``decode_fn`` that reads one of the fit's label columns is told so, one that returns them
+anyway has them dropped, and a bad row is named with what to filter.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...decoding import default_decode
+from ...shared.serialization import loads
+from ...shared.spec import ColumnSpec, DecodeSpec, column_param
+
+log = logging.getLogger("spark_estimator.worker.data.decode")
+LABEL_PADDING = -100  # integer sequence labels: the index CrossEntropyLoss ignores
+MASK = "_mask"  # the suffix of a padded column's mask in a collated batch
+IN_WORKER_PROCESS = False  # set by a decode worker process (``decode_worker``)
+CUDA_HINT = (
+    "decode workers are processes without a GPU: decode with decode_pool='threads' (in the "
+    "training process, on its GPU), or decode_device='cuda' with decode_batch_fn"
+)
+
+
+class BadRow(ValueError):
+    """A row that could not be decoded (the column or decode_fn, its index and name)."""
+
+
+class Decoded(Mapping):
+    """One batch after decoding: column name -> tensor (or list, for strings left as
+    they are), the ``masks`` of its padded feature sequences, and its ``rows``."""
+
+    def __init__(self, columns: dict[str, Any], masks: dict[str, torch.Tensor], rows: int):
+        self.columns, self.masks, self.rows = columns, masks, rows
+        self.rows_of = None  # (row indices, names) of a batch left for decode_batch_fn on a GPU
+
+    def __getitem__(self, name: str):
+        return self.columns[name]
+
+    def __iter__(self):
+        return iter(self.columns)
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Its tensors by name, masks as ``<column>_mask``."""
+        out = {n: v for n, v in self.columns.items() if isinstance(v, torch.Tensor)}
+        return {**out, **{n + MASK: m for n, m in self.masks.items()}}
+
+    def empty(self) -> Decoded:
+        """Zero rows of each column, as decoded."""
+        columns = {n: v[:0] for n, v in self.columns.items()}
+        return Decoded(columns, {n: m[:0] for n, m in self.masks.items()}, 0)
+
+
+@dataclass
+class BatchResult:
+    """What decoding one batch gives: the batch (None when no row was kept), the positions
+    of the rows kept (None: all), the rows left out as (validation?, row index), and the
+    values of the padded sequences collated: [their own, with the padding]."""
+
+    decoded: Decoded | None
+    kept: np.ndarray | None = None
+    skipped: list[tuple[bool, int]] = field(default_factory=list)
+    padding: list[int] = field(default_factory=lambda: [0, 0])
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a ``BatchDecoding`` is made from (picklable: a decode worker process gets it)."""
+
+    spec: DecodeSpec
+    columns: tuple[ColumnSpec, ...]  # the variable columns decoded
+    labels: frozenset[str]  # which of them are labels
+    seed: int
+    row_names: str | None = None  # the column naming each row (``path``)
+    fit_labels: tuple[str, ...] | None = None  # transform: the fit's label columns
+
+
+class BatchDecoding:
+    """Decodes and collates batches of ``recipe``'s columns (see the module)."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe, spec = recipe, recipe.spec
+        self.seed, self.row_names, self.labels = recipe.seed, recipe.row_names, recipe.labels
+        self.fit_labels = recipe.fit_labels
+        self.columns = list(recipe.columns)
+        self.kinds = {c.name: c.kind for c in self.columns}
+        if spec.device == "cuda":  # encoded images are decoded on the GPU, per batch
+            self.kinds = {n: ("bytes" if k == "binary" else k) for n, k in self.kinds.items()}
+        functions = loads(spec.functions) if spec.functions else {}
+        self.decode_fn: Callable | None = functions.get("decode_fn")
+        self.batch_fn: Callable | None = functions.get("decode_batch_fn")
+        self.collate_fn: Callable | None = functions.get("collate_fn")
+        self.init_fn: Callable | None = functions.get("decode_init_fn")
+        self.initialized = False
+
+    def init(self) -> None:
+        """``decode_init_fn``, once, before the first batch (in each worker process)."""
+        if not self.initialized:
+            self.initialized = True
+            if self.init_fn is not None:
+                self.init_fn()
+
+    def decode(
+        self,
+        values: Mapping[str, np.ndarray],
+        ids: np.ndarray,
+        names: np.ndarray | None,
+        epoch: int | None,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> BatchResult:
+        """The batch of raw ``values`` (column -> one object per row) with row indices
+        ``ids`` and row ``names`` decoded (``epoch``: None when not training, so without
+        augmentation) and collated; with a thread ``pool``, its rows in ranges spread over
+        the pool's threads."""
+        self.init()
+        rows = len(ids)
+        if self.batch_fn is not None:
+            return self.decode_batch(values, ids, names, epoch)
+        spans = [(0, rows)] if pool is None else _spans(rows, pool._max_workers)
+        work = [(values, ids, names, epoch, start, stop) for start, stop in spans]
+        parts = pool.map(self._decode_rows, work) if pool else map(self._decode_rows, work)
+        decoded = [row for part in parts for row in part]
+        kept = [i for i, row in enumerate(decoded) if row is not None]
+        skipped = [(epoch is None, int(ids[i])) for i in sorted(set(range(rows)) - set(kept))]
+        padding = [0, 0]
+        good = [decoded[i] for i in kept]
+        collated = self.collate(good, padding) if good else None
+        kept_rows = None if len(kept) == rows else np.asarray(kept, dtype=np.int64)
+        return BatchResult(collated, kept_rows, skipped, padding)
+
+    def _decode_rows(self, work) -> list[dict | None]:
+        values, ids, names, epoch, start, stop = work
+        out = []
+        for i in range(start, stop):
+            row = {name: column[i] for name, column in values.items()}
+            row_id = int(ids[i])
+            augment = None
+            if epoch is not None:
+                augment = np.random.default_rng([self.seed, epoch, row_id])
+            try:
+                if self.decode_fn is not None:
+                    decoded = self.decode_fn(row, augment)
+                else:
+                    decoded = _default(row, self.kinds)
+            except Exception as e:
+                self._check_labels_read(e, row)
+                _check_cuda(e, "decode_fn")
+                name = names[i] if names is not None else _origin(row)
+                error = self._bad_row(e, row_id, name)
+                if self.recipe.spec.bad_rows == "fail":
+                    raise error from e
+                log.warning("%s; skipped (bad_rows='skip')", error)
+                out.append(None)
+                continue
+            if self.decode_fn is not None:
+                if self.fit_labels and isinstance(decoded, dict):  # transform: labels unused
+                    decoded = {
+                        k: v for k, v in decoded.items() if k in row or k not in self.fit_labels
+                    }
+                _check_decoded(decoded, row, row_id, self.collate_fn is not None)
+            out.append(decoded)
+        return out
+
+    def decode_batch(self, values, ids, names, epoch: int | None) -> BatchResult:
+        """``decode_batch_fn`` on the whole batch (a column of values, or of images already
+        decoded on the GPU as one tensor); its result collated as rows would be."""
+        self.init()
+        rows = len(ids)
+        batch = {
+            name: column if isinstance(column, torch.Tensor) else list(column)
+            for name, column in values.items()
+        }
+        augments = None
+        if epoch is not None:
+            augments = [np.random.default_rng([self.seed, epoch, int(i)]) for i in ids]
+        try:
+            out = self.batch_fn(batch, augments)
+        except Exception as e:
+            self._check_labels_read(e, batch, "decode_batch_fn")
+            _check_cuda(e, "decode_batch_fn")
+            first = f" ({self.row_names} {names[0]})" if names is not None and rows else ""
+            raise BadRow(
+                f"decode_batch_fn: failed on the batch whose first row is "
+                f"{int(ids[0]) if rows else '-'} of the split{first} "
+                f"({type(e).__name__}: {e}); bad_rows leaves out rows of decode_fn only"
+            ) from e
+        if not isinstance(out, dict):
+            raise TypeError(
+                f"decode_batch_fn: must return a dict of column -> tensor, got {type(out).__name__}"
+            )
+        if self.fit_labels:
+            out = {k: v for k, v in out.items() if k in batch or k not in self.fit_labels}
+        padding = [0, 0]
+        columns, masks = {}, {}
+        for name, value in out.items():
+            if name.endswith(MASK):
+                masks[name[: -len(MASK)]] = value
+                continue
+            if isinstance(value, torch.Tensor):
+                columns[name] = value
+            else:
+                columns[name], mask = self._collate_column(
+                    name, list(value), name in self.labels, padding
+                )
+                if mask is not None and name not in self.labels:
+                    masks.setdefault(name, mask)
+        missing = sorted(set(batch) - set(columns))
+        if missing:
+            raise TypeError(
+                f"decode_batch_fn: must return a value for each of {sorted(batch)}, "
+                f"missing {missing}"
+            )
+        for name, value in columns.items():
+            if len(value) != rows:
+                raise ValueError(
+                    f"decode_batch_fn: column '{name}' has {len(value)} rows for a batch of "
+                    f"{rows}; it must return one per row"
+                )
+        return BatchResult(Decoded(columns, masks, rows), None, [], padding)
+
+    def _check_labels_read(self, error: Exception, row: Mapping, fn: str = "decode_fn") -> None:
+        """In transform, a decode_fn that failed reading one of the fit's label columns
+        (a KeyError): not a bad row, so said as it is."""
+        user_fn = self.decode_fn if fn == "decode_fn" else self.batch_fn
+        if self.fit_labels is None or user_fn is None or not isinstance(error, KeyError):
+            return
+        name = error.args[0] if error.args else None
+        if name in self.fit_labels and name not in row:
+            raise KeyError(
+                f"{fn}: read '{name}', a label column of the fit; transform's rows hold "
+                f"only the variable feature columns ({', '.join(sorted(row))}): read a label "
+                f"only where the row has it (if '{name}' in row: ...)"
+            ) from error
+
+    def _bad_row(self, error: Exception, row_id: int, name: str | None) -> BadRow:
+        where = getattr(error, "column", None)
+        if where is not None:
+            role = "label" if where in self.labels else "feature"
+            param = f"{column_param(role)}: column '{where}'"
+        else:
+            param = "decode_fn"
+        named = f" ({self.row_names or 'origin'} {name})" if name else ""
+        cause = error.__cause__ if where is not None and error.__cause__ else error
+        if self.fit_labels is not None:  # transform: no bad_rows, the rows are the caller's
+            return BadRow(
+                f"{param}: row {row_id} of the batch{named} could not be decoded "
+                f"({type(cause).__name__}: {cause}); fix it, or filter such rows out of the "
+                "DataFrame before transform"
+            )
+        return BadRow(
+            f"{param}: row {row_id} of the split{named} could not be decoded "
+            f"({type(cause).__name__}: {cause}); fix or filter it, or set bad_rows='skip' to "
+            "leave such rows out (counted in the training summary)"
+        )
+
+    def collate(self, rows: list[dict], padding: list[int]) -> Decoded:
+        """The decoded rows as one batch: ``collate_fn``'s, or ``collate``; the values of
+        padded sequences added to ``padding``."""
+        if self.collate_fn is not None:
+            out = self.collate_fn(rows)
+            if not isinstance(out, dict):
+                raise TypeError(
+                    f"collate_fn: must return a dict of column -> tensor, got {type(out).__name__}"
+                )
+            masks = {n[: -len(MASK)]: m for n, m in out.items() if n.endswith(MASK)}
+            columns = {n: v for n, v in out.items() if not n.endswith(MASK)}
+            return Decoded(columns, masks, len(rows))
+        columns, masks = {}, {}
+        for c in self.columns:
+            column = [row[c.name] for row in rows]
+            label = c.name in self.labels
+            columns[c.name], mask = self._collate_column(c.name, column, label, padding)
+            if mask is not None and not label:
+                masks[c.name] = mask
+        return Decoded(columns, masks, len(rows))
+
+    def _collate_column(self, name: str, values: list, label: bool, padding: list[int]):
+        """One column's rows: tensors of one shape stacked; 1-D tensors (sequences) padded
+        to the longest, with their mask; strings and other objects as a list."""
+        if not values or not all(isinstance(v, torch.Tensor) for v in values):
+            if values and all(isinstance(v, (int, float)) for v in values):
+                return torch.tensor(values), None
+            return values, None
+        if all(v.dim() == 1 for v in values):
+            integral = not values[0].is_floating_point()
+            fill = LABEL_PADDING if label and integral else self.recipe.spec.padding_value
+            padded, mask = pad_sequences(values, fill)
+            padding[0] += int(mask.sum())
+            padding[1] += mask.numel()
+            return padded, mask
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) > 1:
+            a, b = sorted(shapes)[:2]
+            role = "label" if label else "feature"
+            if len(a) == len(b) == 3 and a[1:] == b[1:]:  # images of other channel counts
+                raise ValueError(
+                    f"{column_param(role)}: column '{name}' has images of {a[0]} and {b[0]} "
+                    f"channels in one batch ({'x'.join(map(str, a))} and "
+                    f"{'x'.join(map(str, b))}); give decode_fn that decodes them in one mode "
+                    "(spark_estimator.decoding.decode_image(row[...], mode='RGB'), or 'L' for "
+                    "grayscale)"
+                )
+            raise ValueError(
+                f"{column_param(role)}: column '{name}' has rows of different shapes in one "
+                f"batch ({'x'.join(map(str, a))} and {'x'.join(map(str, b))}); give decode_fn "
+                "that resizes or crops them to one size (spark_estimator.decoding.decode_image "
+                "with size=, center_crop, random_crop), or a collate_fn"
+            )
+        return torch.stack(values), None
+
+
+def pad_sequences(values: list[torch.Tensor], fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D tensors as one ``[rows, longest]`` tensor padded with ``fill``, and the mask
+    (True at each row's own values)."""
+    longest = max((len(v) for v in values), default=0)
+    padded = torch.full((len(values), longest), fill, dtype=values[0].dtype if values else None)
+    mask = torch.zeros((len(values), longest), dtype=torch.bool)
+    for i, v in enumerate(values):
+        padded[i, : len(v)] = v
+        mask[i, : len(v)] = True
+    return padded, mask
+
+
+def _spans(rows: int, parallel: int) -> list[tuple[int, int]]:
+    """Contiguous row ranges, one per thread at most, not below 8 rows each."""
+    parts = max(1, min(parallel, -(-rows // 8)))
+    bounds = np.linspace(0, rows, parts + 1).astype(int)
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+class _ColumnFailed(ValueError):
+    """The default decoding of one column raised (its name in ``column``)."""
+
+    def __init__(self, column: str):
+        super().__init__(column)
+        self.column = column
+
+
+def _default(row: dict, kinds: dict[str, str]) -> dict:
+    """``default_decode`` column by column, so a failure names its column."""
+    out = {}
+    for name, value in row.items():
+        try:
+            out.update(default_decode({name: value}, kinds))
+        except Exception as e:
+            raise _ColumnFailed(name) from e
+    return out
+
+
+def _origin(row: dict) -> str | None:
+    """An image struct's ``origin`` (its file), the name of a row without ``row_names``."""
+    for value in row.values():
+        if isinstance(value, dict) and value.get("origin"):
+            return value["origin"]
+    return None
+
+
+def _check_cuda(error: Exception, fn: str) -> None:
+    """A user's function that failed for want of CUDA in a decode worker process (whose
+    CUDA_VISIBLE_DEVICES is empty): said as it is, not as a bad row."""
+    cuda = isinstance(error, (RuntimeError, AssertionError)) and "CUDA" in str(error)
+    if IN_WORKER_PROCESS and cuda:
+        message = f"{fn}: uses CUDA ({type(error).__name__}: {error}); {CUDA_HINT}"
+        raise RuntimeError(message) from error
+
+
+def _check_decoded(decoded, row: dict, row_id: int, collated: bool) -> None:
+    """A decode_fn's result: a dict with a value for each column of ``row``; without a
+    collate_fn (``collated``), none of them a list, tuple or NumPy array, which would reach
+    forward() as a list of rows."""
+    if not isinstance(decoded, dict) or set(decoded) != set(row):
+        got = sorted(decoded) if isinstance(decoded, dict) else type(decoded).__name__
+        raise TypeError(
+            f"decode_fn: must return a dict with a value for each of {sorted(row)}, got {got}"
+        )
+    if collated:
+        return
+    for name, value in decoded.items():
+        if isinstance(value, (list, tuple, np.ndarray)):
+            raise TypeError(
+                f"decode_fn: returned a {type(value).__name__} of {len(value)} values for "
+                f"column '{name}' of row {row_id}; return a tensor (torch.tensor(...), "
+                "torch.from_numpy(...)), which a batch stacks or pads, or give a collate_fn "
+                "that batches these values"
+            )

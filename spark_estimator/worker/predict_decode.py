@@ -1,0 +1,168 @@
+"""Executor: the variable columns of ``transform``'s Arrow batches decoded as a fit decodes
+them (``Decoder``: threads or worker processes, no augmentation).
+
+Spark's Python worker runs one task after another, and ``transform`` one task per
+partition: the decoder (and its worker processes) of a model's decoding is made once per
+Python worker and kept for the next tasks (``decoder_for``), and closed after
+``IDLE_S`` seconds unused (or with the Python worker: its decode workers end with it).
+Each Arrow batch (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows, 10,000 by default)
+is decoded in parts of ``PART_ROWS`` rows, several in flight at once with worker
+processes, and the parts joined again (``join_parts``: padded sequences padded to the
+longest part's), so that the model still runs on the whole Arrow batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+import pyarrow as pa
+import torch
+
+from ..shared.spec import ColumnSpec, DecodeSpec
+from .data.arrow_reader import ROW_ID
+from .data.convert import variable_to_numpy
+from .data.decode import Decoded, Decoder
+
+PART_ROWS = 256  # rows of an Arrow batch decoded together (one worker's message)
+IDLE_S = 60.0  # a kept decoder unused this long is closed
+_decoders: dict[str, tuple[Decoder, list[float]]] = {}  # key -> (decoder, [last used])
+_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def decoder_for(
+    spec: DecodeSpec,
+    features: list[ColumnSpec],
+    row_names: str | None,
+    fit_labels: list[str],
+    task: str,
+    pin: bool,
+) -> Decoder:
+    """This Python worker's decoder for a model's decoding (made on first use, then kept);
+    ``task`` names the task in errors."""
+    key = hashlib.sha256(repr((spec, features, row_names, fit_labels, pin)).encode()).hexdigest()
+    with _lock:
+        _start_reaper()
+        if key not in _decoders:
+            decoder = Decoder(spec, features, set(), 0, row_names, fit_labels, task, pin, PART_ROWS)
+            _decoders[key] = (decoder, [time.monotonic()])
+        decoder, used = _decoders[key]
+        used[0] = time.monotonic()
+    decoder.rank = task
+    if decoder.processes is not None:
+        decoder.processes.rank = task
+    return decoder
+
+
+def release(decoder: Decoder) -> None:
+    """The task is done with ``decoder``: its idle time starts now."""
+    with _lock:
+        for kept, used in _decoders.values():
+            if kept is decoder:
+                used[0] = time.monotonic()
+
+
+def _start_reaper() -> None:
+    global _reaper
+    if _reaper is None or not _reaper.is_alive():
+        _reaper = threading.Thread(target=_reap, name="spark-estimator-decoders", daemon=True)
+        _reaper.start()
+
+
+def _reap() -> None:
+    while True:
+        time.sleep(min(IDLE_S / 4, 10.0))
+        with _lock:
+            idle = [k for k, (_, used) in _decoders.items() if time.monotonic() - used[0] > IDLE_S]
+            closing = [_decoders.pop(k)[0] for k in idle]
+        for decoder in closing:
+            decoder.close()
+
+
+def decoded_batches(
+    batches: Iterable[pa.RecordBatch],
+    features: list[ColumnSpec],
+    row_names: str | None,
+    decoder: Decoder,
+) -> Iterator[tuple[pa.RecordBatch, Decoded]]:
+    """Each Arrow batch with rows, and its variable feature columns decoded (see the
+    module)."""
+    variable = [c for c in features if c.variable]
+    pending: dict[int, tuple[pa.RecordBatch, int]] = {}  # batch index -> (batch, its parts)
+
+    def raws_of(batch: pa.RecordBatch) -> dict:
+        raws = {c.name: variable_to_numpy(c, batch.column(c.name), "transform") for c in variable}
+        if row_names:
+            raws[row_names] = batch.column(row_names).to_numpy(zero_copy_only=False)
+        return raws
+
+    with_rows = (batch for batch in batches if batch.num_rows)
+    first = next(with_rows, None)
+    if first is None:
+        return
+    first_raws = raws_of(first)
+    if not decoder.primed:  # on this Python worker's first batch with rows
+        decoder.prime({name: values[:1] for name, values in first_raws.items()})
+
+    def parts() -> Iterator[tuple[int, dict]]:
+        for index, batch in enumerate(itertools.chain([first], with_rows)):
+            raws = first_raws if index == 0 else raws_of(batch)
+            starts = range(0, batch.num_rows, PART_ROWS)
+            pending[index] = (batch, len(starts))
+            for start in starts:
+                part = {n: v[start : start + PART_ROWS] for n, v in raws.items()}
+                part["_offset"] = start
+                yield index, part
+
+    done: list[Decoded] = []
+    for (index, _part), (decoded, _) in decoder.ahead(parts(), None, lambda item: _rows(item[1])):
+        done.append(decoded)
+        batch, count = pending[index]
+        if len(done) == count:
+            del pending[index]
+            joined = join_parts(done, decoder.spec.padding_value)
+            done = []
+            yield batch, joined
+
+
+def _rows(part: dict) -> dict:
+    """A part's raw values, its rows numbered from the Arrow batch's first (as errors
+    name them)."""
+    values = {n: v for n, v in part.items() if n != "_offset"}
+    rows = len(next(iter(values.values())))
+    return {**values, ROW_ID: torch.arange(part["_offset"], part["_offset"] + rows)}
+
+
+def join_parts(parts: list[Decoded], padding_value: float) -> Decoded:
+    """Decoded parts of one batch as one: tensors joined along the rows (a padded sequence
+    and its mask padded to the longest part's first), lists joined."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    columns, masks = {}, {}
+    for name, value in first.columns.items():
+        values = [p.columns[name] for p in parts]
+        if not isinstance(value, torch.Tensor):
+            columns[name] = [v for part in values for v in part]
+            continue
+        fill = padding_value if name in first.masks else 0
+        columns[name] = _cat(values, fill)
+    for name in first.masks:
+        masks[name] = _cat([p.masks[name] for p in parts], False)
+    return Decoded(columns, masks, sum(p.rows for p in parts))
+
+
+def _cat(tensors: list[torch.Tensor], fill) -> torch.Tensor:
+    """Tensors joined on their first dimension, those of fewer positions on the second
+    (sequences) padded with ``fill`` to the longest."""
+    if tensors[0].dim() >= 2 and len({t.shape[1] for t in tensors}) > 1:
+        longest = max(t.shape[1] for t in tensors)
+        tensors = [
+            torch.nn.functional.pad(t, (0, longest - t.shape[1]), value=fill) if t.dim() == 2 else t
+            for t in tensors
+        ]
+    return torch.cat(tensors)

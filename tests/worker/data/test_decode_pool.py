@@ -1,0 +1,366 @@
+"""Decoding in worker processes (real processes, real shared memory, real PNG bytes and
+Parquet): the same batches, bit for bit, as threads and whatever the number of workers;
+errors and output as they are; a worker that dies is named within seconds; no process is
+left behind; small shared memory."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from spark_estimator.shared.serialization import pack_functions
+from spark_estimator.shared.spec import DecodeSpec
+from spark_estimator.worker.data import decode_channel
+from spark_estimator.worker.data.arrow_reader import ROW_ID
+from spark_estimator.worker.data.decode import BadRow, Decoder
+from spark_estimator.worker.data.decode_pool import DecodeWorkerDied
+from spark_estimator.worker.data.loader import first_rows, open_loader
+from spark_estimator.worker.data.shards import StepPlan
+from tests.worker.data.test_decode import ROWS, augmented, image_dataset, png
+from tests.worker.data.test_loader import train_spec
+
+pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
+
+
+def decoder(spec, pool, workers, decode_fn=augmented, batch_rows=4, **options) -> Decoder:
+    functions = pack_functions(decode_fn=decode_fn, **options.pop("functions", {}))
+    decode = DecodeSpec(functions=functions, pool=pool, workers=workers, **options)
+    data = spec.data
+    out = Decoder(decode, data.columns, {"y"}, spec.seed, data.row_names, batch_rows=batch_rows)
+    out.prime(first_rows(spec, "train"))
+    return out
+
+
+def decode_pass(spec, decoding: Decoder, epoch=3, batch=5):
+    """Every batch of one shuffled pass, decoded ahead: [(ids, decoded, kept)]."""
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    chunks = loader.batches(StepPlan(ROWS, 1, 0, batch).batch_sizes, 2)
+    return [(c[ROW_ID].tolist(), d, k) for c, (d, k) in decoding.ahead(chunks, epoch)]
+
+
+def same(a, b) -> None:
+    assert len(a) == len(b)
+    for (ids_a, da, ka), (ids_b, db, kb) in zip(a, b):
+        assert ids_a == ids_b
+        assert (ka is None and kb is None) or ka.tolist() == kb.tolist()
+        assert list(da.columns) == list(db.columns) and list(da.masks) == list(db.masks)
+        for name in da.columns:
+            x, y = da.columns[name], db.columns[name]
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+            else:
+                assert x == y, name
+        for name in da.masks:
+            assert torch.equal(da.masks[name], db.masks[name])
+
+
+@pytest.fixture
+def no_leftovers():
+    """The test's decode worker processes are all gone at its end."""
+    before = _workers()
+    yield
+    deadline = time.monotonic() + 10
+    while _workers() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _workers() - before
+
+
+def _workers() -> set[int]:
+    """This machine's decode worker processes."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "data.decode_worker" in line}
+
+
+def test_processes_decode_every_batch_as_threads_do_bit_for_bit(tmp_path, store, no_leftovers):
+    data = image_dataset(tmp_path, images={6: b"not an image"})
+    spec = train_spec(data, store, shuffle=True, shuffle_buffer_size=7)
+    results = {}
+    for pool, workers in (("threads", 1), ("threads", 3), ("processes", 1), ("processes", 2)):
+        decoding = decoder(spec, pool, workers, bad_rows="skip", padding_value=9.0)
+        assert decoding.kind == pool and decoding.workers == workers
+        try:
+            results[pool, workers] = (
+                decode_pass(spec, decoding),
+                decode_pass(spec, decoding, epoch=None),  # validation: no augmentation
+                decoding.skipped_rows,
+                decoding.padding,
+            )
+            summary = decoding.summary()
+        finally:
+            decoding.close()
+        assert summary["pool"] == pool and summary["workers"] == workers
+        if pool == "processes":
+            assert len(summary["worker_peak_rss_bytes"]) == workers
+            assert all(rss > 2**20 for rss in summary["worker_peak_rss_bytes"])
+    reference = results["threads", 1]
+    assert reference[2] == {(False, 6), (True, 6)} and reference[3][0] > 0
+    assert any(k is not None for _, _, k in reference[0])  # the bad row was left out
+    for key, (train, validation, skipped, padding) in results.items():
+        same(train, reference[0])
+        same(validation, reference[1])
+        assert (skipped, padding) == (reference[2], reference[3]), key
+
+
+def test_decode_batch_fn_gets_each_rows_generator_and_decodes_as_decode_fn_in_any_pool(
+    tmp_path, store, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=7)
+
+    def batch_of_rows(rows, augments):  # the per-row decode_fn over the batch
+        count = len(rows["img"])
+        decoded = [
+            augmented({n: rows[n][i] for n in rows}, None if augments is None else augments[i])
+            for i in range(count)
+        ]
+        return {name: [d[name] for d in decoded] for name in rows}
+
+    per_row = decoder(spec, "threads", 1)
+    try:
+        reference = decode_pass(spec, per_row)
+    finally:
+        per_row.close()
+    for pool in ("threads", "processes"):
+        functions = {"decode_batch_fn": batch_of_rows}
+        batched = decoder(spec, pool, 2, decode_fn=None, functions=functions)
+        try:
+            same(decode_pass(spec, batched), reference)
+            assert batched.padding == per_row.padding
+        finally:
+            batched.close()
+
+
+def test_the_init_fn_runs_once_in_each_worker_and_shares_the_decode_fns_globals(
+    tmp_path, store, capfd, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    state = {}
+
+    def init():
+        state["pid"] = os.getpid()
+        (marks / str(os.getpid())).write_text("")
+        print("init ran", flush=True)
+
+    def decode(row, augment):
+        out = augmented(row, augment)
+        print(f"decoded row {int(row['tokens'][0])} in {state['pid']}")
+        return {**out, "img": out["img"] * 0 + state["pid"] % 7}
+
+    decoding = decoder(spec, "processes", 2, decode_fn=decode, functions={"decode_init_fn": init})
+    try:
+        batches = decode_pass(spec, decoding, batch=4)
+        pids = {int(p.name) for p in marks.iterdir()}
+        assert pids == {w.pid for w in decoding.processes.workers}  # once in each, not here
+        for _, decoded, _ in batches:
+            assert {int(v) for v in decoded["img"].flatten().unique()} <= {p % 7 for p in pids}
+    finally:
+        decoding.close()
+    out = capfd.readouterr().out
+    assert out.count("init ran") == 2  # in each worker, not in the rank
+    assert f"in {os.getpid()}" not in out
+    assert any(f"in {pid}" in out for pid in pids)
+
+
+def test_a_bad_row_and_an_error_of_the_user_are_raised_as_threads_raise_them(
+    tmp_path, store, caplog, capfd, no_leftovers
+):
+    data = image_dataset(tmp_path, images={2: b"not an image"}, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+    rows = first_rows(spec, "train", 5)
+    messages = []
+    for pool in ("threads", "processes"):
+        decoding = decoder(spec, pool, 2)
+        try:
+            with pytest.raises(BadRow) as info:
+                decoding(rows, None)
+            messages.append(re.sub(r"0x[0-9a-f]+", "0x..", str(info.value)))
+        finally:
+            decoding.close()
+    assert messages[0] == messages[1]
+    assert messages[1].startswith("decode_fn: row 2 of the split (path file:/data/2.png)")
+    skipping = decoder(spec, "processes", 1, bad_rows="skip")
+    try:
+        decoded, kept = skipping(rows, 1)
+        assert kept.tolist() == [0, 1, 3, 4] and decoded.rows == 4
+    finally:
+        skipping.close()
+    err = capfd.readouterr().err  # the worker's warning, through the rank's stderr
+    assert "WARNING spark_estimator.worker.data.decode: decode_fn: row 2 of the split" in err
+
+    def broken(rows):
+        raise ZeroDivisionError("the user's own")
+
+    with pytest.raises(ZeroDivisionError, match="the user's own") as info:
+        decoder(spec, "processes", 1, functions={"collate_fn": broken})  # while priming
+    assert "in the decode worker" in str(info.value.__cause__)
+
+
+def slow_row(row, augment):
+    """Decodes as ``augmented``, but sleeps on row 9 (a long batch to kill a worker in)."""
+    if int(row["tokens"][0]) == 9:
+        time.sleep(60)
+    return augmented(row, augment)
+
+
+def crash_row(row, augment):
+    """Decodes as ``augmented``, but crashes the process in native code on row 9."""
+    if int(row["tokens"][0]) == 9:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return augmented(row, augment)
+
+
+@pytest.mark.parametrize("how", ["killed", "crashed"])
+def test_a_worker_that_dies_is_named_with_its_batch_and_cause_within_seconds(
+    tmp_path, store, how, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
+    decoding = decoder(spec, "processes", 2, decode_fn=slow_row if how == "killed" else crash_row)
+    decoding.rank = 3
+    decoding.processes.rank = 3
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    chunks = loader.batches([4, 4, 4, 11], 1)  # row 9 is in the third batch (rows 8-11)
+    if how == "killed":
+
+        def kill_when_busy():
+            time.sleep(2.0)
+            busy = [w for w in decoding.processes.workers if w.in_flight]
+            for worker in busy:
+                os.kill(worker.pid, signal.SIGKILL)
+
+        threading.Thread(target=kill_when_busy, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(DecodeWorkerDied) as info:
+            for _ in decoding.ahead(chunks, 1):
+                pass
+        assert time.monotonic() - started < 15
+    finally:
+        decoding.close()
+    message = str(info.value)
+    assert "of rank 3 died while decoding the batch whose first row is" in message
+    if how == "killed":
+        assert "killed by SIGKILL (out of memory, or killed from outside)" in message
+    else:
+        assert "first row is 8 of the split (path file:/data/8.png)" in message
+        assert "killed by SIGSEGV (a crash in native code)" in message
+        assert "Fatal Python error: Segmentation fault" in message  # its stderr's last lines
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from spark_estimator.shared.serialization import pack_functions
+    from spark_estimator.shared.spec import ColumnSpec, DecodeSpec
+    from spark_estimator.worker.data.decode import Decoder
+    spec = DecodeSpec(pool="processes", workers=2)
+    decoder = Decoder(spec, [ColumnSpec("text", "string", "float32")], set(), 0)
+    decoder.prime(None)
+    decoder.processes.wait_ready()
+    print(" ".join(str(w.pid) for w in decoder.processes.workers), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_workers_end_when_their_rank_is_killed(tmp_path, no_leftovers):
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        pids = [int(p) for p in rank.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        rank.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def tiny_shm(tmp_path, monkeypatch):
+    """SPARK_ESTIMATOR_SHM_DIR on a tmpfs of 512 KiB (a container's small /dev/shm)."""
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    monkeypatch.setenv(decode_channel.SHM_DIR_ENV, str(folder))
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_too_little_shared_memory_decodes_in_threads_saying_which_setting(
+    tmp_path, store, tiny_shm, caplog, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+    decoding = decoder(spec, "processes", 2, batch_rows=4096)  # 2 x 2 slots of ~1 MiB
+    try:
+        assert decoding.kind == "threads" and decoding.processes is None
+        assert decoding.summary()["note"] == decoding.note
+        decoded, _ = decoding(first_rows(spec, "train", 4), None)
+        assert decoded["img"].shape == (4, 1, 4, 4)
+    finally:
+        decoding.close()
+    assert f"shared memory in {tiny_shm}, which has 0 MiB free" in decoding.note
+    assert "--shm-size" in decoding.note and decode_channel.SHM_DIR_ENV in decoding.note
+    assert "decoding in threads instead" in caplog.text
+
+
+def test_a_batch_that_outgrows_shared_memory_travels_through_the_socket(
+    tmp_path, store, tiny_shm, capfd, no_leftovers
+):
+    images = {i: png(i, size=160) for i in range(ROWS)}  # 25 KiB a row decoded (1 x 160 x 160)
+    data = image_dataset(tmp_path, images=images, file_rows=(ROWS,), row_group_size=ROWS)
+    spec = train_spec(data, store)
+
+    def whole(row, augment):
+        from spark_estimator.decoding import decode_image
+
+        return {**augmented(row, None), "img": decode_image(row["img"], mode="L")}
+
+    threads = decoder(spec, "threads", 1, decode_fn=whole)
+    processes = decoder(spec, "processes", 1, decode_fn=whole, batch_rows=2)
+    try:
+        assert processes.kind == "processes"
+        rows = first_rows(spec, "train", ROWS)  # 23 rows of 25 KiB: more than 512 KiB
+        big, _ = processes(rows, None)
+        assert torch.equal(big["img"], threads(rows, None)[0]["img"])
+    finally:
+        threads.close()
+        processes.close()
+    assert "no room for a batch in shared memory" in capfd.readouterr().err
+
+
+def test_an_empty_batch_and_a_rank_without_rows_decode_to_zero_rows(tmp_path, store, no_leftovers):
+    spec = train_spec(image_dataset(tmp_path, file_rows=(2,)), store, shuffle=False)
+    decoding = decoder(spec, "processes", 1)
+    try:
+        loader = open_loader(spec, "train", 3, 2, pin=False)  # 2 rows on 3 ranks: none here
+        ((_, (decoded, kept)),) = list(decoding.ahead(loader.batches([0], 1), 1))
+        assert decoded.rows == 0 and kept is None
+        assert decoded["img"].shape == (0, 1, 4, 4) and decoded.masks["tokens"].shape[0] == 0
+    finally:
+        decoding.close()
+    assert np.asarray(decoding.padding).tolist() == [0, 0]
