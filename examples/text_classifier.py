@@ -1,5 +1,5 @@
-"""Text classifier: a small transformer encoder on a string column, tokenized per row by
-a decode_fn, with batches padded to their longest sentence and a mask.
+"""Text classifier: a small transformer encoder on a string column, tokenized a batch at a
+time by a decode_batch_fn, with batches padded to their longest sentence and a mask.
 
 Run it with either of:
     PYSPARK_PYTHON=.venv/bin/python .venv/bin/spark-submit --master "local[2]" \
@@ -8,10 +8,11 @@ Run it with either of:
 
 It makes 2,000 sentences about four topics (sports, weather, food, technology) from
 templates, with noise: words of another topic and typos. Nothing is downloaded: a WordPiece
-tokenizer (the tokenizers package) is trained on the training sentences, and a decode_fn
-turns each row's text into a 1-D int64 tensor of token ids on the executors. The batches
-are padded to their longest row, so the model's forward(ids, mask) gets the ids and a
-mask (True at each row's own tokens): the encoder ignores the padding
+tokenizer (the tokenizers package) is trained on the training sentences, and a
+decode_batch_fn turns each batch's texts into token ids on the executors with the
+tokenizer's encode_batch (its own threads, without the GIL), one 1-D int64 tensor per
+row. The batches are padded to their longest row, so the model's forward(ids, mask) gets
+the ids and a mask (True at each row's own tokens): the encoder ignores the padding
 (src_key_padding_mask=~mask) and so does the mean over the tokens. Prints the per-epoch
 history and the held-out accuracy of model.transform, scored by Spark ML's
 MulticlassClassificationEvaluator.
@@ -172,10 +173,18 @@ def main(argv=None) -> int:
     tokenizer = train_tokenizer([row.text for row in train.select("text").collect()])
     print("a sentence and its tokens:", sentences[0][0], tokenizer.encode(sentences[0][0]).tokens)
 
-    def tokenize(row: dict, augment) -> dict:
-        """On the executors, for each row: its text as token ids (the tokenizer travels
-        with this function)."""
-        return {"text": torch.tensor(tokenizer.encode(row["text"]).ids, dtype=torch.int64)}
+    def tokenize(rows: dict, augments) -> dict:
+        """On the executors, once per batch: rows["text"] is the batch's texts, each
+        turned into a 1-D tensor of token ids, which the batch pads (with padding_value 0,
+        "[PAD]") and masks. augments (each row's random generator in training) is unused:
+        the text is not augmented.
+
+        The tokenizer, trained above on the driver, travels with this function: it is
+        pickled with it, and each decode worker unpickles its copy once. A tokenizer to
+        load on the executors instead (a file they all read, a model hub) would be loaded
+        once per worker by a decode_init_fn that sets a global this function reads."""
+        encodings = tokenizer.encode_batch(rows["text"])
+        return {"text": [torch.tensor(e.ids, dtype=torch.int64) for e in encodings]}
 
     torch.manual_seed(0)
     net = TextClassifier(tokenizer.get_vocab_size(), classes=len(TOPICS))
@@ -185,7 +194,7 @@ def main(argv=None) -> int:
         loss=nn.CrossEntropyLoss(),
         feature_cols=["text"],  # one padded column: forward(ids, mask)
         label_cols=["label"],
-        decode_fn=tokenize,
+        decode_batch_fn=tokenize,  # per row instead: decode_fn(row, augment)
         classification=True,  # transform adds prediction, probability and rawPrediction
         metrics={"accuracy": lambda logits, label: (logits.argmax(1) == label).float().mean()},
         batch_size=32,

@@ -564,3 +564,47 @@ def test_a_decode_worker_killed_mid_fit_fails_it_naming_the_cause_and_leaves_not
         message,
     ), message
     assert not decode_workers()
+
+
+def test_decode_batch_fn_with_encode_batch_trains_as_decode_fn_with_encode_bit_for_bit(
+    spark, store
+):
+    """A real tokenizer's encode_batch over each batch, with each row's generator from
+    augments, trains the same weights as its encode row by row (bucketed batches, a
+    validation split)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    rows = sentences()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    trainer = tokenizers.trainers.WordPieceTrainer(
+        vocab_size=60, special_tokens=["[PAD]", "[UNK]"], show_progress=False
+    )
+    tokenizer.train_from_iterator([text for text, _ in rows], trainer)
+    assert tokenizer.get_vocab_size() <= 128  # BagOfTokens' embedding
+
+    def dropped(ids: list[int], augment) -> torch.Tensor:  # a token in 5 left out in training
+        ids = torch.tensor(ids, dtype=torch.int64)
+        return ids if augment is None else ids[torch.from_numpy(augment.random(len(ids)) > 0.2)]
+
+    def per_row(row, augment):
+        return {"text": dropped(tokenizer.encode(row["text"]).ids, augment)}
+
+    def per_batch(rows, augments):
+        encodings = tokenizer.encode_batch(rows["text"])
+        assert augments is None or len(augments) == len(encodings)
+        augments = augments or [None] * len(encodings)
+        return {"text": [dropped(e.ids, a) for e, a in zip(encodings, augments)]}
+
+    df = spark.createDataFrame(rows, "text string, label long")
+    params = dict(feature_cols=["text"], epochs=2, batch_size=16, validation=0.2)
+    fits = [
+        estimator(BagOfTokens(), store, 0.05, bucket_by_length=True, **params, **decode).fit(df)
+        for decode in ({"decode_fn": per_row}, {"decode_batch_fn": per_batch})
+    ]
+    rowwise, batched = (m.getModel().state_dict() for m in fits)
+    for name, value in rowwise.items():
+        assert torch.equal(batched[name], value), name
+    losses = [[(h["train"], h["validation"]) for h in m.getHistory()] for m in fits]
+    assert losses[0] == losses[1]
+    padding = [m.getTrainingSummary()["padding"] for m in fits]
+    assert padding[0] == padding[1] and padding[0]["share"] > 0

@@ -1,7 +1,8 @@
 """Executor: the device a task computes on, pinned for the task: the GPU Spark assigned it
 (its torch ordinal where ``CUDA_VISIBLE_DEVICES`` renumbers the GPUs), or the CPU, with the
-reason where ``use_gpu="auto"`` fell back to it; and torch's thread count (the task's
-CPUs)."""
+reason where ``use_gpu="auto"`` fell back to it; torch's thread count (the task's CPUs),
+and the thread-count variables of the libraries a task starts later (``thread_environment``:
+the tokenizers package's Rayon pool, OpenMP and MKL of the processes it starts)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,38 @@ import sys
 from collections.abc import Mapping, Sequence
 
 import torch
+
+# set to the task's CPUs where the user has not set them (``thread_environment``)
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")
+# what ``set_thread_environment`` put in this process's environment: PySpark's Python
+# workers run task after task, and a value an earlier task set is not the user's
+_set_here: dict[str, str] = {}
+
+
+def thread_environment(
+    cpus: int, environ: Mapping[str, str], ours: Mapping[str, str]
+) -> dict[str, str]:
+    """The variables to set for a task of ``cpus`` CPUs: each of ``THREAD_VARIABLES`` as
+    ``cpus``, unless ``environ`` holds a value of it that is not one an earlier task of this
+    process set (``ours``). That one is the user's (``spark.executorEnv.<NAME>``, the
+    executor's environment) or Spark's (``OMP_NUM_THREADS``, the task's CPUs, in every
+    Python worker unless ``spark.executorEnv.OMP_NUM_THREADS`` is set), and is kept."""
+    count = str(max(1, cpus))
+    return {
+        name: count
+        for name in THREAD_VARIABLES
+        if name not in environ or (name in ours and environ[name] == ours[name])
+    }
+
+
+def set_thread_environment(cpus: int) -> dict[str, str]:
+    """Set ``thread_environment``'s variables in ``os.environ``; return them. The tokenizers
+    package reads ``RAYON_NUM_THREADS`` when its pool first starts in the process, so this
+    runs before the task's code (and the decode workers it starts inherit the rest)."""
+    values = thread_environment(cpus, os.environ, _set_here)
+    os.environ.update(values)
+    _set_here.update(values)
+    return values
 
 
 def cuda_ordinal(address: str, visible_devices: str | None) -> int:
@@ -71,8 +104,9 @@ def task_gpu_addresses(resources: Mapping) -> list[str]:
 
 
 def task_device(ctx, use_gpu: bool | str, warn: bool = True) -> tuple[torch.device, str | None]:
-    """Pin the device for the running Spark task ``ctx`` and size torch's threads; return
-    the device and, on a CPU fallback, the reason (the driver turns it into one warning).
+    """Pin the device for the running Spark task ``ctx`` and size torch's threads (and
+    ``set_thread_environment``'s variables) to its CPUs; return the device and, on a CPU
+    fallback, the reason (the driver turns it into one warning).
 
     With ``warn`` the reason is also written to the executor's own log (its stderr),
     bypassing the capture of the rank's output (``run_log``): every rank would repeat it
@@ -88,4 +122,5 @@ def task_device(ctx, use_gpu: bool | str, warn: bool = True) -> tuple[torch.devi
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, ctx.cpus()))
+    set_thread_environment(ctx.cpus())
     return device, reason

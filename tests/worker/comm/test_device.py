@@ -1,7 +1,18 @@
+import os
+
 import pytest
 import torch
 
-from spark_estimator.worker.comm.device import cuda_ordinal, select_device, task_gpu_addresses
+from spark_estimator import run
+from spark_estimator.worker.comm import device
+from spark_estimator.worker.comm.device import (
+    THREAD_VARIABLES,
+    cuda_ordinal,
+    select_device,
+    task_device,
+    task_gpu_addresses,
+    thread_environment,
+)
 
 
 class FakeResource:
@@ -58,3 +69,88 @@ def test_spark_gpu_address_maps_to_the_visible_device_index():
     assert cuda_ordinal("0", "") == 0
     device, _ = select_device(True, ["5"], True, visible_devices="4,5,6")
     assert device == torch.device("cuda", 1)
+
+
+def test_thread_variables_are_the_task_cpus_where_the_user_set_none():
+    assert thread_environment(4, {}, {}) == {
+        "OMP_NUM_THREADS": "4",
+        "MKL_NUM_THREADS": "4",
+        "RAYON_NUM_THREADS": "4",
+    }
+    assert thread_environment(0, {}, {})["RAYON_NUM_THREADS"] == "1"
+
+
+def test_a_value_the_user_or_spark_set_wins():
+    # spark.executorEnv.RAYON_NUM_THREADS (or the executor's environment); Spark's own
+    # OMP_NUM_THREADS, which every Python worker has unless executorEnv sets it
+    environ = {"RAYON_NUM_THREADS": "6", "OMP_NUM_THREADS": "2"}
+    assert thread_environment(4, environ, {}) == {"MKL_NUM_THREADS": "4"}
+
+
+def test_a_value_an_earlier_task_of_the_python_worker_set_is_set_again():
+    earlier = {"RAYON_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    environ = {**earlier, "OMP_NUM_THREADS": "8"}
+    assert thread_environment(8, environ, earlier) == {
+        "MKL_NUM_THREADS": "8",
+        "RAYON_NUM_THREADS": "8",
+    }
+    # one the task's own code changed since is no longer ours
+    assert thread_environment(8, {**environ, "MKL_NUM_THREADS": "3"}, earlier) == {
+        "RAYON_NUM_THREADS": "8"
+    }
+
+
+class FakeTask:
+    def __init__(self, cpus: int):
+        self._cpus = cpus
+
+    def cpus(self) -> int:
+        return self._cpus
+
+    def resources(self) -> dict:
+        return {}
+
+    def partitionId(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def fresh_environment(monkeypatch):
+    """No thread variables in the environment, none set by an earlier task; the variables
+    and torch's thread count put back afterwards (a Spark session started later would pass
+    what leaked on to its Python workers)."""
+    before = {name: os.environ.pop(name, None) for name in THREAD_VARIABLES}
+    monkeypatch.setattr(device, "_set_here", {})
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    for name, value in before.items():
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+
+
+def test_task_device_sets_them_for_each_task_of_a_reused_python_worker(
+    fresh_environment, monkeypatch
+):
+    monkeypatch.setenv("MKL_NUM_THREADS", "5")  # the user's
+    assert task_device(FakeTask(2), use_gpu=False) == (torch.device("cpu"), None)
+    assert torch.get_num_threads() == 2
+    assert [os.environ[n] for n in THREAD_VARIABLES] == ["2", "5", "2"]
+    task_device(FakeTask(3), use_gpu=False)  # the next task, in the same process
+    assert [os.environ[n] for n in THREAD_VARIABLES] == ["3", "5", "3"]
+    assert torch.get_num_threads() == 3
+
+
+def report_threads():
+    """What a rank of run() sees."""
+    return {name: os.environ.get(name) for name in THREAD_VARIABLES}, torch.get_num_threads()
+
+
+def test_the_ranks_of_a_real_job_see_the_task_cpus_and_run_env_wins(spark):
+    # local[4]: a task has spark.task.cpus = 1 CPU
+    (seen, threads), *_ = run(
+        report_threads, num_proc=1, use_gpu=False, env={"MKL_NUM_THREADS": "3"}, spark=spark
+    )
+    assert seen == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "3", "RAYON_NUM_THREADS": "1"}
+    assert threads == 1
