@@ -443,7 +443,7 @@ def data_path_rate(store, num_proc: int) -> float | None:
 
     import torch
 
-    from spark_estimator.shared.serialization import dumps
+    from spark_estimator.shared.serialization import pack_functions
     from spark_estimator.shared.spec import DatasetInfo, DecodeSpec
     from spark_estimator.worker.data.batch import Batch
     from spark_estimator.worker.data.decode import Decoder
@@ -454,7 +454,7 @@ def data_path_rate(store, num_proc: int) -> float | None:
     if not metas:
         return None
     data = DatasetInfo.from_json(str(metas[0].parent), json.loads(metas[0].read_text()), True)
-    decoding = DecodeSpec(decode_fn=dumps(decode, "decode_fn"), workers=1)
+    decoding = DecodeSpec(functions=pack_functions(decode_fn=decode), pool="threads", workers=1)
     spec = bc.loader_only_spec(data, store, GLOBAL_BATCH // num_proc, decode=decoding)
     loader = open_loader(spec, "train", num_proc, 0, pin=False)
     decoder = Decoder(decoding, data.columns, {"label"}, 0, data.row_names)

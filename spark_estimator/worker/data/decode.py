@@ -83,21 +83,24 @@ class Decoder:
         self.spec, self.row_names, self.rank, self.pin = spec, row_names, rank, pin
         self.batch_rows = batch_rows
         variable = tuple(c for c in columns if c.variable)
-        self.recipe = Recipe(
-            spec,
-            variable,
-            frozenset(labels),
-            seed,
-            row_names,
-            tuple(fit_labels) if fit_labels is not None else None,
-        )
+        fit = tuple(fit_labels) if fit_labels is not None else None
+
+        def recipe(decoded: tuple[ColumnSpec, ...]) -> Recipe:
+            return Recipe(spec, decoded, frozenset(labels), seed, row_names, fit)
+
+        whole = BatchDecoding(recipe(variable))
+        # decode_device="cuda": the binary columns' JPEGs are decoded on the GPU, a batch at
+        # a time (on_device); they reach it as the rows' bytes, not through the workers
+        gpu = spec.device == "cuda" and whole.collate_fn is None
+        self.gpu_images = [c.name for c in variable if gpu and c.kind == "binary"]
+        # with decode_batch_fn too, the whole batch is decoded here, after the GPU's part
+        self.on_gpu = gpu and whole.batch_fn is not None
+        cpu = () if self.on_gpu else tuple(c for c in variable if c.name not in self.gpu_images)
+        self.recipe = recipe(cpu)
         self.local = BatchDecoding(self.recipe)  # the rank's own: threads, and priming
         self.columns = list(variable)
-        self.kinds = self.local.kinds
-        # with GPU decoding and decode_batch_fn, the whole batch is decoded here (on_device)
-        self.on_gpu = spec.device == "cuda" and self.local.batch_fn is not None
         cpus = task_cpus()
-        self.kind = _pool_kind(spec.pool, cpus, self.on_gpu)
+        self.kind = _pool_kind(spec.pool, cpus, bool(cpu))
         self.workers = spec.workers or default_workers(self.kind, cpus)
         self.threads: ThreadPoolExecutor | None = None
         self.processes: DecodePool | None = None
@@ -201,27 +204,26 @@ class Decoder:
         epoch_of = epoch if callable(epoch) else (lambda item: epoch)
         if self.processes is None:
             for item in items:
-                decoded = self._decode_here(batch_of(item), epoch_of(item))
-                yield item, self._finish(decoded)
+                batch = batch_of(item)
+                result = self._decode_here(batch, epoch_of(item))
+                yield item, self._finish(result, batch)
             return
 
         def raw(item: T):
             return (*self._raw(batch_of(item)), epoch_of(item))
 
         for item, result in self.processes.decode_many(items, raw):
-            yield item, self._finish(result)
+            yield item, self._finish(result, batch_of(item))
 
     def _decode_here(self, batch: Mapping, epoch: int | None) -> BatchResult:
         values, ids, names = self._raw(batch)
-        if self.on_gpu:  # decode_batch_fn runs on the GPU's decoded images (on_device)
-            columns = {n: list(v) for n, v in values.items()}
-            decoded = Decoded(columns, {}, len(ids))
-            decoded.rows_of = (ids, names)
-            return BatchResult(decoded)
+        if not self.recipe.columns:  # all decoded on the GPU (on_device)
+            return BatchResult(Decoded({}, {}, len(ids)))
         return self.local.decode(values, ids, names, epoch, self.threads)
 
     def _raw(self, batch: Mapping) -> tuple[dict, np.ndarray, np.ndarray | None]:
-        values = {c.name: batch[c.name] for c in self.columns}
+        """A batch's values of the columns decoded on the CPU, its row indices and names."""
+        values = {c.name: batch[c.name] for c in self.recipe.columns}
         ids = self._ids(batch)
         names = batch[self.row_names] if self.row_names else None
         return values, ids, names
@@ -232,23 +234,36 @@ class Decoder:
         rows = len(batch[self.columns[0].name]) if self.columns else 0
         return np.arange(rows)
 
-    def _finish(self, result: BatchResult):
+    def _finish(self, result: BatchResult, batch: Mapping):
         """Count what ``result`` reports; its batch (zero rows of each column where none
-        was kept) and the positions of the rows kept."""
+        was kept), with the rows' bytes of the columns the GPU decodes, and the positions
+        of the rows kept."""
         self.skipped_rows.update(tuple(s) for s in result.skipped)
         self.padding[0] += result.padding[0]
         self.padding[1] += result.padding[1]
-        decoded = result.decoded
+        decoded, kept = result.decoded, result.kept
         if decoded is None:
             decoded = self.empty if self.empty is not None else Decoded({}, {}, 0)
-        return decoded, result.kept
+            return decoded, kept
+        raw = (
+            self.columns if self.on_gpu else [c for c in self.columns if c.name in self.gpu_images]
+        )
+        for c in raw:
+            values = batch[c.name]
+            decoded.columns[c.name] = list(values if kept is None else values[kept])
+        if self.on_gpu:
+            ids, names = self._ids(batch), batch[self.row_names] if self.row_names else None
+            if kept is not None:
+                ids, names = ids[kept], names[kept] if names is not None else None
+            decoded.rows_of = (ids, names)
+        return decoded, kept
 
     def on_device(self, decoded: Decoded, device: torch.device, epoch: int | None = None) -> None:
         """With ``decode_device="cuda"``: the encoded images, still bytes after the rows'
         decoding, decoded on ``device`` in one call per column (``decode_jpegs``); then,
         with ``decode_batch_fn``, the batch through it (the images on the GPU)."""
-        for name, kind in self.kinds.items():
-            if kind == "bytes" and isinstance(decoded.columns.get(name), list):
+        for name in self.gpu_images:
+            if isinstance(decoded.columns.get(name), list):
                 decoded.columns[name] = decode_jpegs(name, decoded.columns[name], device)
         if self.on_gpu:
             self._gpu_batch_fn(decoded, epoch)
@@ -263,9 +278,9 @@ class Decoder:
         decoded.columns, decoded.masks = result.decoded.columns, result.decoded.masks
 
 
-def _pool_kind(pool: str, cpus: int, on_gpu: bool) -> str:
-    if on_gpu:
-        return "threads"  # the batch is decoded on the GPU, in the rank's batch thread
+def _pool_kind(pool: str, cpus: int, cpu_work: bool) -> str:
+    if not cpu_work:
+        return "threads"  # all is decoded on the GPU, in the rank's batch thread
     if pool == "auto":
         return "processes" if cpus > THREADS_UP_TO_CPUS else "threads"
     return pool
@@ -277,7 +292,8 @@ def decode_jpegs(name: str, images: list[bytes], device: torch.device) -> torch.
     decode_jpeg, ImageReadMode = require_gpu_jpeg()
     if not images:
         return torch.empty((0, 3, 0, 0), dtype=torch.uint8, device=device)
-    data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in images]
+    joined = torch.frombuffer(bytearray().join(images), dtype=torch.uint8)  # one copy
+    data = list(joined.split([len(b) for b in images]))
     out = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     shapes = sorted({tuple(t.shape) for t in out})
     if len(shapes) > 1:

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from .columns import host_empty, place
 from .decode_batch import BatchResult, Decoded, Recipe
 from .decode_channel import Channel, Segment
 from .decode_worker import SLOTS
@@ -238,12 +239,13 @@ class DecodePool:
         for (where, name), value in reply["inline"].items():
             parts[where][name] = value
         for where, name, offset, dtype, shape, stride in reply["layout"]:
+            # the tensor's memory as the worker laid it out, copied as it is (one memcpy,
+            # NumPy's: single-threaded, without the GIL), then given its shape and strides
             dtype = getattr(torch, dtype.split(".")[-1])
             numel = int(torch.Size(shape).numel())
-            shared = segment.view(offset, dtype, (numel,)).as_strided(shape, stride)
-            pin = self.pin and numel > 0
-            out = torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pin)
-            parts[where][name] = out.copy_(shared)
+            flat = host_empty((numel,), dtype, self.pin and numel > 0)
+            place(flat, segment.view(offset, dtype, (numel,)))
+            parts[where][name] = flat.as_strided(shape, stride)
         decoded = None
         if reply["rows"] or parts["columns"]:
             columns = {n: parts["columns"][n] for n in reply["order"]}

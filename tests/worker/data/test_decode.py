@@ -122,13 +122,15 @@ def test_a_pass_decodes_every_row_with_its_own_augmentation_whatever_the_shardin
     assert not all(torch.equal(other_epoch[i], seen[1][i]) for i in range(4))
 
 
-@pytest.mark.parametrize("old, new, steps_done", [(3, 2, 1), (2, 3, 2)])
+@pytest.mark.parametrize(
+    "old, new, steps_done, pool", [(3, 2, 1, "threads"), (2, 3, 2, "processes")]
+)
 def test_a_resized_epoch_trains_every_row_once_with_the_transforms_it_would_have_had(
-    tmp_path, store, old, new, steps_done
+    tmp_path, store, old, new, steps_done, pool
 ):
     spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=2)
     batch, pass_index, epoch = 3, 2, 5
-    decoder = decoder_for(spec)
+    decoder = decoder_for(spec, pool=pool)  # the reference, and the launches, decoded so
     reference = {}
     plan = StepPlan(ROWS, 1, 0, batch)
     for chunk in open_loader(spec, "train", 1, 0, pin=False).batches(plan.batch_sizes, 1):

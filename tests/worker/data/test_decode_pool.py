@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from spark_estimator.decoding import random_crop, random_flip
 from spark_estimator.shared.serialization import pack_functions
 from spark_estimator.shared.spec import DecodeSpec
 from spark_estimator.worker.data import decode_channel
@@ -364,3 +365,70 @@ def test_an_empty_batch_and_a_rank_without_rows_decode_to_zero_rows(tmp_path, st
     finally:
         decoding.close()
     assert np.asarray(decoding.padding).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_gpu_decoding_gets_the_rows_bytes_and_decode_batch_fn_the_decoded_batch(
+    tmp_path, store, monkeypatch, pool, no_leftovers
+):
+    """decode_device="cuda", simulated on the CPU (the GPU decoder swapped for Pillow):
+    the images reach on_device as the rows' bytes, the other columns decoded by the pool;
+    with decode_batch_fn, it gets the decoded images as one tensor and each row's
+    generator, and crops as decode_fn would."""
+    from spark_estimator.decoding import decode_image
+    from spark_estimator.worker.data import decode as decode_module
+
+    decoded_on = []
+
+    def on_cpu(name, images, device):
+        decoded_on.append(len(images))
+        return torch.stack([decode_image(b, mode="L") for b in images])
+
+    monkeypatch.setattr(decode_module, "decode_jpegs", on_cpu)
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=7)
+    cpu = torch.device("cpu")
+
+    plain = decoder(spec, pool, 2, decode_fn=None, device="cuda")
+    try:
+        assert plain.gpu_images == ["img"] and [c.name for c in plain.recipe.columns] == [
+            "tokens",
+            "text",
+        ]
+        for ids, decoded, _ in decode_pass(spec, plain):
+            assert decoded["img"] == [png(i) for i in ids]  # still bytes, in the rows' order
+            plain.on_device(decoded, cpu)
+            assert decoded["img"].shape == (len(ids), 1, 6, 6) and decoded["text"][0].startswith(
+                "row"
+            )
+    finally:
+        plain.close()
+
+    def crops(rows, augments):  # per row, as ``augmented`` crops and flips
+        images = rows["img"]
+        assert isinstance(images, torch.Tensor)
+        out = []
+        for image, augment in zip(images, augments or [None] * len(images)):
+            if augment is None:
+                out.append(image[:, 1:5, 1:5])
+            else:
+                out.append(random_flip(random_crop(image, 4, augment, padding=1), augment))
+        tokens = [torch.from_numpy(t) for t in rows["tokens"]]
+        return {"img": torch.stack(out), "tokens": tokens, "text": rows["text"]}
+
+    batched = decoder(
+        spec, pool, 2, decode_fn=None, device="cuda", functions={"decode_batch_fn": crops}
+    )
+    reference = decoder(spec, "threads", 1)
+    try:
+        assert batched.on_gpu and batched.processes is None  # all of it in the rank
+        want = decode_pass(spec, reference)
+        got = decode_pass(spec, batched)
+        for (_, decoded, _), (_, expected, _) in zip(got, want):
+            batched.on_device(decoded, cpu, 3)
+            assert torch.equal(decoded["img"], expected["img"])
+            assert torch.equal(decoded["tokens"], expected["tokens"])
+            assert torch.equal(decoded.masks["tokens"], expected.masks["tokens"])
+        assert batched.padding == reference.padding
+    finally:
+        batched.close()
+        reference.close()
