@@ -10,7 +10,11 @@ On a machine with a CUDA GPU and the project installed (or the shared GPU runtim
 
 The checks: every test marked ``gpu`` (``pytest -m gpu tests``), ``gpu_fit.py`` for both
 model sizes of its targets (MLP 32-4096x3-1 and 32-256x2-1), eager and with ``--compile``,
-and ``loop_overhead.py --device cuda``. Each benchmark records its section in
+``loop_overhead.py --device cuda``, and ``image_gpu.py`` (``image-gpu``: an image fit on
+the GPU, the small CNN and resnet18, with ``decode_fn``, the default decoding and
+``decode_device="cuda"``, against a hand ``DataLoader`` loop; it needs torchvision, and
+simplejpeg for the default decoding: see its docstring for the wheel the lent machine
+lacks; sized for under 4 minutes there). Each benchmark records its section in
 ``benchmarks/results/`` as it always does; the table here gives, per check, its exit status,
 its seconds and its headline figures (the bold ratios the benchmark prints). Exits 1 if any
 check failed, 2 without a CUDA GPU (``--dry-run`` prints the commands instead).
@@ -37,6 +41,7 @@ CHECKS = {
     "fit-small": [GPU_FIT, *SMALL],
     "fit-small-compile": [GPU_FIT, *SMALL, "--compile"],
     "loop-cuda": ["benchmarks/loop_overhead.py", "--device", "cuda"],
+    "image-gpu": ["benchmarks/image_gpu.py"],
 }
 
 

@@ -175,6 +175,33 @@ def test_image_fit_decodes_its_generated_jpegs_to_crops_both_models_take():
         assert tuple(module.build(name)(batch).shape) == (2, module.CLASSES)
 
 
+def test_image_gpu_crops_a_batch_as_the_per_row_decode_fn_does_from_bytes_or_decoded_images():
+    pytest.importorskip("PIL")
+    import numpy as np
+
+    module = benchmark("image_gpu")
+    blobs = [module.image_fit.make_image(i) for i in range(6)]
+
+    def generators():  # each row's, as a fit seeds them: (seed, epoch, row)
+        return [np.random.default_rng([0, 2, i]) for i in range(6)]
+
+    per_row = [
+        module.image_fit.decode({"content": b}, g)["content"] for b, g in zip(blobs, generators())
+    ]
+    expected = torch.stack(per_row)
+    # decode_device="cuda" hands decode_batch_fn the batch already decoded, stacked [B, 3, H, W]
+    decoded = torch.stack([module.decoding.decode_image(b) for b in blobs])
+    assert torch.equal(
+        module.augment_batch({"content": decoded}, generators())["content"], expected
+    )
+    if hasattr(module.decoding, "decode_images"):  # the default decoding's column: the bytes
+        from_bytes = module.augment_batch({"content": blobs}, generators())["content"]
+        assert torch.equal(from_bytes, expected)
+    centre = module.augment_batch({"content": decoded}, None)["content"]
+    assert tuple(centre.shape) == (6, 3, module.CROP, module.CROP)
+    assert tuple(module.build("small")(expected).shape) == (6, module.CLASSES)
+
+
 def test_text_fit_tokenizes_pickles_without_its_tokenizer_and_pads_with_a_mask(tmp_path):
     import cloudpickle
     import numpy as np
