@@ -83,11 +83,15 @@ then the runtime's two pieces in two calls (``cp .gpu/c0 /tmp/chunks/``, carryin
 
     source .gpu/env.sh .gpu && \\
     python3 -m pip install -q --no-index --no-deps --target /tmp/rt/site .gpu/wheels/*.whl && \\
+    export SPARK_ESTIMATOR_BENCH_COMMIT=$(python3 -c "import tarfile; \\
+        print(tarfile.open('.gpu/proj.tgz').pax_headers['comment'])") && \\
     cd /tmp/proj && timeout 400 python3 benchmarks/gpu_check.py image-gpu 2>&1 | tee $OUT/log; \\
     cp benchmarks/results/image_gpu.md $OUT/
 
 (``/tmp/rt/site`` is on the ``PYTHONPATH`` that env.sh sets, so the driver, the executor
-and the decode workers import simplejpeg from there), and copy ``image_gpu.md`` back into
+and the decode workers import simplejpeg from there; the project there is the committed
+HEAD without git, so the results name its commit from ``SPARK_ESTIMATOR_BENCH_COMMIT``,
+which ``git archive`` wrote into proj.tgz), and copy ``image_gpu.md`` back into
 ``benchmarks/results/``. Sized for under 4 minutes on a 16-core H200, an estimate: not yet
 run there (the log prints each step's wall time); ``--images``, ``--models`` and
 ``--repeats`` make it smaller or larger.
@@ -134,6 +138,7 @@ MODELS = ("small", "resnet18")
 TARGET = 1.0
 DISCOVERY = bc.ROOT / "conf" / "get_gpus_resources.sh"
 GPU_SECTION, CPU_SECTION = "GPU", "CPU (--cpu-small)"
+COMMIT_ENV = "SPARK_ESTIMATOR_BENCH_COMMIT"  # the code's commit where there is no git
 HEADER = """\
 # Image fit on a GPU (benchmarks/image_gpu.py)
 
@@ -391,6 +396,8 @@ def main() -> int:
         parser.error(f"--data: {folder} holds {len(files)} images, not {images}")
     kib = sum(os.path.getsize(p) for p, _ in files) / len(files) / 1024
     env = bc.machine(("PIL", "simplejpeg", "torchvision"))
+    if env["commit"] in ("?", "unknown") and os.environ.get(COMMIT_ENV):
+        env["commit"] = f"{os.environ[COMMIT_ENV][:7]} ({COMMIT_ENV}: the checkout has no git)"
     shm = shutil.disk_usage("/dev/shm").free / 2**30 if os.path.isdir("/dev/shm") else None
     clock(
         f"{len(files):,} JPEGs ({kib:.1f} KiB each); {env['cpu']}, {cores} cores; GPU {env['gpu']}"
