@@ -316,7 +316,7 @@ def spark_cluster(cores: int, memory_mb: int, gpu: bool, master: str | None):
         "spark.worker.resource.gpu.amount": 1,
         "spark.worker.resource.gpu.discoveryScript": DISCOVERY,
         "spark.executor.resource.gpu.amount": 1,
-        "spark.executor.resource.gpu.discoveryScript": DISCOVERY,
+        "spark.executor.memory": f"{memory_mb // 2}m",
         "spark.task.resource.gpu.amount": 1 / cores,
         "spark.dynamicAllocation.enabled": "false",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
@@ -346,7 +346,9 @@ def main() -> int:
     parser.add_argument("--pools", help="decode_pool of (b), (c): auto (--cpu-small: both)")
     parser.add_argument("--repeats", type=int, help="timed runs of each side: 1 (--cpu-small: 2)")
     parser.add_argument("--loader-workers", type=int, help="the hand loop's: cores - 2")
-    parser.add_argument("--executor-memory-mb", type=int, default=16384)
+    parser.add_argument(
+        "--executor-memory-mb", type=int, default=16384, help="the worker's; the executor half"
+    )
     parser.add_argument("--master", default="local[2]", help="--cpu-small's master")
     parser.add_argument("--data", default=str(bc.DATA), help="folder of the generated JPEGs")
     parser.add_argument("--store-dir", default=tempfile.gettempdir(), help="where stores go")
