@@ -211,10 +211,8 @@ def main() -> int:
                 flush=True,
             )
     calls = {b: rank_work(data, store, b) for b in CALL_BATCHES}
-    for b, (per_batch, cpu_batch, cpu_image) in calls.items():
-        print(
-            f"batch {b}: {per_batch:.0f} Python calls, {cpu_batch:,.0f} us CPU a batch ({cpu_image:.1f} a row)"
-        )
+    for b, (per_batch, cpu_batch, _) in calls.items():
+        print(f"batch {b}: {per_batch:.0f} Python calls, {cpu_batch:,.0f} us CPU a batch")
     lines = [
         f"## {env['date']}, stack `{env['venv']}`",
         "",
@@ -242,7 +240,8 @@ def main() -> int:
         f"{rates['pillow', 'threads', 2] / limit:.2f}",
         f"- `default`: 2 processes / decode limit {rates['default', 'processes', 2] / limit:.2f}",
         "",
-        "| batch rows (2 processes, `pillow`) | the rank's Python calls a batch | its CPU us a batch | a row |",
+        "| batch rows (2 processes, `pillow`) | the rank's Python calls a batch "
+        "| its CPU us a batch | a row |",
         "|---:|---:|---:|---:|",
     ]
     for b, (per_batch, cpu_batch, cpu_image) in calls.items():
