@@ -475,6 +475,25 @@ def _bad_inputs():
             ValueError,
             "decode_fn: feature column 'name' holds strings",
         ),
+        "string label without decode_fn": (
+            dict(label_cols=["name"]),
+            ValueError,
+            "label_cols: column 'name' holds strings, which the loss cannot take",
+        ),
+        "decode_fn and decode_batch_fn": (
+            dict(
+                feature_cols=["name"],
+                decode_fn=lambda row, augment: row,
+                decode_batch_fn=lambda rows, augments: rows,
+            ),
+            ValueError,
+            "decode_batch_fn: is the batch form of decode_fn; give one of them, not both",
+        ),
+        "unknown decode_pool": (
+            dict(decode_pool="forks"),
+            ValueError,
+            "decode_pool: must be one of",
+        ),
         "map column": (
             dict(feature_cols=["m"]),
             TypeError,
