@@ -26,7 +26,8 @@ setup(
         "s3": ["s3fs>=2024.2"],
         "mlflow": ["mlflow-skinny>=2.10"],
         "lightning": ["lightning>=2.0"],
-        "vision": ["Pillow>=9.2"],  # spark_estimator.decoding.decode_image, image examples
+        # spark_estimator.decoding (decode_image; decode_images' JPEGs: simplejpeg), examples
+        "vision": ["Pillow>=9.2", "simplejpeg>=1.8"],
         "text": ["tokenizers>=0.13.3", "transformers>=4.40"],  # the text and GPT-2 examples
         "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn", "lightning>=2.0"],
         "examples": ["scikit-learn"],
@@ -47,6 +48,7 @@ setup(
             "ipykernel",
             "matplotlib",
             "Pillow>=9.2",
+            "simplejpeg>=1.8",
             "tokenizers>=0.13.3",
             "transformers>=4.40",
         ],
