@@ -494,8 +494,11 @@ def decode_workers() -> list[str]:
 
 
 def test_worker_processes_fit_and_transform_as_threads_do_started_once_per_python_worker(
-    spark, store, digits_folder, tmp_path
+    spark, store, digits_folder, tmp_path, caplog
 ):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="spark_estimator.worker")
     df = image_df(spark, digits_folder)
     marks = tmp_path / "inits"
     marks.mkdir()
@@ -504,6 +507,7 @@ def test_worker_processes_fit_and_transform_as_threads_do_started_once_per_pytho
         import os
 
         (marks / f"{os.getppid()}-{os.getpid()}").write_text("")
+        print(f"decode worker {os.getpid()} ready")
 
     params = dict(epochs=2, validation=0.2, decode_init_fn=init)
     threads = image_estimator(store, decode_pool="threads", **params).fit(df)
@@ -525,6 +529,10 @@ def test_worker_processes_fit_and_transform_as_threads_do_started_once_per_pytho
     # with threads once in each rank, with processes once in each worker of each rank
     assert len(list(marks.iterdir())) == 2 + 2 * 2
     assert not decode_workers()
+    # a worker's prints reach the driver as its rank's
+    lines = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.worker"]
+    pids = [m.name.split("-")[1] for m in marks.iterdir()]
+    assert sum(f"] decode worker {pid} ready" in line for pid in pids for line in lines) == 6
     # transform: the same predictions, the workers started once per Spark Python worker
     many = df.repartition(8)
     want = {r.path: r.prediction for r in threads.transform(many).collect()}

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...decoding import default_decode
+from ...decoding import BadImage, decode_images, default_decode, image_sizes
 from ...shared.serialization import loads
 from ...shared.spec import ColumnSpec, DecodeSpec, column_param
 
@@ -144,17 +144,79 @@ class BatchDecoding:
         rows = len(ids)
         if self.batch_fn is not None:
             return self.decode_batch(values, ids, names, epoch)
-        spans = [(0, rows)] if pool is None else _spans(rows, pool._max_workers)
-        work = [(values, ids, names, epoch, start, stop) for start, stop in spans]
-        parts = pool.map(self._decode_rows, work) if pool else map(self._decode_rows, work)
-        decoded = [row for part in parts for row in part]
-        kept = [i for i, row in enumerate(decoded) if row is not None]
-        skipped = [(epoch is None, int(ids[i])) for i in sorted(set(range(rows)) - set(kept))]
+        images = self._batch_images()
+        per_row = {name: column for name, column in values.items() if name not in images}
+        decoded: list[dict | None] = [{} for _ in range(rows)]
+        if per_row:
+            spans = [(0, rows)] if pool is None else _spans(rows, pool._max_workers)
+            work = [(per_row, ids, names, epoch, start, stop) for start, stop in spans]
+            parts = pool.map(self._decode_rows, work) if pool else map(self._decode_rows, work)
+            decoded = [row for part in parts for row in part]
+        bad = {i for i, row in enumerate(decoded) if row is None}
+        whole = {}  # image column -> (its batch decoded, the rows it holds)
+        for name in images:
+            tensor, found, positions = self._images(name, values[name], ids, names, bad)
+            whole[name] = (tensor, positions)
+            bad |= found
+        kept = [i for i in range(rows) if i not in bad]
+        skipped = [(epoch is None, int(ids[i])) for i in sorted(bad)]
         padding = [0, 0]
-        good = [decoded[i] for i in kept]
-        collated = self.collate(good, padding) if good else None
+        collated = None
+        if kept:
+            collated = self.collate([decoded[i] for i in kept], padding, skip=set(images))
+            for name, (tensor, positions) in whole.items():
+                if tensor is None or positions != kept:  # rows left out since: decode again
+                    tensor = decode_images([values[name][i] for i in kept])
+                collated.columns[name] = tensor
+            if whole:  # the columns in their order
+                collated.columns = {c.name: collated.columns[c.name] for c in self.columns}
         kept_rows = None if len(kept) == rows else np.asarray(kept, dtype=np.int64)
         return BatchResult(collated, kept_rows, skipped, padding)
+
+    def _batch_images(self) -> list[str]:
+        """The columns of encoded images decoded a batch at a time (``decode_images``): all
+        of them without a decode_fn or collate_fn (which take rows)."""
+        if self.decode_fn is not None or self.collate_fn is not None:
+            return []
+        return [c.name for c in self.columns if self.kinds[c.name] == "binary"]
+
+    def _images(self, name: str, column, ids, names, bad: set[int]):
+        """Image column ``name``'s rows but ``bad`` decoded as one batch (``decode_images``:
+        uint8 ``[B, 3, H, W]``, channels-last), the rows among them that do not decode, and
+        the rows it holds. Where one does not decode, each image is tried alone, and each
+        that fails is raised or left out as ``bad_rows`` says (the batch then None)."""
+        positions = [i for i in range(len(column)) if i not in bad]
+        good = [column[i] for i in positions]
+        try:
+            return decode_images(good), set(), positions
+        except BadImage:
+            pass
+        except ValueError as e:  # images of different sizes
+            raise self._different_sizes(name, good) from e
+        found = set()
+        for i in positions:
+            try:
+                decode_images([column[i]])
+            except BadImage as e:
+                error = _ColumnFailed(name)
+                error.__cause__ = e.__cause__ or e
+                row_name = names[i] if names is not None else None
+                self._failed(error, {name: column[i]}, int(ids[i]), row_name)
+                found.add(i)
+        return None, found, positions
+
+    def _different_sizes(self, name: str, images: list) -> ValueError:
+        try:
+            shapes = sorted({(3, *size) for size in image_sizes(images)})[:2]
+        except BadImage:
+            shapes = []
+        sizes = " and ".join("x".join(map(str, s)) for s in shapes)
+        return ValueError(
+            f"{column_param('feature')}: column '{name}' has rows of different shapes in one "
+            f"batch ({sizes}); give decode_fn that resizes or crops them to one size "
+            "(spark_estimator.decoding.decode_image with size=, center_crop, random_crop), or "
+            "a collate_fn"
+        )
 
     def _decode_rows(self, work) -> list[dict | None]:
         values, ids, names, epoch, start, stop = work
@@ -173,11 +235,7 @@ class BatchDecoding:
             except Exception as e:
                 self._check_labels_read(e, row)
                 _check_cuda(e, "decode_fn")
-                name = names[i] if names is not None else _origin(row)
-                error = self._bad_row(e, row_id, name)
-                if self.recipe.spec.bad_rows == "fail":
-                    raise error from e
-                log.warning("%s; skipped (bad_rows='skip')", error)
+                self._failed(e, row, row_id, names[i] if names is not None else None)
                 out.append(None)
                 continue
             if self.decode_fn is not None:
@@ -188,6 +246,14 @@ class BatchDecoding:
                 _check_decoded(decoded, row, row_id, self.collate_fn is not None)
             out.append(decoded)
         return out
+
+    def _failed(self, error: Exception, row: dict, row_id: int, name) -> None:
+        """A row that failed to decode: raised as a ``BadRow`` (``bad_rows="fail"``) or
+        warned of (``"skip"``)."""
+        bad = self._bad_row(error, row_id, name if name is not None else _origin(row))
+        if self.recipe.spec.bad_rows == "fail":
+            raise bad from error
+        log.warning("%s; skipped (bad_rows='skip')", bad)
 
     def decode_batch(self, values, ids, names, epoch: int | None) -> BatchResult:
         """``decode_batch_fn`` on the whole batch (a column of values, or of images already
@@ -281,9 +347,12 @@ class BatchDecoding:
             "leave such rows out (counted in the training summary)"
         )
 
-    def collate(self, rows: list[dict], padding: list[int]) -> Decoded:
+    def collate(
+        self, rows: list[dict], padding: list[int], skip: set[str] = frozenset()
+    ) -> Decoded:
         """The decoded rows as one batch: ``collate_fn``'s, or ``collate``; the values of
-        padded sequences added to ``padding``."""
+        padded sequences added to ``padding``; the columns ``skip`` left out (decoded a
+        batch at a time)."""
         if self.collate_fn is not None:
             out = self.collate_fn(rows)
             if not isinstance(out, dict):
@@ -295,6 +364,8 @@ class BatchDecoding:
             return Decoded(columns, masks, len(rows))
         columns, masks = {}, {}
         for c in self.columns:
+            if c.name in skip:
+                continue
             column = [row[c.name] for row in rows]
             label = c.name in self.labels
             columns[c.name], mask = self._collate_column(c.name, column, label, padding)

@@ -432,3 +432,28 @@ def test_gpu_decoding_gets_the_rows_bytes_and_decode_batch_fn_the_decoded_batch(
     finally:
         batched.close()
         reference.close()
+
+
+def test_the_default_decoding_decodes_a_batch_into_one_buffer_in_any_pool(
+    tmp_path, store, no_leftovers
+):
+    from spark_estimator.decoding import decode_image
+
+    data = image_dataset(tmp_path, images={5: b"not an image"}, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+    rows = first_rows(spec, "train", 10)
+    results = []
+    for pool in ("threads", "processes"):
+        decoding = decoder(spec, pool, 2, decode_fn=None, bad_rows="skip")
+        try:
+            results.append(decoding(rows, None))
+        finally:
+            decoding.close()
+    for decoded, kept in results:
+        assert kept.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+        images = decoded["img"]  # [B, 3, H, W], channels-last in memory
+        assert images.shape == (9, 3, 6, 6)
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(images, torch.stack([decode_image(png(i)) for i in kept.tolist()]))
+        assert decoded["text"] == [f"row {i}" for i in kept.tolist()]
+    assert torch.equal(results[0][0]["tokens"], results[1][0]["tokens"])
