@@ -391,3 +391,99 @@ def test_jpegs_decoded_on_the_gpu_train_as_pillows_do(tmp_path):
     )
     assert result["difference"] <= 8  # JPEG decoders may round differently
     assert result["right"] == 64 and result["loss"] < 0.3
+
+
+def test_gpu_decoding_augments_each_row_on_the_gpu_with_decode_batch_fn(tmp_path):
+    """decode_device='cuda' with decode_batch_fn: the batch's JPEGs decoded on the GPU reach
+    decode_batch_fn as one uint8 CUDA tensor with each row's generator; the batch forms of
+    random_crop/random_flip crop there; the fit and transform run."""
+    pytest.importorskip("torchvision.io")
+    result = run_on_gpu_spark(
+        tmp_path,
+        f"""
+        import numpy as np
+        from PIL import Image
+        from spark_estimator.decoding import center_crop, random_crop, random_flip
+        folder = {str(tmp_path / "jpegs")!r}
+        os.makedirs(folder)
+        rng = np.random.default_rng(0)
+        for i in range(64):
+            pixels = np.full((20, 20, 3), 40 + 150 * (i % 2), np.uint8)
+            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
+            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
+        from pyspark.sql import functions as F
+        images = spark.read.format("binaryFile").load(folder)
+        images = images.withColumn(
+            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
+        seen = {str(tmp_path / "seen")!r}
+        def augment(rows, augments):
+            batch = rows["content"]
+            assert batch.is_cuda and batch.dtype == torch.uint8 and batch.shape[1:] == (3, 20, 20)
+            open(seen, "w").write(str(batch.device))
+            if augments is None:
+                return {{"content": center_crop(batch, 16)}}
+            return {{"content": random_flip(random_crop(batch, 16, augments), augments)}}
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.out = torch.nn.Linear(3, 2)
+            def forward(self, image):
+                assert image.shape[2:] == (16, 16)
+                return self.out(image.float().mean((2, 3)) / 255)
+        net = Net()
+        model = TorchEstimator(model=net, optimizer=torch.optim.Adam(net.parameters(), lr=0.1),
+                               loss=torch.nn.CrossEntropyLoss(), feature_cols=["content"],
+                               label_cols=["label"], epochs=10, batch_size=16, num_proc=1,
+                               decode_device="cuda", decode_batch_fn=augment, store=store,
+                               use_gpu=True).fit(images)
+        scored = model.transform(images).collect()
+        right = sum(int(np.argmax(r.prediction)) == r.label for r in scored)
+        print(json.dumps({{"seen": open(seen).read(), "right": right,
+                          "decoding": model.getTrainingSummary()["decoding"][0]["pool"]}}))
+        """,
+    )
+    assert result["seen"].startswith("cuda") and result["right"] == 64
+
+
+def test_decode_worker_processes_feed_a_gpu_rank_with_pinned_batches(tmp_path):
+    """decode_pool='processes' on a GPU rank: the workers (no GPU of their own) decode on
+    the CPU, the rank copies their batches into pinned memory and trains on its GPU as a
+    rank decoding in threads does."""
+    result = run_on_gpu_spark(
+        tmp_path,
+        f"""
+        import numpy as np
+        from PIL import Image
+        from spark_estimator.decoding import decode_image
+        folder = {str(tmp_path / "jpegs")!r}
+        os.makedirs(folder)
+        rng = np.random.default_rng(0)
+        for i in range(64):
+            pixels = np.full((16, 16, 3), 40 + 150 * (i % 2), np.uint8)
+            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
+            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
+        from pyspark.sql import functions as F
+        images = spark.read.format("binaryFile").load(folder)
+        images = images.withColumn(
+            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
+        def decode(row, augment):
+            assert not torch.cuda.is_available()  # a decode worker has no GPU
+            return {{"content": decode_image(row["content"])}}
+        def fit(pool):
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 2))
+            return TorchEstimator(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+                                  loss=torch.nn.CrossEntropyLoss(), feature_cols=["content"],
+                                  label_cols=["label"], epochs=3, batch_size=16, num_proc=1,
+                                  decode_fn=decode, decode_pool=pool, decode_workers=2,
+                                  store=store, use_gpu=True, shuffle=False).fit(images)
+        threads, processes = fit("threads"), fit("processes")
+        losses = lambda m: [h["train"]["loss"] for h in m.getHistory()]
+        ranks = store.read_json(store.run(processes.getRunId()).ranks)
+        print(json.dumps({{"threads": losses(threads), "processes": losses(processes),
+                          "pool": processes.getTrainingSummary()["decoding"][0]["pool"],
+                          "device": ranks[0]["device"]}}))
+        """,
+    )
+    assert result["pool"] == "processes" and result["device"] == "cuda:0"
+    assert result["processes"] == pytest.approx(result["threads"], rel=1e-5)
