@@ -55,7 +55,7 @@ folder; ``--no-record`` writes nothing).
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/text_fit.py                      # ~13 min on 2 cores
+    .venv/bin/python benchmarks/text_fit.py                      # ~15 min on 2 cores
     .venv/bin/python benchmarks/text_fit.py --quick --no-record  # ~2 min: 2,048 rows
 """
 
