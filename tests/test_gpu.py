@@ -443,6 +443,7 @@ def test_gpu_decoding_augments_each_row_on_the_gpu_with_decode_batch_fn(tmp_path
         """,
     )
     assert result["seen"].startswith("cuda") and result["right"] == 64
+    assert result["decoding"] == "gpu"  # nothing left for decode workers
 
 
 def test_decode_worker_processes_feed_a_gpu_rank_with_pinned_batches(tmp_path):

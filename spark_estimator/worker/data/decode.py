@@ -57,7 +57,10 @@ def task_cpus() -> int:
 
 def default_workers(pool: str, cpus: int) -> int:
     """Decode workers per rank: threads, the task's CPUs; processes, the CPUs less the
-    training thread's and the batch thread's (at least one)."""
+    training thread's and the batch thread's (at least one); none where the GPU decodes
+    all."""
+    if pool == "gpu":
+        return 0
     return cpus if pool == "threads" else max(1, cpus - 2)
 
 
@@ -101,7 +104,9 @@ class Decoder:
         self.columns = list(variable)
         cpus = task_cpus()
         self.kind = _pool_kind(spec.pool, cpus, bool(cpu))
-        self.workers = spec.workers or default_workers(self.kind, cpus)
+        self.workers = default_workers(self.kind, cpus)
+        if spec.workers and self.kind != "gpu":
+            self.workers = spec.workers
         self.threads: ThreadPoolExecutor | None = None
         self.processes: DecodePool | None = None
         self.skipped_rows: set[tuple[bool, int]] = set()  # (validation?, row) left out
@@ -280,7 +285,7 @@ class Decoder:
 
 def _pool_kind(pool: str, cpus: int, cpu_work: bool) -> str:
     if not cpu_work:
-        return "threads"  # all is decoded on the GPU, in the rank's batch thread
+        return "gpu"  # all is decoded on the GPU, in the rank (decode_device="cuda")
     if pool == "auto":
         return "processes" if cpus > THREADS_UP_TO_CPUS else "threads"
     return pool

@@ -71,7 +71,9 @@ class _Worker:
         )
         theirs.close()
         self.channel = Channel(ours)
-        self.channel.send(("recipe", recipe))
+        # sent while the worker starts (a recipe larger than the socket's buffer, a
+        # tokenizer's vocabulary say, would otherwise wait for its imports, worker by worker)
+        threading.Thread(target=self._send_recipe, args=(recipe,), daemon=True).start()
         self.pid = self.proc.pid
         self.ready = False
         self.free = list(range(SLOTS))
@@ -79,6 +81,12 @@ class _Worker:
         self.in_flight: dict[int, int] = {}  # seq -> slot
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.peak_rss = 0
+
+    def _send_recipe(self, recipe: bytes) -> None:
+        try:
+            self.channel.send(("recipe", recipe))
+        except OSError:  # it died starting: wait_ready says so, with its stderr
+            pass
 
     def cause(self) -> str:
         """Why the process ended (or that it runs), and its last lines of stderr."""
@@ -110,7 +118,6 @@ class DecodePool:
         env = worker_environment()
         label = f"{'rank' if isinstance(rank, int) else 'for'}-{rank}".replace(" ", "-")
         self.workers = [_Worker(i, data, env, label) for i in range(workers)]
-        self.by_fd = {w.channel.fileno(): w for w in self.workers}
         self.results: dict[int, tuple[Any, Any]] = {}  # seq -> ("done", result) / ("error", e)
         self.firsts: dict[int, tuple[int | None, Any]] = {}  # seq -> its first row and name
         self.abandoned: set[int] = set()  # batches in flight whose results nobody reads
@@ -169,8 +176,8 @@ class DecodePool:
                 yield item, value
         finally:  # stopped early: what is still in flight is dropped when it comes
             for seq, _ in pending:
-                self.results.pop(seq, None)
-                self.abandoned.add(seq)
+                if self.results.pop(seq, None) is None:
+                    self.abandoned.add(seq)
 
     def _submit(self, worker: _Worker, raw: tuple) -> int:
         values, ids, names, epoch = raw

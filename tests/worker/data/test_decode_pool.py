@@ -421,6 +421,7 @@ def test_gpu_decoding_gets_the_rows_bytes_and_decode_batch_fn_the_decoded_batch(
     reference = decoder(spec, "threads", 1)
     try:
         assert batched.on_gpu and batched.processes is None  # all of it in the rank
+        assert batched.summary() == {"pool": "gpu", "workers": 0}
         want = decode_pass(spec, reference)
         got = decode_pass(spec, batched)
         for (_, decoded, _), (_, expected, _) in zip(got, want):
