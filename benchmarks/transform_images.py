@@ -33,11 +33,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
+import cloudpickle  # noqa: E402
 import image_fit  # noqa: E402
 
 import spark_estimator  # noqa: E402
 from spark_estimator import TorchModel  # noqa: E402
 from spark_estimator.decoding import decode_image  # noqa: E402
+
+# Spark's Python workers and the decode workers cannot import image_fit: its model class
+# travels by value, as __main__'s would
+cloudpickle.register_pickle_by_value(image_fit)
+try:
+    from pyspark import cloudpickle as _pyspark_cloudpickle
+
+    _pyspark_cloudpickle.register_pickle_by_value(image_fit)
+except (ImportError, AttributeError):
+    pass
 
 FULL_IMAGES, QUICK_IMAGES = 4096, 512
 HEADER = """\

@@ -429,3 +429,42 @@ def test_a_binary_classifier_fits_and_its_columns_survive_save_and_load(spark, s
     loaded = TorchEstimator.load(str(tmp_path / "est"))
     assert loaded.getClassification() and loaded.getProbabilityCol() == "p"
     assert loaded.getLearningRate() == 0.5
+
+
+def test_a_model_and_an_estimator_saved_before_decode_workers_load_and_decode(spark, tmp_path):
+    """Stages saved before decode_pool, decode_batch_fn, decode_init_fn and fit_label_cols
+    existed (their metadata without them): loaded with those at their defaults."""
+    from spark_estimator.driver.persistence import METADATA_DIR
+
+    new = {"decode_pool", "decode_batch_fn", "decode_init_fn", "fit_label_cols"}
+
+    def as_saved_before(path) -> None:
+        (part,) = (path / METADATA_DIR).glob("part-*")
+        metadata = json.loads(part.read_text())
+        for key in ("paramMap", "defaultParamMap"):
+            metadata[key] = {k: v for k, v in metadata[key].items() if k not in new}
+        for key in new:
+            metadata.pop(key, None)
+        part.write_text(json.dumps(metadata) + "\n")
+
+    def lengths(row, augment):  # a string's characters as one float each (a sequence)
+        return {"text": torch.tensor([float(len(row["text"]))])}
+
+    class Net(torch.nn.Linear):
+        def forward(self, values, mask):  # a padded sequence: its values, then its mask
+            return super().forward(values)
+
+    net = Net(1, 1)
+    TorchModel(model=net, feature_cols=["text"], decode_fn=lengths).save(str(tmp_path / "m"))
+    make_estimator(decode_fn=lengths).save(str(tmp_path / "e"))
+    for name in ("m", "e"):
+        as_saved_before(tmp_path / name)
+    model = TorchModel.load(str(tmp_path / "m"))
+    estimator = TorchEstimator.load(str(tmp_path / "e"))
+    for stage in (model, estimator):
+        assert stage.getDecodePool() == "auto" and stage.getDecodeBatchFn() is None
+        assert stage.getDecodeFn()({"text": "abc"}, None)["text"].tolist() == [3.0]
+    df = spark.createDataFrame([("ab",), ("abcd",)], "text string")
+    out = [r.prediction[0] for r in model.transform(df).orderBy("text").collect()]
+    with torch.no_grad():
+        assert out == pytest.approx([net(torch.tensor([[n]]), None).item() for n in (2.0, 4.0)])
