@@ -57,7 +57,14 @@ HEADER = """\
 Rows/s of `TorchModel.transform` on 128x128 JPEGs read with `binaryFile` (`local[2]`, 8
 partitions, a small CNN), decoded by a Pillow `decode_fn` or by the default decoding, in
 threads or in worker processes (`decode_pool`); one section per code (`--label`): the code
-before issue 44 decodes in threads only. See the script's docstring.
+before issue 44 decodes in threads only (its section's `Code` line names the checkout that
+ran the script; the line below it says where spark_estimator came from: the commit before,
+installed in its own environment). See the script's docstring.
+
+On the 2-core test machine (2 tasks of 1 CPU, so 1 decode worker a task with processes)
+transform runs as fast as before, within the machine's noise of about 10%: processes do
+not pay on tasks of 1 or 2 CPUs, which is why threads are the default there; they are for
+executors whose tasks get many cores.
 
     .venv/bin/python benchmarks/transform_images.py --label after
 """
