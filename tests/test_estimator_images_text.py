@@ -579,7 +579,7 @@ def test_decode_batch_fn_with_encode_batch_trains_as_decode_fn_with_encode_bit_f
 ):
     """A real tokenizer's encode_batch over each batch, with each row's generator from
     augments, trains the same weights as its encode row by row (bucketed batches, a
-    validation split)."""
+    validation split); the batches decoded by 2 worker processes, the rows in threads."""
     tokenizers = pytest.importorskip("tokenizers")
     rows = sentences()
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordPiece(unk_token="[UNK]"))
@@ -607,7 +607,14 @@ def test_decode_batch_fn_with_encode_batch_trains_as_decode_fn_with_encode_bit_f
     params = dict(feature_cols=["text"], epochs=2, batch_size=16, validation=0.2)
     fits = [
         estimator(BagOfTokens(), store, 0.05, bucket_by_length=True, **params, **decode).fit(df)
-        for decode in ({"decode_fn": per_row}, {"decode_batch_fn": per_batch})
+        for decode in (
+            {"decode_fn": per_row, "decode_pool": "threads"},
+            {"decode_batch_fn": per_batch, "decode_pool": "processes", "decode_workers": 2},
+        )
+    ]
+    assert [m.getTrainingSummary()["decoding"][0]["pool"] for m in fits] == [
+        "threads",
+        "processes",
     ]
     rowwise, batched = (m.getModel().state_dict() for m in fits)
     for name, value in rowwise.items():
