@@ -24,6 +24,10 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 # jobs, notebooks and scripts run as subprocesses) lives for seconds to minutes: compiling
 # with C1 only, and the serial collector, spend about a third less CPU starting it.
 os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+# Inherited by every process this pytest process starts (its Spark's executors and their
+# Python workers, ranks, decode workers): ``tests.processes`` tells them from another
+# pytest worker's, which runs beside this one in the suite.
+os.environ["SPARK_ESTIMATOR_TEST_PROCESS"] = str(os.getpid())
 
 LOCAL = "local[4]"
 CLUSTER = "local-cluster[2,1,1024]"

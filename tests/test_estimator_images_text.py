@@ -16,6 +16,7 @@ from pyspark.sql import functions as F
 from spark_estimator import Store, TorchEstimator, TorchModel, TrainingError
 from spark_estimator.decoding import decode_image, random_crop, random_flip
 from tests.faults import Fault
+from tests.processes import decode_workers
 
 Image = pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
 
@@ -289,7 +290,7 @@ def test_a_fit_started_again_goes_on_exactly_with_augmentation_on(
     workers = dict(decode_pool="processes", decode_workers=2)
     resumed = image_estimator(store, run_id="lost", callbacks=[fault], **params, **workers).fit(df)
     assert (tmp_path / "m").exists()
-    assert not decode_workers()
+    assert not rank_decode_workers()
     assert resumed.getTrainingSummary()["resumed_from_commit"] == {"epoch": 2, "step": 2}
     want, got = clean.getModel().state_dict(), resumed.getModel().state_dict()
     for name, value in want.items():
@@ -476,21 +477,17 @@ def test_a_corrupt_image_in_parquet_read_in_place_or_from_the_store_is_named_by_
         assert f"file:{broken}" in message
 
 
-def decode_workers() -> list[str]:
-    """The decode worker processes of ranks running on this machine (once they had a few
-    seconds to end); not transform's, which Spark's Python workers keep."""
-    import subprocess
+def rank_decode_workers() -> list[str]:
+    """This test's ranks' decode worker processes (once they had a few seconds to end); not
+    transform's, which Spark's Python workers keep, nor another pytest worker's."""
     import time
 
     for _ in range(50):
-        out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-        found = [
-            line for line in out.splitlines() if "data.decode_worker" in line and " rank-" in line
-        ]
+        found = decode_workers(" rank-")
         if not found:
             return []
         time.sleep(0.2)
-    return found
+    return list(found.values())
 
 
 def test_worker_processes_fit_and_transform_as_threads_do_started_once_per_python_worker(
@@ -528,7 +525,7 @@ def test_worker_processes_fit_and_transform_as_threads_do_started_once_per_pytho
     assert threads.getTrainingSummary()["decoding"][0]["pool"] == "threads"
     # with threads once in each rank, with processes once in each worker of each rank
     assert len(list(marks.iterdir())) == 2 + 2 * 2
-    assert not decode_workers()
+    assert not rank_decode_workers()
     # a worker's prints reach the driver as its rank's
     lines = [r.getMessage() for r in caplog.records if r.name == "spark_estimator.worker"]
     pids = [m.name.split("-")[1] for m in marks.iterdir()]
@@ -571,7 +568,7 @@ def test_a_decode_worker_killed_mid_fit_fails_it_naming_the_cause_and_leaves_not
         r"SIGKILL \(out of memory, or killed from outside\)",
         message,
     ), message
-    assert not decode_workers()
+    assert not rank_decode_workers()
 
 
 def test_decode_batch_fn_with_encode_batch_trains_as_decode_fn_with_encode_bit_for_bit(

@@ -82,14 +82,18 @@ def at_once(stage: dict) -> dict[str, int]:
     """Per executor, the most of the stage's tasks that ran on it at the same time, each
     from its launch to its end as the driver recorded them, less ``SLACK_S``: the driver
     launches the next task into a slot as soon as the executor frees it, and records the
-    end of the task before it some milliseconds later."""
+    end of the task before it some milliseconds later. A task counts itself however short
+    (a run() task on a warm Python worker can take less than ``SLACK_S``)."""
     spans: dict[str, list[tuple[float, float]]] = {}
     for task in stage["tasks"]:
         start = _seconds(task["launchTime"])
         end = start + task["duration"] / 1e3 - SLACK_S
         spans.setdefault(task["executorId"], []).append((start, end))
     return {
-        executor: max(sum(s <= start < e for s, e in runs) for start, _ in runs)
+        executor: max(
+            1 + sum(s <= start < e for j, (s, e) in enumerate(runs) if j != i)
+            for i, (start, _) in enumerate(runs)
+        )
         for executor, runs in spans.items()
     }
 

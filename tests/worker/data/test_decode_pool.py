@@ -25,6 +25,7 @@ from spark_estimator.worker.data.decode import BadRow, Decoder
 from spark_estimator.worker.data.decode_pool import DecodeWorkerDied
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.shards import StepPlan
+from tests.processes import decode_workers
 from tests.worker.data.test_decode import ROWS, augmented, image_dataset, png
 from tests.worker.data.test_loader import train_spec
 
@@ -75,9 +76,8 @@ def no_leftovers():
 
 
 def _workers() -> set[int]:
-    """This machine's decode worker processes."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines() if "data.decode_worker" in line}
+    """This test process's decode worker processes (not another pytest worker's)."""
+    return set(decode_workers())
 
 
 def test_processes_decode_every_batch_as_threads_do_bit_for_bit(tmp_path, store, no_leftovers):
