@@ -27,9 +27,13 @@ DISCOVERY = Path(__file__).parent.parent / "conf" / "get_gpus_resources.sh"
 STAGE_LEVEL = {"spark.executor.cores": "2", "spark.task.resource.gpu.amount": "0.5"}
 
 
-def run_on_gpu_spark(tmp_path, body: str, conf: dict[str, str] | None = None) -> dict:
+def run_on_gpu_spark(
+    tmp_path, body: str, conf: dict[str, str] | None = None, jpeg_size: int | None = None
+) -> dict:
     """Run ``body`` with ``spark`` (one executor, one GPU per task, unless ``conf`` says
-    otherwise) and ``store`` defined; it must print one JSON line last, which is returned."""
+    otherwise) and ``store`` defined, and with ``jpeg_size`` also ``folder`` (64 JPEGs of
+    that size, of 2 classes: dark and light) and ``images`` (its ``binaryFile`` DataFrame
+    with their ``label``); it must print one JSON line last, which is returned."""
     settings = {
         "spark.worker.resource.gpu.amount": "1",
         "spark.worker.resource.gpu.discoveryScript": str(DISCOVERY),
@@ -53,6 +57,7 @@ def run_on_gpu_spark(tmp_path, body: str, conf: dict[str, str] | None = None) ->
         df = spark.createDataFrame(rows, "x array<float>, y float")
         """
         )
+        + (_jpeg_images(tmp_path, jpeg_size) if jpeg_size else "")
         + textwrap.dedent(body)
         + "\nspark.stop()\n"
     )
@@ -65,6 +70,26 @@ def run_on_gpu_spark(tmp_path, body: str, conf: dict[str, str] | None = None) ->
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _jpeg_images(tmp_path, size: int) -> str:
+    return textwrap.dedent(
+        f"""
+        import numpy as np
+        from PIL import Image
+        from pyspark.sql import functions as F
+        folder = {str(tmp_path / "jpegs")!r}
+        os.makedirs(folder)
+        rng = np.random.default_rng(0)
+        for i in range(64):
+            pixels = np.full(({size}, {size}, 3), 40 + 150 * (i % 2), np.uint8)
+            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
+            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
+        images = spark.read.format("binaryFile").load(folder)
+        images = images.withColumn(
+            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
+        """
+    )
 
 
 def test_fit_uses_the_gpu_spark_assigned(tmp_path):
@@ -351,27 +376,14 @@ def test_jpegs_decoded_on_the_gpu_train_as_pillows_do(tmp_path):
     pytest.importorskip("torchvision.io")
     result = run_on_gpu_spark(
         tmp_path,
-        f"""
+        """
         import io
-        import numpy as np
-        from PIL import Image
         from spark_estimator.decoding import decode_image
         from spark_estimator.worker.data.decode import decode_jpegs
-        folder = {str(tmp_path / "jpegs")!r}
-        os.makedirs(folder)
-        rng = np.random.default_rng(0)
-        for i in range(64):
-            pixels = np.full((16, 16, 3), 40 + 150 * (i % 2), np.uint8)
-            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
-            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
-        blobs = [open(f"{{folder}}/1-1.jpg", "rb").read()]
+        blobs = [open(f"{folder}/1-1.jpg", "rb").read()]
         on_gpu = decode_jpegs("content", blobs, torch.device("cuda"))[0].cpu()
         on_cpu = decode_image(blobs[0])
         difference = (on_gpu.int() - on_cpu.int()).abs().max().item()
-        from pyspark.sql import functions as F
-        images = spark.read.format("binaryFile").load(folder)
-        images = images.withColumn(
-            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
         class Net(torch.nn.Module):
             def __init__(self):
                 super().__init__()
@@ -385,9 +397,10 @@ def test_jpegs_decoded_on_the_gpu_train_as_pillows_do(tmp_path):
                                decode_device="cuda", store=store, use_gpu=True).fit(images)
         scored = model.transform(images).collect()
         right = sum(int(np.argmax(r.prediction)) == r.label for r in scored)
-        print(json.dumps({{"difference": difference, "right": right,
-                          "loss": model.getHistory()[-1]["train"]["loss"]}}))
+        print(json.dumps({"difference": difference, "right": right,
+                          "loss": model.getHistory()[-1]["train"]["loss"]}))
         """,
+        jpeg_size=16,
     )
     assert result["difference"] <= 8  # JPEG decoders may round differently
     assert result["right"] == 64 and result["loss"] < 0.3
@@ -401,20 +414,7 @@ def test_gpu_decoding_augments_each_row_on_the_gpu_with_decode_batch_fn(tmp_path
     result = run_on_gpu_spark(
         tmp_path,
         f"""
-        import numpy as np
-        from PIL import Image
         from spark_estimator.decoding import center_crop, random_crop, random_flip
-        folder = {str(tmp_path / "jpegs")!r}
-        os.makedirs(folder)
-        rng = np.random.default_rng(0)
-        for i in range(64):
-            pixels = np.full((20, 20, 3), 40 + 150 * (i % 2), np.uint8)
-            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
-            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
-        from pyspark.sql import functions as F
-        images = spark.read.format("binaryFile").load(folder)
-        images = images.withColumn(
-            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
         seen = {str(tmp_path / "seen")!r}
         def augment(rows, augments):
             batch = rows["content"]
@@ -441,6 +441,7 @@ def test_gpu_decoding_augments_each_row_on_the_gpu_with_decode_batch_fn(tmp_path
         print(json.dumps({{"seen": open(seen).read(), "right": right,
                           "decoding": model.getTrainingSummary()["decoding"][0]["pool"]}}))
         """,
+        jpeg_size=20,
     )
     assert result["seen"].startswith("cuda") and result["right"] == 64
     assert result["decoding"] == "gpu"  # nothing left for decode workers
@@ -452,24 +453,11 @@ def test_decode_worker_processes_feed_a_gpu_rank_with_pinned_batches(tmp_path):
     rank decoding in threads does."""
     result = run_on_gpu_spark(
         tmp_path,
-        f"""
-        import numpy as np
-        from PIL import Image
+        """
         from spark_estimator.decoding import decode_image
-        folder = {str(tmp_path / "jpegs")!r}
-        os.makedirs(folder)
-        rng = np.random.default_rng(0)
-        for i in range(64):
-            pixels = np.full((16, 16, 3), 40 + 150 * (i % 2), np.uint8)
-            pixels += rng.integers(0, 20, pixels.shape, dtype=np.uint8)
-            Image.fromarray(pixels).save(f"{{folder}}/{{i % 2}}-{{i}}.jpg", quality=95)
-        from pyspark.sql import functions as F
-        images = spark.read.format("binaryFile").load(folder)
-        images = images.withColumn(
-            "label", F.regexp_extract("path", r"/(\\d)-", 1).cast("long"))
         def decode(row, augment):
             assert not torch.cuda.is_available()  # a decode worker has no GPU
-            return {{"content": decode_image(row["content"])}}
+            return {"content": decode_image(row["content"])}
         def fit(pool):
             torch.manual_seed(0)
             net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 2))
@@ -481,10 +469,11 @@ def test_decode_worker_processes_feed_a_gpu_rank_with_pinned_batches(tmp_path):
         threads, processes = fit("threads"), fit("processes")
         losses = lambda m: [h["train"]["loss"] for h in m.getHistory()]
         ranks = store.read_json(store.run(processes.getRunId()).ranks)
-        print(json.dumps({{"threads": losses(threads), "processes": losses(processes),
+        print(json.dumps({"threads": losses(threads), "processes": losses(processes),
                           "pool": processes.getTrainingSummary()["decoding"][0]["pool"],
-                          "device": ranks[0]["device"]}}))
+                          "device": ranks[0]["device"]}))
         """,
+        jpeg_size=16,
     )
     assert result["pool"] == "processes" and result["device"] == "cuda:0"
     assert result["processes"] == pytest.approx(result["threads"], rel=1e-5)
