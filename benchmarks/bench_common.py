@@ -55,13 +55,20 @@ LR = 0.01
 HIDDEN = (256, 256)
 INPUT_FILES = 8
 
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
-try:  # pyspark ships its own copy of cloudpickle for UDFs and mapInPandas functions
-    from pyspark import cloudpickle as _pyspark_cloudpickle
 
-    _pyspark_cloudpickle.register_pickle_by_value(sys.modules[__name__])
-except (ImportError, AttributeError):
-    pass
+def by_value(module) -> None:
+    """Pickle ``module``'s functions and classes by value, as ``__main__``'s are: Spark's
+    Python workers and the decode workers cannot import a benchmark's modules."""
+    cloudpickle.register_pickle_by_value(module)
+    try:  # pyspark ships its own copy of cloudpickle for UDFs and mapInPandas functions
+        from pyspark import cloudpickle as pyspark_cloudpickle
+
+        pyspark_cloudpickle.register_pickle_by_value(module)
+    except (ImportError, AttributeError):
+        pass
+
+
+by_value(sys.modules[__name__])
 
 
 # -- the job ---------------------------------------------------------------------------------
@@ -492,6 +499,24 @@ def fill_sizes(args, sizes: dict[str, tuple[int, int]]) -> None:
     for name, (full, quick) in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+
+
+def add_pass_args(parser) -> None:
+    """The arguments of ``decode_pool.py`` and ``transform_images.py`` beside their own:
+    ``--images``, ``--repeats`` (the best is kept), ``--quick`` (512 images, 1 repeat), the
+    quiet-machine wait and the record arguments; ``pass_sizes`` reads the first three."""
+    parser.add_argument("--images", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="512 images, 1 repeat")
+    parser.add_argument("--quiet-timeout", type=float, default=60.0)
+    add_record_args(parser)
+
+
+def pass_sizes(args, full_images: int) -> tuple[int, int]:
+    """(images, repeats) of ``add_pass_args``' arguments: ``--quick`` runs 512 images (unless
+    ``--images`` says otherwise) once."""
+    images = args.images or (512 if args.quick else full_images)
+    return images, 1 if args.quick else args.repeats
 
 
 def add_record_args(parser) -> None:

@@ -62,7 +62,7 @@ from spark_estimator.worker.data.decode import Decoder  # noqa: E402
 from spark_estimator.worker.data.loader import first_rows, open_loader  # noqa: E402
 from spark_estimator.worker.data.shards import StepPlan  # noqa: E402
 
-FULL_IMAGES, QUICK_IMAGES = 4096, 512
+FULL_IMAGES = 4096
 ROW_GROUP = 512
 POOLS = (("threads", 1), ("threads", 2), ("processes", 1), ("processes", 2))
 CALL_BATCHES = (64, 256, 1024)
@@ -192,15 +192,10 @@ def rank_work(data, store, batch: int) -> tuple[float, float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=None)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="512 images, 1 repeat")
-    parser.add_argument("--quiet-timeout", type=float, default=60.0)
-    bc.add_record_args(parser)
+    bc.add_pass_args(parser)
     args = parser.parse_args()
-    images = args.images or (QUICK_IMAGES if args.quick else FULL_IMAGES)
-    repeats = 1 if args.quick else args.repeats
+    images, repeats = bc.pass_sizes(args, FULL_IMAGES)
     env = bc.machine(("PIL", "simplejpeg"))
     work = Path(tempfile.mkdtemp(prefix="decode-pool-"))
     store = Store.create(str(work / "store"))

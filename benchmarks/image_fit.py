@@ -328,6 +328,30 @@ class EpochShuffle(torch.utils.data.Sampler):
         return ((epoch, int(i)) for i in torch.randperm(self.size, generator=self.generator))
 
 
+def train_pass(
+    loader, net, opt, loss_fn, device: torch.device | None = None
+) -> tuple[float, list[torch.Tensor]]:
+    """One pass of a hand loop over ``loader`` (its batches moved to ``device``, where
+    given): the seconds it waited for its batches, and each step's loss."""
+    waited, losses = 0.0, []
+    batches = iter(loader)
+    while True:
+        before = time.perf_counter()
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            break
+        waited += time.perf_counter() - before
+        if device is not None:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return waited, losses
+
+
 def hand_loop(name: str, files: list[tuple[str, int]], epochs: int, workers: int) -> dict:
     """The hand-written loop (c): seconds, images/s, the share spent waiting for batches,
     the mean loss of its last epoch."""
@@ -345,22 +369,10 @@ def hand_loop(name: str, files: list[tuple[str, int]], epochs: int, workers: int
     waited, losses = 0.0, []
     start = time.perf_counter()
     for _ in range(epochs):
-        batches = iter(loader)
-        losses = []
-        while True:
-            before = time.perf_counter()
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                break
-            waited += time.perf_counter() - before
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(net(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
+        pass_waited, losses = train_pass(loader, net, opt, loss_fn)
+        waited += pass_waited
     seconds = time.perf_counter() - start
-    del batches, loader  # stops the workers
+    del loader  # stops the workers
     return {
         "seconds": seconds,
         "rate": len(files) * epochs / seconds,

@@ -114,21 +114,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
-import cloudpickle  # noqa: E402
 import image_fit  # noqa: E402
 import torch  # noqa: E402
 
 from spark_estimator import decoding  # noqa: E402
 
-# Spark's Python workers and the decode workers cannot import image_fit: its functions and
-# classes travel by value, as those of __main__ do
-cloudpickle.register_pickle_by_value(image_fit)
-try:
-    from pyspark import cloudpickle as _pyspark_cloudpickle
-
-    _pyspark_cloudpickle.register_pickle_by_value(image_fit)
-except (ImportError, AttributeError):
-    pass
+bc.by_value(image_fit)
 
 FULL_IMAGES, SMALL_IMAGES = 16_384, 768
 FULL_BATCH, SMALL_BATCH = 256, 64
@@ -226,25 +217,11 @@ def hand_loop(name: str, files, batch: int, workers: int, device: torch.device) 
     seconds, shares, losses = [], [], []
     for _ in range(EPOCHS):
         synchronize(device)
-        start, waited, losses = time.perf_counter(), 0.0, []
-        batches = iter(loader)
-        while True:
-            before = time.perf_counter()
-            try:
-                x, y = next(batches)
-            except StopIteration:
-                break
-            waited += time.perf_counter() - before
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(net(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach())
+        start = time.perf_counter()
+        waited, losses = image_fit.train_pass(loader, net, opt, loss_fn, device)
         synchronize(device)
         seconds.append(time.perf_counter() - start)
         shares.append(waited / seconds[-1])
-        del batches
     return {
         "epoch_s": seconds,
         "rate": len(files) / seconds[-1],

@@ -33,24 +33,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common as bc  # noqa: E402
-import cloudpickle  # noqa: E402
 import image_fit  # noqa: E402
 
 import spark_estimator  # noqa: E402
 from spark_estimator import TorchModel  # noqa: E402
 from spark_estimator.decoding import decode_image  # noqa: E402
 
-# Spark's Python workers and the decode workers cannot import image_fit: its model class
-# travels by value, as __main__'s would
-cloudpickle.register_pickle_by_value(image_fit)
-try:
-    from pyspark import cloudpickle as _pyspark_cloudpickle
+bc.by_value(image_fit)
 
-    _pyspark_cloudpickle.register_pickle_by_value(image_fit)
-except (ImportError, AttributeError):
-    pass
-
-FULL_IMAGES, QUICK_IMAGES = 4096, 512
+FULL_IMAGES = 4096
 HEADER = """\
 # Transform on images (benchmarks/transform_images.py)
 
@@ -90,16 +81,11 @@ def rows_per_second(model, df, images: int, repeats: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=None)
     parser.add_argument("--partitions", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--label", default="after", help="the section's name (the code's)")
-    parser.add_argument("--quick", action="store_true", help="512 images, 1 repeat")
-    parser.add_argument("--quiet-timeout", type=float, default=60.0)
-    bc.add_record_args(parser)
+    bc.add_pass_args(parser)
     args = parser.parse_args()
-    images = args.images or (QUICK_IMAGES if args.quick else FULL_IMAGES)
-    repeats = 1 if args.quick else args.repeats
+    images, repeats = bc.pass_sizes(args, FULL_IMAGES)
     env = bc.machine(("PIL",))
     folder = image_fit.image_folder(images, bc.DATA)
     spark = bc.spark_session("local[2]")
