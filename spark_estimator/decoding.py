@@ -384,24 +384,18 @@ def _jpegs_as_they_are(simplejpeg, data, pixels: np.ndarray, mode: str, where: s
             raise _different(index, h, w, where)
         if space in _TO_PILLOW:
             _pillow_into(pixels, index, image, mode, None, where)
-        elif not gray:
-            try:
-                decode(image, "RGB", buffer=slots[index])
-            except Exception:
-                _pillow_into(pixels, index, image, mode, None, where)
-        elif space == "Gray":
-            try:
-                decode(image, "GRAY", buffer=slots[index])
-            except Exception:
-                _pillow_into(pixels, index, image, mode, None, where)
-        else:
-            if scratch is None:
-                scratch = np.empty((len(slots), height, width, 3), dtype=np.uint8)
-            try:
-                decode(image, "RGB", buffer=scratch[len(colour)])
-                colour.append(index)
-            except Exception:
-                _pillow_into(pixels, index, image, mode, None, where)
+            continue
+        to_luma = gray and space != "Gray"  # a colour JPEG for "L": its RGB, converted later
+        if to_luma and scratch is None:
+            scratch = np.empty((len(slots), height, width, 3), dtype=np.uint8)
+        buffer = scratch[len(colour)] if to_luma else slots[index]
+        try:
+            decode(image, "GRAY" if gray and not to_luma else "RGB", buffer=buffer)
+        except Exception:
+            _pillow_into(pixels, index, image, mode, None, where)
+            continue
+        if to_luma:
+            colour.append(index)
     if colour:
         _luma_into(pixels, colour, scratch[: len(colour)])
 

@@ -210,13 +210,7 @@ class BatchDecoding:
             shapes = sorted({(3, *size) for size in image_sizes(images)})[:2]
         except BadImage:
             shapes = []
-        sizes = " and ".join("x".join(map(str, s)) for s in shapes)
-        return ValueError(
-            f"{column_param('feature')}: column '{name}' has rows of different shapes in one "
-            f"batch ({sizes}); give decode_fn that resizes or crops them to one size "
-            "(spark_estimator.decoding.decode_image with size=, center_crop, random_crop), or "
-            "a collate_fn"
-        )
+        return _different_shapes(name, "feature", shapes)
 
     def _decode_rows(self, work) -> list[dict | None]:
         values, ids, names, epoch, start, stop = work
@@ -399,13 +393,19 @@ class BatchDecoding:
                     "(spark_estimator.decoding.decode_image(row[...], mode='RGB'), or 'L' for "
                     "grayscale)"
                 )
-            raise ValueError(
-                f"{column_param(role)}: column '{name}' has rows of different shapes in one "
-                f"batch ({'x'.join(map(str, a))} and {'x'.join(map(str, b))}); give decode_fn "
-                "that resizes or crops them to one size (spark_estimator.decoding.decode_image "
-                "with size=, center_crop, random_crop), or a collate_fn"
-            )
+            raise _different_shapes(name, role, [a, b])
         return torch.stack(values), None
+
+
+def _different_shapes(name: str, role: str, shapes: list[tuple[int, ...]]) -> ValueError:
+    """The error of a batch whose rows of column ``name`` have ``shapes`` (its first two)."""
+    sizes = " and ".join("x".join(map(str, s)) for s in shapes)
+    return ValueError(
+        f"{column_param(role)}: column '{name}' has rows of different shapes in one batch "
+        f"({sizes}); give decode_fn that resizes or crops them to one size "
+        "(spark_estimator.decoding.decode_image with size=, center_crop, random_crop), or a "
+        "collate_fn"
+    )
 
 
 def pad_sequences(values: list[torch.Tensor], fill: float) -> tuple[torch.Tensor, torch.Tensor]:
