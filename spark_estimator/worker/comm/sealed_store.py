@@ -7,7 +7,7 @@ as (part of) a key nor as a value; the ranks use it only as the key of what they
 ``SealedStore`` wraps the TCPStore client that the ranks and their process group use, and
 seals every value with an AEAD from ``cryptography``:
 
-    stored value = nonce (12 random bytes) | ChaCha20-Poly1305(key, nonce, value, key name)
+    stored value = "~" | nonce (12 random bytes) | ChaCha20-Poly1305(key, nonce, value, key name)
 
 the key derived from the secret by HKDF-SHA256, the key name as associated data. A client
 of the port therefore reads random bytes: neither the ranks' addresses (gloo's) nor NCCL's
@@ -17,7 +17,9 @@ launch fails, and nobody connects to an address a stranger gave. A fresh secret 
 keeps one launch's values from passing in another.
 
 Counters (``add``) are sealed values too, counted by the ranks with ``compare_set`` (a
-sealed count is no number to the server, which refuses a stranger's ``add`` to it). With a
+sealed count is no number to the server, which refuses a stranger's ``add`` to it: the server
+reads a number from a value's leading digits, which the "~" before the random nonce never
+are). With a
 plain count a stranger could set one (a rank would believe that another rank failed first)
 or make it no number (torch's server drops the connection of every rank that adds to it).
 Now a count a stranger wrote raises ``ForgedValue``, and the rank's connection stays open;
@@ -41,6 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 _NONCE = 12  # ChaCha20-Poly1305's; random per value
+_MARK = b"~"  # before the nonce: no digit, sign or space, so no sealed value reads as a number
 _PURPOSE = b"spark-estimator store: ChaCha20-Poly1305"  # HKDF's info: what the key is for
 
 
@@ -69,12 +72,15 @@ class SealedStore(dist.Store):
 
     def seal(self, key: str, value: bytes) -> bytes:
         nonce = os.urandom(_NONCE)
-        return nonce + self._aead.encrypt(nonce, value, key.encode())
+        return _MARK + nonce + self._aead.encrypt(nonce, value, key.encode())
 
     def open(self, key: str, stored: bytes) -> bytes:
         stored = bytes(stored)
+        nonce, sealed = stored[len(_MARK) : len(_MARK) + _NONCE], stored[len(_MARK) + _NONCE :]
         try:
-            return self._aead.decrypt(stored[:_NONCE], stored[_NONCE:], key.encode())
+            if not stored.startswith(_MARK):
+                raise ValueError("no mark")
+            return self._aead.decrypt(nonce, sealed, key.encode())
         except (InvalidTag, ValueError):  # ValueError: too short for a nonce and a tag
             raise ForgedValue(
                 f"the job's store holds a value under key {key!r} that no rank of this launch "

@@ -68,17 +68,17 @@ def test_a_value_that_no_rank_of_the_launch_wrote_is_refused(server):
 
 
 def test_values_are_sealed_with_chacha20_poly1305_under_a_key_derived_by_hkdf(server):
-    # the field's construction, from a maintained library: nonce | ciphertext | tag, the
-    # key name as associated data, the key derived from the launch's secret by HKDF
+    # the field's construction, from a maintained library: "~" | nonce | ciphertext | tag,
+    # the key name as associated data, the key derived from the launch's secret by HKDF
     secret = launch_secret()
     SealedStore(server, secret).set("addr/0", b"127.0.0.1:29500")
     stored = client(server).get("addr/0")
-    assert len(stored) == 12 + len(b"127.0.0.1:29500") + 16
+    assert len(stored) == 1 + 12 + len(b"127.0.0.1:29500") + 16 and stored[:1] == b"~"
     key = HKDF(hashes.SHA256(), 32, None, b"spark-estimator store: ChaCha20-Poly1305").derive(
         secret.encode()
     )
     aead = ChaCha20Poly1305(key)
-    assert aead.decrypt(stored[:12], stored[12:], b"addr/0") == b"127.0.0.1:29500"
+    assert aead.decrypt(stored[1:13], stored[13:], b"addr/0") == b"127.0.0.1:29500"
 
 
 def test_counters_are_sealed_counts_that_a_client_of_the_port_cannot_read(server):
@@ -118,6 +118,24 @@ def test_a_strangers_add_to_a_sealed_counter_leaves_the_count(server):
         "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=0.5)
     )
     with pytest.raises(dist.DistError):  # a sealed count is no number to the server
+        stranger.add("arrivals", 5)
+    assert rank.add("arrivals", 1) == 2
+
+
+def test_a_strangers_add_fails_whatever_random_bytes_the_sealed_count_begins_with(
+    server, monkeypatch
+):
+    """The server reads a stored value as a number from its leading digits: a sealed count
+    whose random nonce begins with one was a number to it (1 count in about 25)."""
+    from spark_estimator.worker.comm import sealed_store
+
+    monkeypatch.setattr(sealed_store.os, "urandom", lambda n: b"1" + bytes(n - 1))
+    rank = SealedStore(client(server), launch_secret())
+    assert rank.add("arrivals", 1) == 1
+    stranger = dist.TCPStore(
+        "127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=0.5)
+    )
+    with pytest.raises(dist.DistError):
         stranger.add("arrivals", 5)
     assert rank.add("arrivals", 1) == 2
 
