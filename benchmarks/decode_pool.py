@@ -20,8 +20,13 @@ fit's dataset: one rank, the whole split, shuffled (the default buffer), batches
 
 Each with threads (1 and 2) and worker processes (1 and 2): images/s of a whole pass, the
 best of ``--repeats`` passes, after one untimed pass (which starts the processes). Against
-the decode limit: Pillow's ``decode_image`` alone on every core (``image_fit.decode_limit``:
-forked processes holding the bytes in memory).
+the decode limit: Pillow's ``decode_image`` alone on every core (``image_fit.DecodeLimit``:
+forked processes holding the bytes in memory), one pass of it taken just before each timed
+pass; a decoding's share of the limit is the median over its passes of the pass's rate /
+that limit pass's. This machine's speed changes from second to second (a pass of the
+limit alone measured 8,100 and 11,300 images/s a few seconds apart, the CPU time per image
+changing with it), so a limit measured once, minutes away from a pass, says more about the
+moment than about the data path.
 
 The rank's own work per batch, with processes, at batch sizes 64, 256 and 1,024: the Python
 function calls the consuming thread makes per batch (``sys.setprofile``: what grows with
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -67,6 +73,7 @@ ROW_GROUP = 512
 POOLS = (("threads", 1), ("threads", 2), ("processes", 1), ("processes", 2))
 CALL_BATCHES = (64, 256, 1024)
 TARGET_SCALING, TARGET_DECODE = 1.8, 0.8
+LIMIT_PASSES: list[float] = []  # the decode limit's passes, each taken before a timed pass
 HEADER = """\
 # Decode pool (benchmarks/decode_pool.py)
 
@@ -148,17 +155,23 @@ def one_pass(spec, data, decoder: Decoder, pass_index: int) -> int:
     return rows
 
 
-def rate(spec, data, fn, pool: str, workers: int, repeats: int) -> float:
-    """Images/s of the best of ``repeats`` timed passes (after an untimed one)."""
+def rate(spec, data, fn, pool: str, workers: int, repeats: int, limit) -> tuple[float, float]:
+    """Images/s of the best of ``repeats`` timed passes (after an untimed one), and the
+    median over them of each pass's rate / the decode limit's pass taken just before it
+    (``limit``: an ``image_fit.DecodeLimit``); the limit's passes are recorded in
+    ``LIMIT_PASSES``."""
     decoder = make_decoder(spec, data, fn, pool, workers)
     try:
         one_pass(spec, data, decoder, 1)
-        best = 0.0
+        best, shares = 0.0, []
         for r in range(repeats):
+            LIMIT_PASSES.append(limit.rate())
             start = time.perf_counter()
             rows = one_pass(spec, data, decoder, r + 2)
-            best = max(best, rows / (time.perf_counter() - start))
-        return best
+            images_s = rows / (time.perf_counter() - start)
+            best = max(best, images_s)
+            shares.append(images_s / LIMIT_PASSES[-1])
+        return best, statistics.median(shares)
     finally:
         decoder.close()
 
@@ -202,19 +215,27 @@ def main() -> int:
     data, blobs = dataset(images, work / "data")
     spec = bc.loader_only_spec(data, store, args.batch, decode=DecodeSpec())
     print(f"{images:,} JPEGs, batch {args.batch}, {os.cpu_count()} cores", flush=True)
+    decode_limit = image_fit.DecodeLimit(blobs, os.cpu_count() or 1)  # forked before any thread
     if not bc.wait_quiet(args.quiet_timeout):
         print("(other processes kept the CPUs busy)")
-    limit = image_fit.decode_limit(blobs, os.cpu_count() or 1)
-    print(f"decode limit (decode_image, {os.cpu_count()} processes): {limit:,.0f} images/s")
     rates: dict[tuple[str, str, int], float] = {}
-    for name, fn in DECODINGS.items():
-        for pool, workers in POOLS:
-            bc.wait_quiet(args.quiet_timeout)
-            rates[name, pool, workers] = rate(spec, data, fn, pool, workers, repeats)
-            print(
-                f"{name:8s} {pool:9s} x{workers}: {rates[name, pool, workers]:,.0f} images/s",
-                flush=True,
-            )
+    shares: dict[tuple[str, str, int], float] = {}
+    try:
+        for name, fn in DECODINGS.items():
+            for pool, workers in POOLS:
+                bc.wait_quiet(args.quiet_timeout)
+                key = (name, pool, workers)
+                rates[key], shares[key] = rate(spec, data, fn, pool, workers, repeats, decode_limit)
+                print(
+                    f"{name:8s} {pool:9s} x{workers}: {rates[key]:,.0f} images/s, "
+                    f"{shares[key]:.2f} of the decode limit",
+                    flush=True,
+                )
+    finally:
+        decode_limit.close()
+    limit = max(LIMIT_PASSES)
+    spread = min(LIMIT_PASSES) / limit
+    print(f"decode limit (decode_image, {os.cpu_count()} processes): {limit:,.0f} images/s")
     calls = {b: rank_work(data, store, b) for b in CALL_BATCHES}
     for b, (per_batch, cpu_batch, _) in calls.items():
         print(f"batch {b}: {per_batch:.0f} Python calls, {cpu_batch:,.0f} us CPU a batch")
@@ -224,7 +245,10 @@ def main() -> int:
         *bc.machine_lines(env, ("PIL", "simplejpeg")),
         f"- Job: {images:,} JPEGs 128x128, batch {args.batch}, one rank, shuffled; best of "
         f"{repeats} pass(es) after an untimed one",
-        f"- Decode limit (`decode_image`, {os.cpu_count()} processes): **{limit:,.0f} images/s**",
+        f"- Decode limit (`decode_image`, {os.cpu_count()} processes): **{limit:,.0f} "
+        f"images/s**, the best of {len(LIMIT_PASSES)} passes, one before each timed pass "
+        f"(the slowest {spread:.2f} of it: the machine's speed varies from second to second, "
+        "so each pass is compared with the limit's pass beside it)",
         "",
         "| decode_fn | " + " | ".join(f"{p} x{w}" for p, w in POOLS) + " |",
         "|---|" + "---:|" * len(POOLS),
@@ -234,9 +258,9 @@ def main() -> int:
         lines.append(f"| {name} | {cells} |")
     gil_scaling = rates["gil", "processes", 2] / rates["gil", "processes", 1]
     thread_scaling = rates["gil", "threads", 2] / rates["gil", "threads", 1]
-    pillow_share = rates["pillow", "processes", 2] / limit
+    pillow_share = shares["pillow", "processes", 2]
     met = lambda ok: "met" if ok else "MISSED"  # noqa: E731
-    share = lambda name, pool: rates[name, pool, 2] / limit  # noqa: E731
+    share = lambda name, pool: shares[name, pool, 2]  # noqa: E731
     lines += [
         "",
         f"- `gil`: 2 processes / 1 process **{gil_scaling:.3f}** (target >= {TARGET_SCALING}: "

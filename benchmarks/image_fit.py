@@ -249,23 +249,39 @@ def _decode_span(span: tuple[int, int]) -> int:
     return stop - start
 
 
+class DecodeLimit:
+    """``decode_image`` over ``blobs`` in ``workers`` processes (forked with the bytes in
+    memory, started and warmed once): ``rate()`` times one pass. Kept open, its passes can
+    be taken between other measurements, each paired with the one beside it in time."""
+
+    def __init__(self, blobs: list[bytes], workers: int):
+        global _BYTES
+        _BYTES = blobs
+        bounds = np.linspace(0, len(blobs), 8 * workers + 1).astype(int)
+        self.spans = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        self.pool = multiprocessing.get_context("fork").Pool(workers)
+        self.pool.map(_decode_span, [(0, 1)] * workers)
+        _BYTES = []  # the forked workers hold their copy
+
+    def rate(self) -> float:
+        """Images/s of one pass over the images."""
+        start = time.perf_counter()
+        done = sum(self.pool.map(_decode_span, self.spans, chunksize=1))
+        return done / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
 def decode_limit(blobs: list[bytes], workers: int, passes: int = 3) -> float:
-    """Images/s of ``decode_image`` over ``blobs`` in ``workers`` processes (forked with the
-    bytes in memory; the pool started and warmed before the clock starts), the best of
-    ``passes`` passes."""
-    global _BYTES
-    _BYTES = blobs
-    bounds = np.linspace(0, len(blobs), 8 * workers + 1).astype(int)
-    spans = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    best = 0.0
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        pool.map(_decode_span, [(0, 1)] * workers)
-        for _ in range(passes):
-            start = time.perf_counter()
-            done = sum(pool.map(_decode_span, spans, chunksize=1))
-            best = max(best, done / (time.perf_counter() - start))
-    _BYTES = []
-    return best
+    """Images/s of ``decode_image`` over ``blobs`` in ``workers`` processes (``DecodeLimit``),
+    the best of ``passes`` passes."""
+    limit = DecodeLimit(blobs, workers)
+    try:
+        return max(limit.rate() for _ in range(passes))
+    finally:
+        limit.close()
 
 
 # -- (b) the compute limit ----------------------------------------------------------------------

@@ -548,6 +548,13 @@ def _crops(image: torch.Tensor, places: list[tuple[int, int]], height: int, widt
     return runs.index_select(0, starts.reshape(-1)).view(shape).permute(order)
 
 
+def _channels_innermost(image: torch.Tensor) -> bool:
+    """Whether ``image`` ``[C, H, W]`` has its channels innermost in memory, not being
+    contiguous: ``decode_image``'s tensors (views of ``[H, W, C]`` pixels), their crops and
+    flips."""
+    return image.dim() == 3 and not image.is_contiguous() and image.stride(0) < image.stride(2)
+
+
 def random_flip(image: torch.Tensor, augment, p: float = 0.5) -> torch.Tensor:
     """An image ``[C, H, W]`` mirrored left to right with probability ``p`` (drawn from
     ``augment``); or each image of a batch ``[B, C, H, W]``, each drawn from its own
@@ -565,9 +572,10 @@ def random_flip(image: torch.Tensor, augment, p: float = 0.5) -> torch.Tensor:
     Returns
     -------
     torch.Tensor
-        The image (itself where not flipped) or, for a batch, a new tensor in its memory
-        layout (channels-last where ``image`` is): the drawn rows selected and flipped in
-        one call each, then every row copied once into the result.
+        The image (itself where not flipped; else a new tensor, its channels innermost in
+        memory where they are in ``image``, as in ``decode_image``'s) or, for a batch, a
+        new tensor in its memory layout (channels-last where ``image`` is): the drawn rows
+        selected and flipped in one call each, then every row copied once into the result.
 
     Raises
     ------
@@ -576,7 +584,11 @@ def random_flip(image: torch.Tensor, augment, p: float = 0.5) -> torch.Tensor:
     """
     generators = _generators(image, augment)
     if generators is None:
-        return image.flip(-1) if augment.random() < p else image
+        if augment.random() >= p:
+            return image
+        if _channels_innermost(image):
+            return image.permute(1, 2, 0).flip(1).permute(2, 0, 1)  # channels stay innermost
+        return image.flip(-1)
     flipped = [row for row, g in enumerate(generators) if g.random() < p]
     # the rows as views of the layout their memory has, where a flip moves whole runs
     channels_last = image.is_contiguous(memory_format=torch.channels_last)

@@ -314,3 +314,13 @@ def test_a_batch_takes_one_generator_per_row():
         random_crop(batch, 9, generators(4))
     assert random_crop(batch[:0], 4, []).shape == (0, 3, 4, 4)
     assert random_flip(batch[:0], []).shape == (0, 3, 8, 8)
+
+
+def test_a_flipped_image_keeps_its_channels_innermost_where_they_were():
+    pixels = torch.randint(0, 256, (6, 8, 3), dtype=torch.uint8)
+    image = pixels.permute(2, 0, 1)[:, 1:5, 2:7]  # a crop of decode_image's kind of tensor
+    flipped = [random_flip(image, np.random.default_rng(s), p=1.0) for s in range(2)]
+    for out in flipped + [random_flip(image.contiguous(), np.random.default_rng(0), p=1.0)]:
+        assert torch.equal(out, image.flip(-1))
+    assert flipped[0].stride(0) == 1  # each pixel's channels side by side, as in image
+    assert random_flip(image, np.random.default_rng(0), p=0.0) is image

@@ -11,9 +11,10 @@ without one), or the whole batch through ``decode_batch_fn(rows, augments)``, th
 with their mask, other values listed).
 
 ``augment`` is a NumPy generator seeded by (seed, epoch, the row's index in its split) when
-training, None otherwise: a row's transforms are the same whenever, on whichever rank and
-by whichever worker it is decoded, so results do not depend on how many workers decode,
-and an exact resume or an elastic resize sees each row with the transforms it would have
+training (``np.random.default_rng([seed, epoch, row])``, made a batch at a time by
+``row_generators``), None otherwise: a row's transforms are the same whenever, on whichever
+rank and by whichever worker it is decoded, so results do not depend on how many workers
+decode, and an exact resume or an elastic resize sees each row with the transforms it would have
 had. A row whose decoding raises fails the batch naming the column (or ``decode_fn``), the
 row's index and name (binaryFile's ``path``, an image's ``origin``) with
 ``bad_rows="fail"``; with ``"skip"`` it is left out and reported (``BatchResult.skipped``).
@@ -33,9 +34,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...decoding import BadImage, decode_images, default_decode, image_sizes
+from ...decoding import (
+    BadImage,
+    _channels_innermost,
+    decode_images,
+    default_decode,
+    image_sizes,
+)
 from ...shared.serialization import loads
 from ...shared.spec import ColumnSpec, DecodeSpec, column_param
+from .row_generators import row_generators
 
 log = logging.getLogger("spark_estimator.worker.data.decode")
 LABEL_PADDING = -100  # integer sequence labels: the index CrossEntropyLoss ignores
@@ -45,6 +53,9 @@ CUDA_HINT = (
     "decode workers are processes without a GPU: decode with decode_pool='threads' (in the "
     "training process, on its GPU), or decode_device='cuda' with decode_batch_fn"
 )
+
+# (shape, dtype) -> a contiguous CPU tensor to stack a batch's rows into, or None
+Allocate = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 
 
 class BadRow(ValueError):
@@ -120,6 +131,7 @@ class BatchDecoding:
         self.collate_fn: Callable | None = functions.get("collate_fn")
         self.init_fn: Callable | None = functions.get("decode_init_fn")
         self.initialized = False
+        self.allocate: Allocate | None = None  # a decode worker's: where stacked batches go
 
     def init(self) -> None:
         """``decode_init_fn``, once, before the first batch (in each worker process)."""
@@ -215,12 +227,11 @@ class BatchDecoding:
     def _decode_rows(self, work) -> list[dict | None]:
         values, ids, names, epoch, start, stop = work
         out = []
+        augments = None if epoch is None else row_generators(self.seed, epoch, ids[start:stop])
         for i in range(start, stop):
             row = {name: column[i] for name, column in values.items()}
             row_id = int(ids[i])
-            augment = None
-            if epoch is not None:
-                augment = np.random.default_rng([self.seed, epoch, row_id])
+            augment = None if augments is None else augments[i - start]
             try:
                 if self.decode_fn is not None:
                     decoded = self.decode_fn(row, augment)
@@ -258,9 +269,7 @@ class BatchDecoding:
             name: column if isinstance(column, torch.Tensor) else list(column)
             for name, column in values.items()
         }
-        augments = None
-        if epoch is not None:
-            augments = [np.random.default_rng([self.seed, epoch, int(i)]) for i in ids]
+        augments = None if epoch is None else row_generators(self.seed, epoch, ids)
         try:
             out = self.batch_fn(batch, augments)
         except Exception as e:
@@ -394,7 +403,7 @@ class BatchDecoding:
                     "grayscale)"
                 )
             raise _different_shapes(name, role, [a, b])
-        return torch.stack(values), None
+        return stack_rows(values, self.allocate), None
 
 
 def _different_shapes(name: str, role: str, shapes: list[tuple[int, ...]]) -> ValueError:
@@ -406,6 +415,24 @@ def _different_shapes(name: str, role: str, shapes: list[tuple[int, ...]]) -> Va
         "(spark_estimator.decoding.decode_image with size=, center_crop, random_crop), or a "
         "collate_fn"
     )
+
+
+def stack_rows(values: list[torch.Tensor], allocate: Allocate | None = None) -> torch.Tensor:
+    """Tensors of one shape as one batch, in the first's memory order: images ``[C, H, W]``
+    whose channels are innermost in memory (``decode_image``'s, their crops and flips) make
+    a channels-last batch ``[B, C, H, W]`` (each row one run of memory to copy, where
+    stacking them as a contiguous batch moves every pixel's channels apart); other tensors
+    are stacked as they are (contiguous). With ``allocate`` (a decode worker's: memory in
+    its shared slot), the batch is stacked straight into the memory it gives."""
+    first = values[0]
+    channels_last = _channels_innermost(first)
+    rows = [v.permute(1, 2, 0) for v in values] if channels_last else values
+    out = None
+    same = all(v.dtype == first.dtype for v in values)
+    if allocate is not None and first.device.type == "cpu" and same:
+        out = allocate((len(rows), *rows[0].shape), first.dtype)
+    stacked = torch.stack(rows) if out is None else torch.stack(rows, out=out)
+    return stacked.permute(0, 3, 1, 2) if channels_last else stacked
 
 
 def pad_sequences(values: list[torch.Tensor], fill: float) -> tuple[torch.Tensor, torch.Tensor]:

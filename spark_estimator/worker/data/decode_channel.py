@@ -65,10 +65,11 @@ class Segment:
         return torch.frombuffer(self.map, dtype=dtype, count=count, offset=offset).view(shape)
 
     def close(self) -> None:
-        try:
-            self.map.close()
-        finally:
+        """Unmap and close it; a ``BufferError`` (nothing closed) while a tensor views it."""
+        self.map.close()
+        if self.fd >= 0:
             os.close(self.fd)
+            self.fd = -1
 
 
 def _new_file(size: int) -> int:

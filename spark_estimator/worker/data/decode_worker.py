@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -70,7 +71,9 @@ def main(fd: int) -> None:
         if message[0] == "close":
             break
         _, seq, slot, epoch, values, ids, names = message
+        result = None  # the last batch's tensors, which may view a retired segment, gone
         try:
+            decoding.allocate = writer.begin(slot)
             result = decoding.decode(values, ids, names, epoch)
             reply, fds = writer.write(slot, result)
         except BaseException as e:
@@ -116,15 +119,40 @@ def describe(error: BaseException) -> tuple[bytes | None, str, str, str]:
 
 
 class SlotWriter:
-    """The worker's slots of shared memory and what it writes into them."""
+    """The worker's slots of shared memory and what it writes into them. A batch's stacked
+    columns are collated straight into its slot (``begin`` gives ``BatchDecoding`` where);
+    ``write`` copies in the rest and says where each tensor lies."""
 
     def __init__(self):
         self.slots: list[Segment | None] = [None] * SLOTS
+        self.retired: list[Segment] = []  # replaced while a batch's tensors still viewed them
+        self.placed: dict[int, int] = {}  # data pointer -> offset, of tensors in the slot
+        self.used = 0
         self.inline_warned = False
 
+    def begin(self, slot: int) -> Callable[[tuple[int, ...], torch.dtype], torch.Tensor | None]:
+        """Start a batch in ``slot`` (the last batch's tensors gone); where its collation
+        may stack a column: memory of ``slot`` after what is placed, None where it does not
+        fit (the column is then copied in by ``write``)."""
+        self.retired = [s for s in self.retired if not _closed(s)]
+        self.placed, self.used = {}, 0
+        segment = self.slots[slot]
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+            size = _aligned(int(torch.Size(shape).numel()) * dtype.itemsize)
+            if segment is None or not size or self.used + size > segment.size:
+                return None
+            tensor = segment.view(self.used, dtype, shape)
+            self.placed[tensor.data_ptr()] = (self.used, size)
+            self.used += size
+            return tensor
+
+        return allocate
+
     def write(self, slot: int, result: BatchResult) -> tuple[dict, tuple[int, ...]]:
-        """``result``'s tensors copied into ``slot`` (grown where they do not fit); the
-        reply saying where they lie, and the descriptor of a new segment if one was made."""
+        """``result``'s tensors in ``slot`` (grown where they do not fit; those collated
+        into it already left where they are); the reply saying where they lie, and the
+        descriptor of a new segment if one was made."""
         reply = {
             "rows": result.decoded.rows if result.decoded is not None else 0,
             "kept": result.kept,
@@ -138,7 +166,7 @@ class SlotWriter:
         if result.decoded is None:
             return reply, ()
         reply["order"] = list(result.decoded.columns)
-        tensors, layout, size = [], [], 0
+        tensors, layout, size = [], [], self.used
         for where, values in (("columns", result.decoded.columns), ("masks", result.decoded.masks)):
             for name, value in values.items():
                 if not isinstance(value, torch.Tensor):
@@ -146,27 +174,32 @@ class SlotWriter:
                     continue
                 value = value.detach().cpu()
                 stride = value.stride() if _dense(value) else _contiguous_stride(value.shape)
-                layout.append((where, name, size, str(value.dtype), tuple(value.shape), stride))
-                tensors.append(value)
-                size += -(-value.numel() * value.element_size() // _ALIGN) * _ALIGN
+                offset, room = self.placed.pop(value.data_ptr(), (None, 0))
+                if offset is None or not _dense(value) or _span(value) > room:
+                    offset = size
+                    size += _aligned(value.numel() * value.element_size())
+                    tensors.append((len(layout), value))
+                layout.append((where, name, offset, str(value.dtype), tuple(value.shape), stride))
         fds: tuple[int, ...] = ()
         segment = self.slots[slot]
         if segment is None or segment.size < size:
             try:
                 grown = Segment(max(size, int(segment.size * 1.5) if segment else size, 1))
             except ShmFull as e:
-                return self._inline(reply, layout, tensors, e), ()
+                return self._inline(reply, layout, result, e), ()
             if segment is not None:
-                segment.close()
+                self.retired.append(segment)  # closed once this batch's tensors are gone
             self.slots[slot] = segment = grown
             reply["segment"], fds = grown.size, (grown.fd,)
-        for (_, _, offset, _, shape, stride), tensor in zip(layout, tensors):
+            tensors = list(enumerate(_tensors(result, layout)))  # all copied into the new one
+        for index, tensor in tensors:
+            _, _, offset, _, shape, stride = layout[index]
             flat = segment.view(offset, tensor.dtype, (tensor.numel(),))
             flat.as_strided(shape, stride).copy_(tensor)
         reply["layout"] = layout
         return reply, fds
 
-    def _inline(self, reply: dict, layout: list, tensors: list, error: ShmFull) -> dict:
+    def _inline(self, reply: dict, layout: list, result: BatchResult, error: ShmFull) -> dict:
         """The batch's tensors in the reply itself, where shared memory is full."""
         if not self.inline_warned:
             self.inline_warned = True
@@ -175,9 +208,33 @@ class SlotWriter:
                 "through the socket instead, which is slower (see SPARK_ESTIMATOR_SHM_DIR)",
                 error.strerror,
             )
-        for (where, name, *_), tensor in zip(layout, tensors):
+        for (where, name, *_), tensor in zip(layout, _tensors(result, layout)):
             reply["inline"][(where, name)] = tensor.clone()
         return reply
+
+
+def _tensors(result: BatchResult, layout: list) -> list[torch.Tensor]:
+    """The tensors of ``result`` that ``layout`` places, in its order."""
+    parts = {"columns": result.decoded.columns, "masks": result.decoded.masks}
+    return [parts[where][name].detach().cpu() for where, name, *_ in layout]
+
+
+def _closed(segment: Segment) -> bool:
+    """Close ``segment`` if no tensor views it any more; whether it was closed."""
+    try:
+        segment.close()
+    except BufferError:  # still viewed: tried again at the next batch
+        return False
+    return True
+
+
+def _span(tensor: torch.Tensor) -> int:
+    """The bytes from a dense tensor's first element to the end of its last."""
+    return tensor.numel() * tensor.element_size()
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
 
 
 def _dense(tensor: torch.Tensor) -> bool:
