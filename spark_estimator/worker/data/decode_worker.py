@@ -126,7 +126,7 @@ class SlotWriter:
     def __init__(self):
         self.slots: list[Segment | None] = [None] * SLOTS
         self.retired: list[Segment] = []  # replaced while a batch's tensors still viewed them
-        self.placed: dict[int, int] = {}  # data pointer -> offset, of tensors in the slot
+        self.placed: dict[int, tuple[int, int]] = {}  # data pointer -> (offset, bytes) in the slot
         self.used = 0
         self.inline_warned = False
 
