@@ -73,7 +73,6 @@ ROW_GROUP = 512
 POOLS = (("threads", 1), ("threads", 2), ("processes", 1), ("processes", 2))
 CALL_BATCHES = (64, 256, 1024)
 TARGET_SCALING, TARGET_DECODE = 1.8, 0.8
-LIMIT_PASSES: list[float] = []  # the decode limit's passes, each taken before a timed pass
 HEADER = """\
 # Decode pool (benchmarks/decode_pool.py)
 
@@ -158,19 +157,18 @@ def one_pass(spec, data, decoder: Decoder, pass_index: int) -> int:
 def rate(spec, data, fn, pool: str, workers: int, repeats: int, limit) -> tuple[float, float]:
     """Images/s of the best of ``repeats`` timed passes (after an untimed one), and the
     median over them of each pass's rate / the decode limit's pass taken just before it
-    (``limit``: an ``image_fit.DecodeLimit``); the limit's passes are recorded in
-    ``LIMIT_PASSES``."""
+    (``limit``: an ``image_fit.DecodeLimit``)."""
     decoder = make_decoder(spec, data, fn, pool, workers)
     try:
         one_pass(spec, data, decoder, 1)
         best, shares = 0.0, []
         for r in range(repeats):
-            LIMIT_PASSES.append(limit.rate())
+            limit_s = limit.rate()
             start = time.perf_counter()
             rows = one_pass(spec, data, decoder, r + 2)
             images_s = rows / (time.perf_counter() - start)
             best = max(best, images_s)
-            shares.append(images_s / LIMIT_PASSES[-1])
+            shares.append(images_s / limit_s)
         return best, statistics.median(shares)
     finally:
         decoder.close()
@@ -233,8 +231,8 @@ def main() -> int:
                 )
     finally:
         decode_limit.close()
-    limit = max(LIMIT_PASSES)
-    spread = min(LIMIT_PASSES) / limit
+    limit = max(decode_limit.passes)
+    spread = min(decode_limit.passes) / limit
     print(f"decode limit (decode_image, {os.cpu_count()} processes): {limit:,.0f} images/s")
     calls = {b: rank_work(data, store, b) for b in CALL_BATCHES}
     for b, (per_batch, cpu_batch, _) in calls.items():
@@ -246,7 +244,7 @@ def main() -> int:
         f"- Job: {images:,} JPEGs 128x128, batch {args.batch}, one rank, shuffled; best of "
         f"{repeats} pass(es) after an untimed one",
         f"- Decode limit (`decode_image`, {os.cpu_count()} processes): **{limit:,.0f} "
-        f"images/s**, the best of {len(LIMIT_PASSES)} passes, one before each timed pass "
+        f"images/s**, the best of {len(decode_limit.passes)} passes, one before each timed pass "
         f"(the slowest {spread:.2f} of it: the machine's speed varies from second to second, "
         "so each pass is compared with the limit's pass beside it)",
         "",

@@ -34,16 +34,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ["PYSPARK_PYTHON"] = sys.executable
 
-import cloudpickle  # noqa: E402
-from pyspark import cloudpickle as pyspark_cloudpickle  # noqa: E402
+import bench_common as bc  # noqa: E402
 
 from spark_estimator import Store, TrainingError  # noqa: E402
 from spark_estimator.callbacks import Callback  # noqa: E402
 from tests import clusters, conftest, faults, test_reliability  # noqa: E402
 
 for module in (conftest, faults, test_reliability):
-    cloudpickle.register_pickle_by_value(module)
-    pyspark_cloudpickle.register_pickle_by_value(module)
+    bc.by_value(module)
 
 STANDALONE = "standalone, 3 Workers"  # started here: tests/clusters.py
 ELASTIC = {"num_proc": 3, "min_num_proc": 2}

@@ -166,7 +166,7 @@ class SlotWriter:
         if result.decoded is None:
             return reply, ()
         reply["order"] = list(result.decoded.columns)
-        tensors, layout, size = [], [], self.used
+        tensors, copied, layout, size = [], [], [], self.used  # copied: those not in place
         for where, values in (("columns", result.decoded.columns), ("masks", result.decoded.masks)):
             for name, value in values.items():
                 if not isinstance(value, torch.Tensor):
@@ -177,29 +177,30 @@ class SlotWriter:
                 offset, room = self.placed.pop(value.data_ptr(), (None, 0))
                 if offset is None or not _dense(value) or _span(value) > room:
                     offset = size
-                    size += _aligned(value.numel() * value.element_size())
-                    tensors.append((len(layout), value))
+                    size += _aligned(_span(value))
+                    copied.append(len(tensors))
                 layout.append((where, name, offset, str(value.dtype), tuple(value.shape), stride))
+                tensors.append(value)
         fds: tuple[int, ...] = ()
         segment = self.slots[slot]
         if segment is None or segment.size < size:
             try:
                 grown = Segment(max(size, int(segment.size * 1.5) if segment else size, 1))
             except ShmFull as e:
-                return self._inline(reply, layout, result, e), ()
+                return self._inline(reply, layout, tensors, e), ()
             if segment is not None:
                 self.retired.append(segment)  # closed once this batch's tensors are gone
             self.slots[slot] = segment = grown
             reply["segment"], fds = grown.size, (grown.fd,)
-            tensors = list(enumerate(_tensors(result, layout)))  # all copied into the new one
-        for index, tensor in tensors:
-            _, _, offset, _, shape, stride = layout[index]
+            copied = range(len(tensors))  # all of them, into the new one
+        for index in copied:
+            tensor, (_, _, offset, _, shape, stride) = tensors[index], layout[index]
             flat = segment.view(offset, tensor.dtype, (tensor.numel(),))
             flat.as_strided(shape, stride).copy_(tensor)
         reply["layout"] = layout
         return reply, fds
 
-    def _inline(self, reply: dict, layout: list, result: BatchResult, error: ShmFull) -> dict:
+    def _inline(self, reply: dict, layout: list, tensors: list, error: ShmFull) -> dict:
         """The batch's tensors in the reply itself, where shared memory is full."""
         if not self.inline_warned:
             self.inline_warned = True
@@ -208,15 +209,9 @@ class SlotWriter:
                 "through the socket instead, which is slower (see SPARK_ESTIMATOR_SHM_DIR)",
                 error.strerror,
             )
-        for (where, name, *_), tensor in zip(layout, _tensors(result, layout)):
+        for (where, name, *_), tensor in zip(layout, tensors):
             reply["inline"][(where, name)] = tensor.clone()
         return reply
-
-
-def _tensors(result: BatchResult, layout: list) -> list[torch.Tensor]:
-    """The tensors of ``result`` that ``layout`` places, in its order."""
-    parts = {"columns": result.decoded.columns, "masks": result.decoded.masks}
-    return [parts[where][name].detach().cpu() for where, name, *_ in layout]
 
 
 def _closed(segment: Segment) -> bool:
