@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from image_fit import CROP, make_image  # noqa: E402
 
-from spark_estimator import decoding  # noqa: E402
+from spark_estimator.decoding import batch as batch_images  # noqa: E402
 from spark_estimator.decoding import (  # noqa: E402
     decode_image,
     decode_images,
@@ -128,12 +128,12 @@ def batches_augmented(data: list[bytes]) -> None:
 
 
 def batches_pillow(data: list[bytes]) -> None:
-    hidden = decoding._simplejpeg
-    decoding._simplejpeg = lambda: None  # as without simplejpeg installed
+    hidden = batch_images._simplejpeg
+    batch_images._simplejpeg = lambda: None  # as without simplejpeg installed
     try:
         batches(data)
     finally:
-        decoding._simplejpeg = hidden
+        batch_images._simplejpeg = hidden
 
 
 def releases(count: int) -> Callable[[list[bytes]], None]:
@@ -283,7 +283,7 @@ def main() -> int:
         },
     )
     torch.set_num_threads(1)
-    simplejpeg = decoding._simplejpeg()
+    simplejpeg = batch_images._simplejpeg()
     env = bc.machine(("PIL", "simplejpeg") if simplejpeg else ("PIL",))
     data = [make_image(i) for i in range(args.images)]
     gil_data = data[: args.gil_images]

@@ -141,7 +141,7 @@ def pillow_calls(monkeypatch) -> list[int]:
         calls.append(data)
         return original(data, *args, **kwargs)
 
-    monkeypatch.setattr(decoding, "decode_image", counted)
+    monkeypatch.setattr(decoding.batch, "decode_image", counted)
     return calls
 
 

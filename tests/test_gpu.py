@@ -379,7 +379,7 @@ def test_jpegs_decoded_on_the_gpu_train_as_pillows_do(tmp_path):
         """
         import io
         from spark_estimator.decoding import decode_image
-        from spark_estimator.worker.data.decode import decode_jpegs
+        from spark_estimator.worker.decode.gpu_jpeg import decode_jpegs
         blobs = [open(f"{folder}/1-1.jpg", "rb").read()]
         on_gpu = decode_jpegs("content", blobs, torch.device("cuda"))[0].cpu()
         on_cpu = decode_image(blobs[0])

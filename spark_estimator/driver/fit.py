@@ -29,7 +29,14 @@ from ..store import Store
 from . import in_place, mlflow_log, run_manifest
 from .elastic import ElasticSize
 from .fit_checks import Checked, FitChecks, Training, check_bucketing_data
-from .fit_report import FitClock, decoding_summary, log_placements, rank_devices, rank_memory
+from .fit_report import (
+    FitClock,
+    decoding_summary,
+    log_placements,
+    rank_devices,
+    rank_memory,
+    warn_decoding_notes,
+)
 from .launch import tasks_print_here
 from .materialize import WriteOptions, materialize
 from .params import DECODE_PARAMS
@@ -363,6 +370,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
                 **decoding_summary(summaries),
             },
         )
+        warn_decoding_notes(summaries)
         if self.getMlflowLogging():
             mlflow_log.log_fit(self, fitted)
         return fitted

@@ -60,26 +60,35 @@ def decoding_summary(summaries: list[RankSummary]) -> dict:
         out["padding"] = {"values": real, "padded": total, "share": round(1 - real / total, 4)}
     decoding = [(s.rank, s.decoding) for s in sorted(summaries, key=lambda s: s.rank)]
     if any(d for _, d in decoding):
-        out["decoding"] = [
-            {
-                "rank": rank,
-                "pool": d["pool"],
-                "workers": d["workers"],
-                **(
-                    {
-                        "worker_peak_rss_mib": [
-                            round(b / 2**20, 1) for b in d["worker_peak_rss_bytes"]
-                        ]
-                    }
-                    if "worker_peak_rss_bytes" in d
-                    else {}
-                ),
-                **({"note": d["note"]} if d.get("note") else {}),
-            }
-            for rank, d in decoding
-            if d
-        ]
+        out["decoding"] = [_rank_decoding(rank, d) for rank, d in decoding if d]
     return out
+
+
+def _rank_decoding(rank: int, found: dict) -> dict:
+    """One rank's decoding as the summary shows it: memory in MiB."""
+    out = {"rank": rank, "pool": found["pool"], "workers": found["workers"]}
+    for memory in ("uss", "pss", "rss"):
+        if f"worker_{memory}_bytes" in found:
+            out[f"worker_{memory}_mib"] = [
+                round(b / 2**20, 1) for b in found[f"worker_{memory}_bytes"]
+            ]
+    if "worker_start_seconds" in found:
+        out["worker_start_seconds"] = found["worker_start_seconds"]
+    if found.get("note"):
+        out["note"] = found["note"]
+    return out
+
+
+def warn_decoding_notes(summaries: list[RankSummary]) -> None:
+    """What the ranks noted of their decoding (worker processes that could not decode as
+    asked), warned of once per note, naming the ranks."""
+    notes: dict[str, list[int]] = {}
+    for s in sorted(summaries, key=lambda s: s.rank):
+        if s.decoding and s.decoding.get("note"):
+            notes.setdefault(s.decoding["note"], []).append(s.rank)
+    for note, ranks in notes.items():
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        logger.warning("%s (%s)", note, which)
 
 
 class FitClock:

@@ -202,7 +202,7 @@ class DecodeSpec:
     functions (``decode_fn``, ``decode_batch_fn``, ``decode_init_fn``, ``collate_fn``: one
     cloudpickle of a dict of those given, so that they share their globals; None: the
     defaults), padding, the decode workers (threads or processes, how many), what a row
-    that fails does."""
+    that fails does, how long a batch may take."""
 
     functions: bytes | None = None  # serialization.pack_functions(decode_fn=..., ...)
     padding_value: float = 0.0  # pads feature sequences to the batch's longest
@@ -211,6 +211,7 @@ class DecodeSpec:
     bad_rows: str = "fail"  # "fail" | "skip"
     device: str = "cpu"  # where encoded images are decoded: "cpu" | "cuda"
     bucket_by_length: bool = False  # batches of sequences of similar lengths
+    timeout: float | None = None  # seconds a batch's decoding may take (None: no limit)
 
 
 @dataclass(frozen=True)

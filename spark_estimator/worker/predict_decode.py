@@ -25,7 +25,8 @@ import torch
 from ..shared.spec import ColumnSpec, DecodeSpec
 from .data.arrow_reader import ROW_ID
 from .data.convert import variable_to_numpy
-from .data.decode import Decoded, Decoder
+from .decode.decoded import Decoded
+from .decode.decoder import Decoder
 
 PART_ROWS = 256  # rows of an Arrow batch decoded together (one worker's message)
 IDLE_S = 60.0  # a kept decoder unused this long is closed
@@ -48,13 +49,14 @@ def decoder_for(
     with _lock:
         _start_reaper()
         if key not in _decoders:
-            decoder = Decoder(spec, features, set(), 0, row_names, fit_labels, task, pin, PART_ROWS)
+            device = torch.device("cuda") if pin else None
+            decoder = Decoder(
+                spec, features, set(), 0, row_names, fit_labels, task, device, PART_ROWS
+            )
             _decoders[key] = (decoder, [time.monotonic()])
         decoder, used = _decoders[key]
         used[0] = time.monotonic()
     decoder.rank = task
-    if decoder.processes is not None:
-        decoder.processes.rank = task
     return decoder
 
 

@@ -8,9 +8,10 @@ import numpy as np
 import torch
 
 from ...shared.spec import ColumnSpec, TrainSpec
+from ..decode.decoded import MASK, Decoded
+from ..decode.decoder import Decoder
 from .columns import Columns, Layout
 from .convert import chunk_rows, reshape_input
-from .decode import MASK, Decoded, Decoder
 
 
 class Batch:

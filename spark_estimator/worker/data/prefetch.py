@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 _END = object()
+CLOSE_S = 10.0
 
 
 class _Failed:
@@ -90,6 +91,8 @@ class Prefetched:
         return made
 
     def close(self) -> None:
-        """Stop the thread (after the last item, or when training stops early)."""
+        """Stop the thread (after the last item, or when training stops early), waiting
+        ``CLOSE_S`` at most: a thread still waiting on its source (a decode worker that
+        does not answer, whose pool the rank closes next) is left to end by itself."""
         self.stop.set()
-        self.thread.join()
+        self.thread.join(timeout=CLOSE_S)

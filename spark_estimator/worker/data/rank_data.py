@@ -22,7 +22,7 @@ from ...shared.summary import RankSummary
 from ..comm.ddp import AdasumState, CompressionState, communicated_dtypes, gradient_path
 from ..comm.ranks import RankInfo
 from ..comm.shm_allreduce import SharedMemoryAllreduce
-from .decode import Decoder
+from ..decode.decoder import Decoder
 from .device_shard import DeviceShard, placement
 from .loader import ShardLoader, first_rows, open_loader
 from .shards import StepPlan, eval_sizes, shard_rows
@@ -63,8 +63,9 @@ def open_decoder(spec: TrainSpec, info: RankInfo | None = None) -> Decoder | Non
         spec.seed,
         data.row_names,
         rank=info.rank if info is not None else 0,
-        pin=info is not None and info.device.type == "cuda",
+        device=info.device if info is not None else None,
         batch_rows=spec.batch_size,
+        local_ranks=info.local_size if info is not None else 1,
     )
     decoder.prime(first_rows(spec, "train"))
     return decoder

@@ -234,6 +234,10 @@ class _TrainingLoop(SavedState, EpochCommits, LoopResult):
             steps = map(assemble, drawn)
         try:
             data, compute = self._run_steps(epoch, sums, steps, first, first + count)
+        except BaseException:
+            if self.data.decoder is not None:  # first: the batch thread may wait on a worker
+                self.data.decoder.close()
+            raise
         finally:
             if isinstance(steps, Prefetched):
                 steps.close()

@@ -4,22 +4,26 @@ processes (``decode_pool``), and with ``decode_device="cuda"`` on its GPU.
 The loader hands over batches whose variable columns (encoded images, Spark's image
 structs, strings, arrays of varying length) are arrays of Python objects, in the rows'
 seeded order. ``Decoder`` turns them into tensors with a ``BatchDecoding`` (the per-row
-``decode_fn``, or ``decode_batch_fn``, and collation: see ``decode_batch``), in one of two
-ways, whose results are the same, bit for bit:
+``decode_fn``, or ``decode_batch_fn``, and collation), in one of two ways, whose results
+are the same, bit for bit:
 
 - ``threads``: in the rank's own process, each batch's rows spread over ``workers`` threads
-  (Pillow and tokenizers release the GIL while they work; Python in a ``decode_fn`` does
-  not, and the training thread waits for the same GIL);
-- ``processes``: ``workers`` decode worker processes (``DecodePool``), each decoding whole
-  batches into shared memory, several batches in flight (``ahead``).
+  (Pillow, simplejpeg and tokenizers release the GIL while they work; Python in a
+  ``decode_fn`` does not, and the training thread waits for the same GIL);
+- ``processes``: ``workers`` decode worker processes (``DecodePool``), forked from a fork
+  server, each decoding whole batches into shared memory, several batches in flight
+  (``ahead``), taken out of it by the pool's own thread (views on a CPU, copies straight to
+  the GPU on a GPU: ``delivery``).
 
 ``"auto"`` takes processes where the task has more than ``THREADS_UP_TO_CPUS`` CPUs (a
-worker process costs seconds to start and its own interpreter's memory, which a task of
-one or two CPUs does not win back), and threads where shared memory is too small for the
-workers' batches (said once, as a warning). ``prime`` decodes a split's first rows in the
+worker process costs its own memory and a start, which a task of one or two CPUs does not
+win back), and threads where memory is too short for the workers' slots (noted in the
+summary, which the driver warns of once). ``prime`` decodes a split's first rows in the
 rank, to know the columns' decoded shapes (a batch without rows then gets zero rows of
-each) and how large a batch is. The rank keeps what decoding reported: the rows left out
-(``bad_rows="skip"``, each counted once however many epochs skip it) and the padding.
+each) and how large a batch is. ``decode_timeout`` bounds the seconds a batch may take, in
+either pool (a thread that is stuck is left to itself; a worker process is killed). The
+rank keeps what decoding reported: the rows left out (``bad_rows="skip"``, each counted once
+however many epochs skip it) and the padding.
 """
 
 from __future__ import annotations
@@ -28,25 +32,25 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
 
 import numpy as np
 import torch
 
-from ...shared.packages import require_gpu_jpeg
 from ...shared.spec import ColumnSpec, DecodeSpec
-from .arrow_reader import ROW_ID
-from .decode_batch import MASK, BadRow, BatchDecoding, BatchResult, Decoded, Recipe
-from .decode_channel import SHM_DIR_ENV, shm_dir, shm_free_bytes
-from .decode_pool import DecodePool
-from .decode_worker import SLOTS
-
-__all__ = ["MASK", "BadRow", "Decoded", "Decoder", "decode_jpegs"]
+from ..data.arrow_reader import ROW_ID
+from .batch_decoding import BatchDecoding
+from .decoded import BatchResult, Decoded, Recipe
+from .delivery import Delivery, ready
+from .gpu_jpeg import GpuJpegs
+from .pool import IN_FLIGHT, VIEWED, DecodePool, DecodeTimeout
+from .shared_memory import SHM_DIR_ENV, shm_folder, shm_free_bytes, shm_place
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 THREADS_UP_TO_CPUS = 2  # decode_pool="auto": threads for tasks of this many CPUs or fewer
-SHM_SHARE = 0.8  # the most of the free shared memory the workers' slots may plan to take
+SHM_SHARE = 0.5  # the most of the free memory the node's workers' slots may plan to take
 
 
 def task_cpus() -> int:
@@ -68,8 +72,10 @@ class Decoder:
     """Decodes and collates the variable ``columns`` of batches (see the module):
     ``labels`` are the label columns, ``seed`` seeds augmentation, ``row_names`` the
     column naming rows in errors, ``fit_labels`` (transform) the fit's label columns,
-    ``rank`` names the rank in errors, ``pin`` copies batches from worker processes into
-    pinned memory, ``batch_rows`` the usual rows of a batch (to size shared memory)."""
+    ``rank`` names the rank in errors, ``device`` is where its batches go (a GPU: training
+    copies them there straight from the workers' slots, transform into pinned memory),
+    ``batch_rows`` the usual rows of a batch and ``local_ranks`` the ranks on this node
+    (to size the workers' slots)."""
 
     def __init__(
         self,
@@ -80,25 +86,22 @@ class Decoder:
         row_names: str | None = None,
         fit_labels: list[str] | None = None,
         rank: int | str = 0,
-        pin: bool = False,
+        device: torch.device | None = None,
         batch_rows: int = 256,
+        local_ranks: int = 1,
     ):
-        self.spec, self.row_names, self.rank, self.pin = spec, row_names, rank, pin
-        self.batch_rows = batch_rows
+        self.spec, self.row_names, self._rank = spec, row_names, rank
+        self.device = device or torch.device("cpu")
+        self.batch_rows, self.local_ranks = batch_rows, local_ranks
         variable = tuple(c for c in columns if c.variable)
         fit = tuple(fit_labels) if fit_labels is not None else None
+        self.training = fit is None
 
         def recipe(decoded: tuple[ColumnSpec, ...]) -> Recipe:
             return Recipe(spec, decoded, frozenset(labels), seed, row_names, fit)
 
-        whole = BatchDecoding(recipe(variable))
-        # decode_device="cuda": the binary columns' JPEGs are decoded on the GPU, a batch at
-        # a time (on_device); they reach it as the rows' bytes, not through the workers
-        gpu = spec.device == "cuda" and whole.collate_fn is None
-        self.gpu_images = [c.name for c in variable if gpu and c.kind == "binary"]
-        # with decode_batch_fn too, the whole batch is decoded here, after the GPU's part
-        self.on_gpu = gpu and whole.batch_fn is not None
-        cpu = () if self.on_gpu else tuple(c for c in variable if c.name not in self.gpu_images)
+        self.gpu = GpuJpegs(spec, variable, BatchDecoding(recipe(variable)))
+        cpu = self.gpu.cpu_columns()
         self.recipe = recipe(cpu)
         self.local = BatchDecoding(self.recipe)  # the rank's own: threads, and priming
         self.columns = list(variable)
@@ -107,13 +110,24 @@ class Decoder:
         self.workers = default_workers(self.kind, cpus)
         if spec.workers and self.kind != "gpu":
             self.workers = spec.workers
-        self.threads: ThreadPoolExecutor | None = None
+        self.threads: ThreadPoolExecutor | None = None  # the rows' spans of a batch
+        self.waiter: ThreadPoolExecutor | None = None  # with decode_timeout: a batch's thread
         self.processes: DecodePool | None = None
         self.skipped_rows: set[tuple[bool, int]] = set()  # (validation?, row) left out
         self.padding = [0, 0]  # values of padded sequences: real, in all (with the padding)
         self.empty: Decoded | None = None  # zero rows of each column, as decoded (``prime``)
         self.note: str | None = None  # why processes were asked for and threads decode
         self.primed = False
+
+    @property
+    def rank(self) -> int | str:
+        return self._rank
+
+    @rank.setter
+    def rank(self, rank: int | str) -> None:
+        self._rank = rank
+        if self.processes is not None:
+            self.processes.rank = rank
 
     # -- set-up --------------------------------------------------------------------------------
     def prime(self, first: Mapping | None) -> None:
@@ -126,49 +140,66 @@ class Decoder:
             return
         try:
             ((_, (decoded, _)),) = self.ahead([first], None)
+            self.skipped_rows, self.padding = set(), [0, 0]
+            if decoded.rows:
+                self.empty = decoded.empty()
+                self._check_memory(decoded)
         except BaseException:
             self.close()
             raise
-        self.skipped_rows, self.padding = set(), [0, 0]
-        if decoded.rows:
-            self.empty = decoded.empty()
-            self._check_shared_memory(decoded)
 
-    def _check_shared_memory(self, decoded: Decoded) -> None:
-        """Worker processes decode into shared memory: where it cannot hold their slots for
-        batches of ``batch_rows`` rows like ``decoded``'s, threads decode instead."""
+    def _check_memory(self, decoded: Decoded) -> None:
+        """Worker processes decode into shared memory: where there is too little of it for
+        their slots for batches of ``batch_rows`` rows like ``decoded``'s (this rank's share
+        of what is free on the node), threads decode instead."""
         if self.processes is None:
             return
         tensors = decoded.tensors().values()
         row = sum(t.numel() * t.element_size() for t in tensors) / decoded.rows
-        need = int(row * self.batch_rows * 1.25) * SLOTS * self.workers
-        folder = shm_dir()
-        free = shm_free_bytes(folder)
-        if need <= free * SHM_SHARE:
+        slots = IN_FLIGHT + (VIEWED if self.device.type == "cpu" else 0)
+        need = int(row * self.batch_rows * 1.25) * slots * self.workers
+        free = shm_free_bytes()
+        share = free * SHM_SHARE / max(1, self.local_ranks)
+        if need <= share:
             return
         self.processes.close()
         self.processes = None
-        self.note = (
-            f"decode_pool: worker processes decode into shared memory in {folder}, which "
-            f"has {free / 2**20:.0f} MiB free, and {self.workers} of them need about "
-            f"{need / 2**20:.0f} MiB ({SLOTS} batches of {self.batch_rows} rows each); "
-            "decoding in threads instead, which is slower. Give the container more shared "
-            "memory (docker run --shm-size=2g; on Kubernetes an emptyDir of medium Memory "
-            f"mounted at /dev/shm), set {SHM_DIR_ENV} to a larger tmpfs, or lower "
-            "decode_workers"
+        folder = shm_folder()
+        where = (
+            "set SPARK_ESTIMATOR_SHM_DIR to a larger tmpfs, or unset it (anonymous memory "
+            "is not bound by a folder's size)"
+            if folder
+            else "give the executors more memory"
         )
-        log.warning(self.note)
+        self.note = (
+            f"decode_pool: worker processes decode into shared memory ({shm_place()}), of "
+            f"which {free / 2**20:.0f} MiB is free, {share / 2**20:.0f} MiB for each of the "
+            f"node's {self.local_ranks} rank(s), and {self.workers} of them need about "
+            f"{need / 2**20:.0f} MiB ({slots} batches of {self.batch_rows} rows each); "
+            f"decoding in threads instead, which is slower. Lower decode_workers or "
+            f"batch_size, or {where}"
+        )
         self.kind = "threads"
         self.workers = self.spec.workers or default_workers("threads", task_cpus())
         self._start()
 
     def _start(self) -> None:
         if self.kind == "processes" and self.processes is None:
-            self.processes = DecodePool(self.recipe, self.workers, self.rank, self.pin)
-        elif self.kind == "threads" and self.threads is None and self.workers > 1:
-            self.threads = ThreadPoolExecutor(
-                self.workers, thread_name_prefix="spark-estimator-decode"
+            self.processes = DecodePool(
+                self.recipe, self.workers, self._rank, self._delivery(), self.spec.timeout
             )
+        elif self.kind == "threads" and self.threads is None:
+            if self.workers > 1:
+                self.threads = ThreadPoolExecutor(
+                    self.workers, thread_name_prefix="spark-estimator-decode"
+                )
+            if self.spec.timeout is not None and self.waiter is None:
+                self.waiter = ThreadPoolExecutor(1, thread_name_prefix="spark-estimator-batch")
+
+    def _delivery(self) -> Delivery:
+        if self.device.type != "cuda":
+            return Delivery("view")
+        return Delivery("device", self.device) if self.training else Delivery("pin")
 
     @property
     def skipped(self) -> int:
@@ -178,15 +209,24 @@ class Decoder:
     def summary(self) -> dict:
         """How this rank decoded, for its summary."""
         out = {"pool": self.kind, "workers": self.workers}
+        note = self.note
         if self.processes is not None:
-            out["worker_peak_rss_bytes"] = self.processes.peak_rss()
-        if self.note:
-            out["note"] = self.note
+            found = self.processes.summary()
+            reason = found.pop("inline_reason", None)
+            if reason and not note:
+                note = (
+                    f"decode_pool: no shared memory could be had for some batches ({reason}); "
+                    "they went through the workers' sockets, which is slower"
+                )
+            out.update(found)
+        if note:
+            out["note"] = note
         return out
 
     def close(self) -> None:
-        if self.threads is not None:
-            self.threads.shutdown(wait=False, cancel_futures=True)
+        for threads in (self.threads, self.waiter):
+            if threads is not None:
+                threads.shutdown(wait=False, cancel_futures=True)
         if self.processes is not None:
             self.processes.close()
 
@@ -218,13 +258,33 @@ class Decoder:
             return (*self._raw(batch_of(item)), epoch_of(item))
 
         for item, result in self.processes.decode_many(items, raw):
+            if result.ready is not None:  # copied to the GPU: this stream waits for it
+                ready(result)
             yield item, self._finish(result, batch_of(item))
+            result = None  # not kept by this frame (a traceback keeps frames)
 
     def _decode_here(self, batch: Mapping, epoch: int | None) -> BatchResult:
         values, ids, names = self._raw(batch)
-        if not self.recipe.columns:  # all decoded on the GPU (on_device)
+        if not self.recipe.columns:  # all decoded on the GPU (GpuJpegs)
             return BatchResult(Decoded({}, {}, len(ids)))
-        return self.local.decode(values, ids, names, epoch, self.threads)
+        if self.spec.timeout is None:
+            return self.local.decode(values, ids, names, epoch, self.threads)
+        # the batch in a thread of its own, waited for at most decode_timeout
+        future = self.waiter.submit(self.local.decode, values, ids, names, epoch, self.threads)
+        try:
+            return future.result(timeout=self.spec.timeout)
+        except FutureTimeout:
+            first = int(ids[0]) if len(ids) else None
+            named = f" ({self.row_names} {names[0]})" if names is not None and len(ids) else ""
+            raise DecodeTimeout(
+                f"decode_timeout: decoding the batch whose first row is {first} of the "
+                f"split{named} took more than {self.spec.timeout:g} s in a thread of "
+                f"{self._who()} (left to end by itself). Find what the decoding waits on "
+                "there (a slow or stuck read, a lock), or raise decode_timeout"
+            ) from None
+
+    def _who(self) -> str:
+        return f"rank {self._rank}" if isinstance(self._rank, int) else str(self._rank)
 
     def _raw(self, batch: Mapping) -> tuple[dict, np.ndarray, np.ndarray | None]:
         """A batch's values of the columns decoded on the CPU, its row indices and names."""
@@ -250,37 +310,20 @@ class Decoder:
         if decoded is None:
             decoded = self.empty if self.empty is not None else Decoded({}, {}, 0)
             return decoded, kept
-        raw = (
-            self.columns if self.on_gpu else [c for c in self.columns if c.name in self.gpu_images]
-        )
-        for c in raw:
-            values = batch[c.name]
-            decoded.columns[c.name] = list(values if kept is None else values[kept])
-        if self.on_gpu:
-            ids, names = self._ids(batch), batch[self.row_names] if self.row_names else None
-            if kept is not None:
-                ids, names = ids[kept], names[kept] if names is not None else None
-            decoded.rows_of = (ids, names)
+        if self.gpu.images or self.gpu.whole:
+            names = batch[self.row_names] if self.row_names else None
+            self.gpu.keep_bytes(decoded, batch, kept, self._ids(batch), names)
         return decoded, kept
 
     def on_device(self, decoded: Decoded, device: torch.device, epoch: int | None = None) -> None:
         """With ``decode_device="cuda"``: the encoded images, still bytes after the rows'
-        decoding, decoded on ``device`` in one call per column (``decode_jpegs``); then,
-        with ``decode_batch_fn``, the batch through it (the images on the GPU)."""
-        for name in self.gpu_images:
-            if isinstance(decoded.columns.get(name), list):
-                decoded.columns[name] = decode_jpegs(name, decoded.columns[name], device)
-        if self.on_gpu:
-            self._gpu_batch_fn(decoded, epoch)
-
-    def _gpu_batch_fn(self, decoded: Decoded, epoch: int | None) -> None:
-        """``decode_batch_fn`` on a batch whose JPEGs were decoded on the GPU: its columns
-        and masks replace the batch's."""
-        ids, names = decoded.rows_of
-        result = self.local.decode_batch(decoded.columns, ids, names, epoch)
-        self.padding[0] += result.padding[0]
-        self.padding[1] += result.padding[1]
-        decoded.columns, decoded.masks = result.decoded.columns, result.decoded.masks
+        decoding, decoded on ``device`` (``GpuJpegs``); then, with ``decode_batch_fn``, the
+        batch through it."""
+        if not (self.gpu.images or self.gpu.whole):
+            return
+        padding = self.gpu.decode(decoded, device, epoch, self.local)
+        self.padding[0] += padding[0]
+        self.padding[1] += padding[1]
 
 
 def _pool_kind(pool: str, cpus: int, cpu_work: bool) -> str:
@@ -291,21 +334,4 @@ def _pool_kind(pool: str, cpus: int, cpu_work: bool) -> str:
     return pool
 
 
-def decode_jpegs(name: str, images: list[bytes], device: torch.device) -> torch.Tensor:
-    """JPEG images decoded on ``device`` (a GPU) in one batch by torchvision's
-    ``decode_jpeg``, as uint8 ``[rows, 3, H, W]`` (RGB)."""
-    decode_jpeg, ImageReadMode = require_gpu_jpeg()
-    if not images:
-        return torch.empty((0, 3, 0, 0), dtype=torch.uint8, device=device)
-    joined = torch.frombuffer(bytearray().join(images), dtype=torch.uint8)  # one copy
-    data = list(joined.split([len(b) for b in images]))
-    out = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    shapes = sorted({tuple(t.shape) for t in out})
-    if len(shapes) > 1:
-        a, b = shapes[:2]
-        raise ValueError(
-            f"feature_cols: column '{name}' has images of different sizes in one batch "
-            f"({'x'.join(map(str, a))} and {'x'.join(map(str, b))}); decode_device='cuda' "
-            "stacks them as they are: resize them to one size before fit"
-        )
-    return torch.stack(out)
+__all__ = ["Decoder", "DecodeTimeout", "SHM_DIR_ENV"]

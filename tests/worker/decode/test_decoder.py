@@ -18,11 +18,12 @@ from spark_estimator.shared.serialization import pack_functions
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, DecodeSpec
 from spark_estimator.worker.data.arrow_reader import ROW_ID
 from spark_estimator.worker.data.batch import Batch
-from spark_estimator.worker.data.decode import BadRow, Decoder
-from spark_estimator.worker.data.decode_batch import pad_sequences
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.remainder import after, own_runs, remainder_batches, reshard
 from spark_estimator.worker.data.shards import StepPlan
+from spark_estimator.worker.decode.collate import pad_sequences
+from spark_estimator.worker.decode.decoded import BadRow
+from spark_estimator.worker.decode.decoder import Decoder
 from tests.worker.data.test_loader import train_spec
 
 Image = pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")

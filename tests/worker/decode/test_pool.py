@@ -3,8 +3,11 @@ Parquet): the same batches, bit for bit, as threads and whatever the number of w
 errors and output as they are; a worker that dies is named within seconds; no process is
 left behind; small shared memory."""
 
+import collections
+import gc
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,15 +22,17 @@ import torch
 from spark_estimator.decoding import random_crop, random_flip
 from spark_estimator.shared.serialization import pack_functions
 from spark_estimator.shared.spec import DecodeSpec
-from spark_estimator.worker.data import decode_channel
 from spark_estimator.worker.data.arrow_reader import ROW_ID
-from spark_estimator.worker.data.decode import BadRow, Decoder
-from spark_estimator.worker.data.decode_pool import DecodeWorkerDied
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.shards import StepPlan
+from spark_estimator.worker.decode import shared_memory
+from spark_estimator.worker.decode.decoded import BadRow
+from spark_estimator.worker.decode.decoder import Decoder
+from spark_estimator.worker.decode.pool import IN_FLIGHT, VIEWED, DecodeTimeout
+from spark_estimator.worker.decode.processes import DecodeWorkerDied
 from tests.processes import decode_workers
-from tests.worker.data.test_decode import ROWS, augmented, image_dataset, png
 from tests.worker.data.test_loader import train_spec
+from tests.worker.decode.test_decoder import ROWS, augmented, image_dataset, png
 
 pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
 
@@ -99,8 +104,13 @@ def test_processes_decode_every_batch_as_threads_do_bit_for_bit(tmp_path, store,
             decoding.close()
         assert summary["pool"] == pool and summary["workers"] == workers
         if pool == "processes":
-            assert len(summary["worker_peak_rss_bytes"]) == workers
-            assert all(rss > 2**20 for rss in summary["worker_peak_rss_bytes"])
+            for memory in ("uss", "pss", "rss"):
+                found = summary[f"worker_{memory}_bytes"]
+                assert len(found) == workers and all(b > 2**20 for b in found), memory
+            # what a worker holds of its own is less than what it shares with its server
+            pairs = zip(summary["worker_uss_bytes"], summary["worker_rss_bytes"])
+            assert all(uss < rss / 2 for uss, rss in pairs)
+            assert len(summary["worker_start_seconds"]) == workers
     reference = results["threads", 1]
     assert reference[2] == {(False, 6), (True, 6)} and reference[3][0] > 0
     assert any(k is not None for _, _, k in reference[0])  # the bad row was left out
@@ -160,7 +170,8 @@ def test_the_init_fn_runs_once_in_each_worker_and_shares_the_decode_fns_globals(
     try:
         batches = decode_pass(spec, decoding, batch=4)
         pids = {int(p.name) for p in marks.iterdir()}
-        assert pids == {w.pid for w in decoding.processes.workers}  # once in each, not here
+        workers = decoding.processes.processes.workers.values()
+        assert pids == {w.pid for w in workers}  # once in each, not here nor in the server
         for _, decoded, _ in batches:
             assert {int(v) for v in decoded["img"].flatten().unique()} <= {p % 7 for p in pids}
     finally:
@@ -195,7 +206,7 @@ def test_a_bad_row_and_an_error_of_the_user_are_raised_as_threads_raise_them(
     finally:
         skipping.close()
     err = capfd.readouterr().err  # the worker's warning, through the rank's stderr
-    assert "WARNING spark_estimator.worker.data.decode: decode_fn: row 2 of the split" in err
+    assert "WARNING spark_estimator.worker.decode: decode_fn: row 2 of the split" in err
 
     def broken(rows):
         raise ZeroDivisionError("the user's own")
@@ -226,16 +237,16 @@ def test_a_worker_that_dies_is_named_with_its_batch_and_cause_within_seconds(
     spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
     decoding = decoder(spec, "processes", 2, decode_fn=slow_row if how == "killed" else crash_row)
     decoding.rank = 3
-    decoding.processes.rank = 3
     loader = open_loader(spec, "train", 1, 0, pin=False)
     chunks = loader.batches([4, 4, 4, 11], 1)  # row 9 is in the third batch (rows 8-11)
     if how == "killed":
 
         def kill_when_busy():
             time.sleep(2.0)
-            busy = [w for w in decoding.processes.workers if w.in_flight]
-            for worker in busy:
-                os.kill(worker.pid, signal.SIGKILL)
+            pool = decoding.processes
+            for index, slots in pool.slots.items():
+                if slots.in_flight:
+                    os.kill(pool.processes.workers[index].pid, signal.SIGKILL)
 
         threading.Thread(target=kill_when_busy, daemon=True).start()
     started = time.monotonic()
@@ -261,12 +272,14 @@ RANK_SCRIPT = textwrap.dedent(
     import sys, time
     from spark_estimator.shared.serialization import pack_functions
     from spark_estimator.shared.spec import ColumnSpec, DecodeSpec
-    from spark_estimator.worker.data.decode import Decoder
+    from spark_estimator.worker.decode.decoder import Decoder
     spec = DecodeSpec(pool="processes", workers=2)
     decoder = Decoder(spec, [ColumnSpec("text", "string", "float32")], set(), 0)
     decoder.prime(None)
     decoder.processes.wait_ready()
-    print(" ".join(str(w.pid) for w in decoder.processes.workers), flush=True)
+    processes = decoder.processes.processes
+    pids = [processes.server.pid, *(w.pid for w in processes.workers.values())]
+    print(" ".join(map(str, pids)), flush=True)
     time.sleep(600)
     """
 )
@@ -277,8 +290,8 @@ def test_workers_end_when_their_rank_is_killed(tmp_path, no_leftovers):
         [sys.executable, "-c", RANK_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
     )
     try:
-        pids = [int(p) for p in rank.stdout.readline().split()]
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        pids = [int(p) for p in rank.stdout.readline().split()]  # the server and 2 workers
+        assert len(pids) == 3 and all(_alive(p) for p in pids)
         rank.kill()
         rank.wait()
         deadline = time.monotonic() + 10
@@ -307,13 +320,13 @@ def tiny_shm(tmp_path, monkeypatch):
     )
     if mounted.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    monkeypatch.setenv(decode_channel.SHM_DIR_ENV, str(folder))
+    monkeypatch.setenv(shared_memory.SHM_DIR_ENV, str(folder))
     yield folder
     subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 def test_too_little_shared_memory_decodes_in_threads_saying_which_setting(
-    tmp_path, store, tiny_shm, caplog, no_leftovers
+    tmp_path, store, tiny_shm, no_leftovers
 ):
     spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
     decoding = decoder(spec, "processes", 2, batch_rows=4096)  # 2 x 2 slots of ~1 MiB
@@ -324,13 +337,13 @@ def test_too_little_shared_memory_decodes_in_threads_saying_which_setting(
         assert decoded["img"].shape == (4, 1, 4, 4)
     finally:
         decoding.close()
-    assert f"shared memory in {tiny_shm}, which has 0 MiB free" in decoding.note
-    assert "--shm-size" in decoding.note and decode_channel.SHM_DIR_ENV in decoding.note
-    assert "decoding in threads instead" in caplog.text
+    assert f"shared memory (files in {tiny_shm}), of which 0 MiB is free" in decoding.note
+    assert "decoding in threads instead" in decoding.note
+    assert f"set {shared_memory.SHM_DIR_ENV} to a larger tmpfs, or unset it" in decoding.note
 
 
 def test_a_batch_that_outgrows_shared_memory_travels_through_the_socket(
-    tmp_path, store, tiny_shm, capfd, no_leftovers
+    tmp_path, store, tiny_shm, no_leftovers
 ):
     images = {i: png(i, size=160) for i in range(ROWS)}  # 25 KiB a row decoded (1 x 160 x 160)
     data = image_dataset(tmp_path, images=images, file_rows=(ROWS,), row_group_size=ROWS)
@@ -342,16 +355,18 @@ def test_a_batch_that_outgrows_shared_memory_travels_through_the_socket(
         return {**augmented(row, None), "img": decode_image(row["img"], mode="L")}
 
     threads = decoder(spec, "threads", 1, decode_fn=whole)
-    processes = decoder(spec, "processes", 1, decode_fn=whole, batch_rows=2)
+    processes = decoder(spec, "processes", 1, decode_fn=whole, batch_rows=1)
     try:
         assert processes.kind == "processes"
         rows = first_rows(spec, "train", ROWS)  # 23 rows of 25 KiB: more than 512 KiB
         big, _ = processes(rows, None)
         assert torch.equal(big["img"], threads(rows, None)[0]["img"])
+        note = processes.summary()["note"]
     finally:
         threads.close()
         processes.close()
-    assert "no room for a batch in shared memory" in capfd.readouterr().err
+    assert "no shared memory could be had for some batches" in note
+    assert "they went through the workers' sockets" in note
 
 
 def test_an_empty_batch_and_a_rank_without_rows_decode_to_zero_rows(tmp_path, store, no_leftovers):
@@ -376,7 +391,7 @@ def test_gpu_decoding_gets_the_rows_bytes_and_decode_batch_fn_the_decoded_batch(
     with decode_batch_fn, it gets the decoded images as one tensor and each row's
     generator, and crops as decode_fn would."""
     from spark_estimator.decoding import decode_image
-    from spark_estimator.worker.data import decode as decode_module
+    from spark_estimator.worker.decode import gpu_jpeg as decode_module
 
     decoded_on = []
 
@@ -390,7 +405,7 @@ def test_gpu_decoding_gets_the_rows_bytes_and_decode_batch_fn_the_decoded_batch(
 
     plain = decoder(spec, pool, 2, decode_fn=None, device="cuda")
     try:
-        assert plain.gpu_images == ["img"] and [c.name for c in plain.recipe.columns] == [
+        assert plain.gpu.images == ["img"] and [c.name for c in plain.recipe.columns] == [
             "tokens",
             "text",
         ]
@@ -420,7 +435,7 @@ def test_gpu_decoding_gets_the_rows_bytes_and_decode_batch_fn_the_decoded_batch(
     )
     reference = decoder(spec, "threads", 1)
     try:
-        assert batched.on_gpu and batched.processes is None  # all of it in the rank
+        assert batched.gpu.whole and batched.processes is None  # all of it in the rank
         assert batched.summary() == {"pool": "gpu", "workers": 0}
         want = decode_pass(spec, reference)
         got = decode_pass(spec, batched)
@@ -458,3 +473,206 @@ def test_the_default_decoding_decodes_a_batch_into_one_buffer_in_any_pool(
         assert torch.equal(images, torch.stack([decode_image(png(i)) for i in kept.tolist()]))
         assert decoded["text"] == [f"row {i}" for i in kept.tolist()]
     assert torch.equal(results[0][0]["tokens"], results[1][0]["tokens"])
+
+
+def stuck_row(row, augment):
+    """Decodes as ``augmented``, but waits 8 s on row 9 (a read that does not return)."""
+    if int(row["tokens"][0]) == 9:
+        time.sleep(8)
+    return augmented(row, augment)
+
+
+@pytest.mark.parametrize("pool", ["threads", "processes"])
+def test_a_batch_slower_than_decode_timeout_is_named_and_the_workers_stopped_at_once(
+    tmp_path, store, pool, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
+    held = len(held_shared_memory())  # other tests' batches, which their failures may keep
+    decoding = decoder(spec, pool, 2, decode_fn=stuck_row, timeout=1.5)
+    decoding.rank = 3
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    started = time.monotonic()
+    try:
+        with pytest.raises(DecodeTimeout) as info:
+            collections.deque(decoding.ahead(loader.batches([4, 4, 4, 11], 1), 1), maxlen=0)
+        assert time.monotonic() - started < 6
+    finally:
+        closing = time.monotonic()
+        decoding.close()
+        assert time.monotonic() - closing < 2  # not behind the stuck batch
+    message = str(info.value)
+    del info
+    gc.collect()
+    assert message.startswith("decode_timeout: ") and "more than 1.5 s" in message
+    assert "the batch whose first row is 8 of the split (path file:/data/8.png)" in message
+    if pool == "processes":
+        assert re.search(r"decode worker \d \(pid \d+\) of rank 3", message)
+    assert len(held_shared_memory()) <= held
+
+
+def held_shared_memory() -> list[str]:
+    """This process's descriptors and mappings of decode segments."""
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # listdir's own
+            pass
+    with open("/proc/self/maps") as maps:
+        mapped = [line for line in maps if "spark-estimator-decode" in line]
+    return [fd for fd in fds if "spark-estimator-decode" in fd] + mapped
+
+
+def exiting_row(row, augment):
+    """Ends its worker on row 9 as user code may (``sys.exit(3)``)."""
+    if int(row["tokens"][0]) == 9:
+        sys.exit(3)
+    return augmented(row, augment)
+
+
+def test_workers_ignore_sigint_and_a_user_exit_ends_the_worker_named_with_its_status(
+    tmp_path, store, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
+    decoding = decoder(spec, "processes", 1, decode_fn=exiting_row)
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    try:
+        (worker,) = decoding.processes.processes.workers.values()
+        os.kill(worker.pid, signal.SIGINT)  # a Ctrl-C reaches every process of the group
+        assert len(list(decoding.ahead(loader.batches([4, 4], 1), 1))) == 2
+        with pytest.raises(DecodeWorkerDied) as info:
+            list(decoding.ahead(loader.batches([4, 4, 4, 11], 1), 1))
+    finally:
+        decoding.close()
+    assert "died while decoding the batch whose first row is 8" in str(info.value)
+    assert "exited with status 3" in str(info.value)
+
+
+def test_a_worker_that_dies_between_batches_is_named_with_its_cause(tmp_path, store, no_leftovers):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+    decoding = decoder(spec, "processes", 2)
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    try:
+        os.kill(decoding.processes.processes.workers[1].pid, signal.SIGKILL)
+        time.sleep(0.5)  # dead before the rank's next batch
+        with pytest.raises(DecodeWorkerDied) as info:
+            for _ in range(5):  # whenever the rank learns of it: at once, or at a batch
+                list(decoding.ahead(loader.batches([4, 4], 1), 1))
+                time.sleep(0.5)
+    finally:
+        decoding.close()
+    message = str(info.value)
+    assert "decode worker 1 (pid" in message and "died between batches" in message
+    assert "killed by SIGKILL" in message
+
+
+def test_closing_does_not_wait_behind_the_batches_in_flight(tmp_path, store, no_leftovers):
+    spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
+    decoding = decoder(spec, "processes", 1, decode_fn=slow_row)  # row 9 takes 60 s
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    errors = []
+
+    def consume():
+        try:
+            list(decoding.ahead(loader.batches([4, 4, 4, 11], 1), 1))
+        except Exception as e:
+            errors.append(e)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    time.sleep(2.0)  # the worker is in row 9's batch, the next one queued behind it
+    started = time.monotonic()
+    decoding.close()
+    consumer.join(timeout=5)
+    assert time.monotonic() - started < 3 and not consumer.is_alive()
+    assert "were closed" in str(errors[0])
+
+
+def test_a_pass_whose_slots_an_abandoned_pass_holds_waits_for_them(tmp_path, store, no_leftovers):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+    decoding = decoder(spec, "processes", 1, decode_fn=slow_first)
+    sizes = [3] * 7 + [2]
+    try:
+        loader = open_loader(spec, "train", 1, 0, pin=False)
+        pool = decoding.processes
+        chunks = loader.batches(sizes, 1)
+        taken = []
+        while True:  # a pass abandoned with every slot of the worker in flight
+            with pool.changed:
+                slot = pool._take_slot()
+            if slot is None:
+                break
+            taken.append(pool._submit(slot, (*decoding._raw(next(chunks)), 1)))
+        with pool.changed:
+            pool.abandoned.update(taken)
+        assert len(taken) == IN_FLIGHT
+        again = list(decoding.ahead(loader.batches(sizes, 1), 3))
+        assert len(again) == len(sizes)
+    finally:
+        decoding.close()
+
+
+def slow_first(row, augment):
+    if int(row["tokens"][0]) == 0:
+        time.sleep(1.0)
+    return augmented(row, augment)
+
+
+def test_a_cpu_rank_takes_views_of_the_slots_given_back_once_the_batch_is_gone(
+    tmp_path, store, no_leftovers
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+    decoding = decoder(spec, "processes", 1)
+    loader = open_loader(spec, "train", 1, 0, pin=False)
+    pool = decoding.processes
+    try:
+        kept = []
+        for index, (_, (decoded, _)) in enumerate(decoding.ahead(loader.batches([4] * 5, 1), 1)):
+            address = decoded["tokens"].data_ptr()
+            segments = pool.slots[0].segments.values()
+            viewed = any(s.address() <= address < s.address() + s.size for s in segments)
+            assert viewed == (index < VIEWED)  # beyond what the rank may view: copies
+            kept.append(decoded)
+        assert pool.slots[0].made == IN_FLIGHT + VIEWED
+        kept.clear()
+        gc.collect()
+        with pool.changed:
+            pool._take_back()
+            assert not pool.slots[0].viewed
+    finally:
+        decoding.close()
+
+
+SMALL_SHM = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from spark_estimator.shared.serialization import pack_functions
+    from spark_estimator.shared.spec import ColumnSpec, DecodeSpec
+    from spark_estimator.worker.decode.decoder import Decoder
+
+    def big(row, augment):  # 96 KiB a row: 48 MiB a batch of 512
+        return {"text": torch.full((3, 128, 256), len(row["text"]), dtype=torch.uint8)}
+
+    spec = DecodeSpec(functions=pack_functions(decode_fn=big), pool="processes", workers=1)
+    decoder = Decoder(spec, [ColumnSpec("text", "string", "float32")], set(), 0, batch_rows=512)
+    rows = {"text": np.array(["x" * (i % 7) for i in range(512)], dtype=object)}
+    decoder.prime(rows)
+    print(decoder.kind, decoder.note)
+    held = [d["text"] for _, (d, _) in decoder.ahead([rows] * 4, None)]  # 4 x 48 MiB at once
+    print(all(int(t[i].max()) == i % 7 for t in held for i in range(512)))
+    decoder.close()
+    """
+)
+
+
+def test_a_container_s_64_mib_of_dev_shm_leaves_the_workers_to_decode(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare (a private mount namespace)")
+    script = tmp_path / "small_shm.py"
+    script.write_text(SMALL_SHM)
+    command = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script}"
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", command], capture_output=True, text=True, cwd=os.getcwd()
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:2] == ["processes None", "True"]

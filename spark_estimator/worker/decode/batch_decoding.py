@@ -28,90 +28,24 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-from ...decoding import (
-    BadImage,
-    _channels_innermost,
-    decode_images,
-    default_decode,
-    image_sizes,
-)
+from ...decoding import BadImage, default_decode, image_sizes
+from ...decoding.batch import decode_images_into
 from ...shared.serialization import loads
-from ...shared.spec import ColumnSpec, DecodeSpec, column_param
-from .row_generators import row_generators
+from ...shared.spec import column_param
+from ..data.row_generators import row_generators
+from .collate import Allocate, Collation, different_shapes
+from .decoded import MASK, BadRow, BatchResult, Decoded, Recipe
 
-log = logging.getLogger("spark_estimator.worker.data.decode")
-LABEL_PADDING = -100  # integer sequence labels: the index CrossEntropyLoss ignores
-MASK = "_mask"  # the suffix of a padded column's mask in a collated batch
-IN_WORKER_PROCESS = False  # set by a decode worker process (``decode_worker``)
+log = logging.getLogger("spark_estimator.worker.decode")
+IN_WORKER_PROCESS = False  # set by a decode worker process (``worker_process``)
 CUDA_HINT = (
     "decode workers are processes without a GPU: decode with decode_pool='threads' (in the "
     "training process, on its GPU), or decode_device='cuda' with decode_batch_fn"
 )
-
-# (shape, dtype) -> a contiguous CPU tensor to stack a batch's rows into, or None
-Allocate = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
-
-
-class BadRow(ValueError):
-    """A row that could not be decoded (the column or decode_fn, its index and name)."""
-
-
-class Decoded(Mapping):
-    """One batch after decoding: column name -> tensor (or list, for strings left as
-    they are), the ``masks`` of its padded feature sequences, and its ``rows``."""
-
-    def __init__(self, columns: dict[str, Any], masks: dict[str, torch.Tensor], rows: int):
-        self.columns, self.masks, self.rows = columns, masks, rows
-        self.rows_of = None  # (row indices, names) of a batch left for decode_batch_fn on a GPU
-
-    def __getitem__(self, name: str):
-        return self.columns[name]
-
-    def __iter__(self):
-        return iter(self.columns)
-
-    def __len__(self) -> int:
-        return len(self.columns)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Its tensors by name, masks as ``<column>_mask``."""
-        out = {n: v for n, v in self.columns.items() if isinstance(v, torch.Tensor)}
-        return {**out, **{n + MASK: m for n, m in self.masks.items()}}
-
-    def empty(self) -> Decoded:
-        """Zero rows of each column, as decoded."""
-        columns = {n: v[:0] for n, v in self.columns.items()}
-        return Decoded(columns, {n: m[:0] for n, m in self.masks.items()}, 0)
-
-
-@dataclass
-class BatchResult:
-    """What decoding one batch gives: the batch (None when no row was kept), the positions
-    of the rows kept (None: all), the rows left out as (validation?, row index), and the
-    values of the padded sequences collated: [their own, with the padding]."""
-
-    decoded: Decoded | None
-    kept: np.ndarray | None = None
-    skipped: list[tuple[bool, int]] = field(default_factory=list)
-    padding: list[int] = field(default_factory=lambda: [0, 0])
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """What a ``BatchDecoding`` is made from (picklable: a decode worker process gets it)."""
-
-    spec: DecodeSpec
-    columns: tuple[ColumnSpec, ...]  # the variable columns decoded
-    labels: frozenset[str]  # which of them are labels
-    seed: int
-    row_names: str | None = None  # the column naming each row (``path``)
-    fit_labels: tuple[str, ...] | None = None  # transform: the fit's label columns
 
 
 class BatchDecoding:
@@ -130,6 +64,7 @@ class BatchDecoding:
         self.batch_fn: Callable | None = functions.get("decode_batch_fn")
         self.collate_fn: Callable | None = functions.get("collate_fn")
         self.init_fn: Callable | None = functions.get("decode_init_fn")
+        self.collation = Collation(self.columns, self.labels, spec.padding_value, self.collate_fn)
         self.initialized = False
         self.allocate: Allocate | None = None  # a decode worker's: where stacked batches go
 
@@ -167,7 +102,7 @@ class BatchDecoding:
         bad = {i for i, row in enumerate(decoded) if row is None}
         whole = {}  # image column -> (its batch decoded, the rows it holds)
         for name in images:
-            tensor, found, positions = self._images(name, values[name], ids, names, bad)
+            tensor, found, positions = self._images(name, values[name], ids, names, bad, pool)
             whole[name] = (tensor, positions)
             bad |= found
         kept = [i for i in range(rows) if i not in bad]
@@ -175,11 +110,10 @@ class BatchDecoding:
         padding = [0, 0]
         collated = None
         if kept:
-            collated = self.collate([decoded[i] for i in kept], padding, skip=set(images))
+            rows_kept = [decoded[i] for i in kept]
+            collated = self.collation.rows(rows_kept, padding, set(images), self.allocate)
             for name, (tensor, positions) in whole.items():
-                if tensor is None or positions != kept:  # rows left out since: decode again
-                    tensor = decode_images([values[name][i] for i in kept])
-                collated.columns[name] = tensor
+                collated.columns[name] = _rows_kept(tensor, positions, kept)
             if whole:  # the columns in their order
                 collated.columns = {c.name: collated.columns[c.name] for c in self.columns}
         kept_rows = None if len(kept) == rows else np.asarray(kept, dtype=np.int64)
@@ -192,37 +126,50 @@ class BatchDecoding:
             return []
         return [c.name for c in self.columns if self.kinds[c.name] == "binary"]
 
-    def _images(self, name: str, column, ids, names, bad: set[int]):
-        """Image column ``name``'s rows but ``bad`` decoded as one batch (``decode_images``:
-        uint8 ``[B, 3, H, W]``, channels-last), the rows among them that do not decode, and
-        the rows it holds. Where one does not decode, each image is tried alone, and each
-        that fails is raised or left out as ``bad_rows`` says (the batch then None)."""
+    def _images(self, name: str, column, ids, names, bad: set[int], pool):
+        """Image column ``name``'s rows but ``bad`` decoded as one batch into one buffer
+        (``decode_images``: uint8 ``[B, 3, H, W]``, channels-last; in a worker's slot where
+        it has room; split over the ``pool``'s threads), the rows among them that do not
+        decode (each raised or left out as ``bad_rows`` says, having cost its own decoding
+        attempts alone), and the rows it holds."""
         positions = [i for i in range(len(column)) if i not in bad]
         good = [column[i] for i in positions]
+        height, width = _first_size(good)
+        shape = (len(good), height, width, 3)
+        out = self.allocate(shape, torch.uint8) if self.allocate is not None else None
+        if out is None:
+            out = torch.empty(shape, dtype=torch.uint8)
+        spans = [(0, len(good))] if pool is None else _spans(len(good), pool._max_workers)
+
+        def part(span: tuple[int, int]) -> dict[int, BadImage]:
+            start, stop = span
+            errors = decode_images_into(good[start:stop], out[start:stop])
+            return {start + i: error for i, error in errors.items()}
+
+        threaded = pool is not None and len(spans) > 1
         try:
-            return decode_images(good), set(), positions
+            parts = pool.map(part, spans) if threaded else map(part, spans)
+            errors = {i: error for found in parts for i, error in found.items()}
         except BadImage:
-            pass
+            raise
         except ValueError as e:  # images of different sizes
             raise self._different_sizes(name, good) from e
         found = set()
-        for i in positions:
-            try:
-                decode_images([column[i]])
-            except BadImage as e:
-                error = _ColumnFailed(name)
-                error.__cause__ = e.__cause__ or e
-                row_name = names[i] if names is not None else None
-                self._failed(error, {name: column[i]}, int(ids[i]), row_name)
-                found.add(i)
-        return None, found, positions
+        for j, error in sorted(errors.items()):
+            i = positions[j]
+            failed = _ColumnFailed(name)
+            failed.__cause__ = error.__cause__ or error
+            row_name = names[i] if names is not None else None
+            self._failed(failed, {name: column[i]}, int(ids[i]), row_name)
+            found.add(i)
+        return out.permute(0, 3, 1, 2), found, positions
 
     def _different_sizes(self, name: str, images: list) -> ValueError:
         try:
             shapes = sorted({(3, *size) for size in image_sizes(images)})[:2]
         except BadImage:
             shapes = []
-        return _different_shapes(name, "feature", shapes)
+        return different_shapes(name, "feature", shapes)
 
     def _decode_rows(self, work) -> list[dict | None]:
         values, ids, names, epoch, start, stop = work
@@ -296,8 +243,8 @@ class BatchDecoding:
             if isinstance(value, torch.Tensor):
                 columns[name] = value
             else:
-                columns[name], mask = self._collate_column(
-                    name, list(value), name in self.labels, padding
+                columns[name], mask = self.collation.column(
+                    name, list(value), name in self.labels, padding, self.allocate
                 )
                 if mask is not None and name not in self.labels:
                     masks.setdefault(name, mask)
@@ -350,101 +297,29 @@ class BatchDecoding:
             "leave such rows out (counted in the training summary)"
         )
 
-    def collate(
-        self, rows: list[dict], padding: list[int], skip: set[str] = frozenset()
-    ) -> Decoded:
-        """The decoded rows as one batch: ``collate_fn``'s, or ``collate``; the values of
-        padded sequences added to ``padding``; the columns ``skip`` left out (decoded a
-        batch at a time)."""
-        if self.collate_fn is not None:
-            out = self.collate_fn(rows)
-            if not isinstance(out, dict):
-                raise TypeError(
-                    f"collate_fn: must return a dict of column -> tensor, got {type(out).__name__}"
-                )
-            masks = {n[: -len(MASK)]: m for n, m in out.items() if n.endswith(MASK)}
-            columns = {n: v for n, v in out.items() if not n.endswith(MASK)}
-            return Decoded(columns, masks, len(rows))
-        columns, masks = {}, {}
-        for c in self.columns:
-            if c.name in skip:
-                continue
-            column = [row[c.name] for row in rows]
-            label = c.name in self.labels
-            columns[c.name], mask = self._collate_column(c.name, column, label, padding)
-            if mask is not None and not label:
-                masks[c.name] = mask
-        return Decoded(columns, masks, len(rows))
-
-    def _collate_column(self, name: str, values: list, label: bool, padding: list[int]):
-        """One column's rows: tensors of one shape stacked; 1-D tensors (sequences) padded
-        to the longest, with their mask; strings and other objects as a list."""
-        if not values or not all(isinstance(v, torch.Tensor) for v in values):
-            if values and all(isinstance(v, (int, float)) for v in values):
-                return torch.tensor(values), None
-            return values, None
-        if all(v.dim() == 1 for v in values):
-            integral = not values[0].is_floating_point()
-            fill = LABEL_PADDING if label and integral else self.recipe.spec.padding_value
-            padded, mask = pad_sequences(values, fill)
-            padding[0] += int(mask.sum())
-            padding[1] += mask.numel()
-            return padded, mask
-        shapes = {tuple(v.shape) for v in values}
-        if len(shapes) > 1:
-            a, b = sorted(shapes)[:2]
-            role = "label" if label else "feature"
-            if len(a) == len(b) == 3 and a[1:] == b[1:]:  # images of other channel counts
-                raise ValueError(
-                    f"{column_param(role)}: column '{name}' has images of {a[0]} and {b[0]} "
-                    f"channels in one batch ({'x'.join(map(str, a))} and "
-                    f"{'x'.join(map(str, b))}); give decode_fn that decodes them in one mode "
-                    "(spark_estimator.decoding.decode_image(row[...], mode='RGB'), or 'L' for "
-                    "grayscale)"
-                )
-            raise _different_shapes(name, role, [a, b])
-        return stack_rows(values, self.allocate), None
 
 
-def _different_shapes(name: str, role: str, shapes: list[tuple[int, ...]]) -> ValueError:
-    """The error of a batch whose rows of column ``name`` have ``shapes`` (its first two)."""
-    sizes = " and ".join("x".join(map(str, s)) for s in shapes)
-    return ValueError(
-        f"{column_param(role)}: column '{name}' has rows of different shapes in one batch "
-        f"({sizes}); give decode_fn that resizes or crops them to one size "
-        "(spark_estimator.decoding.decode_image with size=, center_crop, random_crop), or a "
-        "collate_fn"
-    )
+def _first_size(images: list) -> tuple[int, int]:
+    """The (height, width) of the first of ``images`` whose header reads ((1, 1) where none
+    does: every image then fails to decode, and is named)."""
+    for image in images:
+        try:
+            return image_sizes([image])[0]
+        except BadImage:
+            continue
+    return 1, 1
 
 
-def stack_rows(values: list[torch.Tensor], allocate: Allocate | None = None) -> torch.Tensor:
-    """Tensors of one shape as one batch, in the first's memory order: images ``[C, H, W]``
-    whose channels are innermost in memory (``decode_image``'s, their crops and flips) make
-    a channels-last batch ``[B, C, H, W]`` (each row one run of memory to copy, where
-    stacking them as a contiguous batch moves every pixel's channels apart); other tensors
-    are stacked as they are (contiguous). With ``allocate`` (a decode worker's: memory in
-    its shared slot), the batch is stacked straight into the memory it gives."""
-    first = values[0]
-    channels_last = _channels_innermost(first)
-    rows = [v.permute(1, 2, 0) for v in values] if channels_last else values
-    out = None
-    same = all(v.dtype == first.dtype for v in values)
-    if allocate is not None and first.device.type == "cpu" and same:
-        out = allocate((len(rows), *rows[0].shape), first.dtype)
-    stacked = torch.stack(rows) if out is None else torch.stack(rows, out=out)
-    return stacked.permute(0, 3, 1, 2) if channels_last else stacked
-
-
-def pad_sequences(values: list[torch.Tensor], fill: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-D tensors as one ``[rows, longest]`` tensor padded with ``fill``, and the mask
-    (True at each row's own values)."""
-    longest = max((len(v) for v in values), default=0)
-    padded = torch.full((len(values), longest), fill, dtype=values[0].dtype if values else None)
-    mask = torch.zeros((len(values), longest), dtype=torch.bool)
-    for i, v in enumerate(values):
-        padded[i, : len(v)] = v
-        mask[i, : len(v)] = True
-    return padded, mask
+def _rows_kept(batch: torch.Tensor, positions: list[int], kept: list[int]) -> torch.Tensor:
+    """An image batch ``[B, C, H, W]`` (a channels-last view of its pixels) decoded for the
+    rows ``positions``, cut down to the rows ``kept`` (some of them) in its own memory: its
+    first rows."""
+    if positions == kept:
+        return batch
+    where = {row: j for j, row in enumerate(positions)}
+    pixels = batch.permute(0, 2, 3, 1)  # the [B, H, W, C] buffer
+    pixels[: len(kept)] = pixels[torch.tensor([where[i] for i in kept], dtype=torch.long)]
+    return batch[: len(kept)]
 
 
 def _spans(rows: int, parallel: int) -> list[tuple[int, int]]:

@@ -1,0 +1,363 @@
+"""Executor: a rank's batches scheduled over its decode worker processes
+(``decode_pool="processes"``).
+
+``DecodePool.decode_many`` hands each batch to a worker with a free slot, at most
+``IN_FLIGHT`` per worker, each whole batch one message (its raw values, row indices and
+names: no Python per row here), and yields the results in the batches' order. The results
+come back through the processes' thread (``WorkerProcesses``), which takes each batch out
+of its slot the rank's way (``Delivery``: views of the slot on a CPU, copies straight to the
+GPU from the slot, pinned copies for transform) as it arrives, so the consuming thread only
+waits for them. A worker has up to ``IN_FLIGHT + VIEWED`` slots: while the rank holds views
+of ``VIEWED`` of its batches (the one training and the next), it still has ``IN_FLIGHT`` to
+decode into; a batch beyond that is copied out, so the workers never wait on a batch the
+rank's code keeps. So the rank's Python per batch does not grow with its rows, and the
+order of rows and each row's augmentation (seeded by its index) are the rank's as before.
+
+Failures: an exception the worker raised is raised here as it is (its traceback as the
+cause); a worker that dies, busy or idle, is ``DecodeWorkerDied`` naming the rank, the
+worker, the cause (its signal or exit status and its last lines of stderr) and, if it held
+one, the batch's first row and its name; a batch that does not arrive within ``timeout``
+seconds (``decode_timeout``) is ``DecodeTimeout``, naming the same. A pass stopped early
+leaves its batches in flight to be dropped as they come; a pass started meanwhile waits for
+the slots they hold.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .decoded import BatchResult, Recipe
+from .delivery import Delivery
+from .processes import START_TIMEOUT_S, DecodeWorkerDied, Worker, WorkerProcesses, remote
+from .shared_memory import Segment
+
+T = TypeVar("T")
+IN_FLIGHT = 2  # batches a worker holds at once: one decoded while the rank reads the other
+VIEWED = 2  # a worker's batches the rank may hold as views of its slots
+
+
+class DecodeTimeout(TimeoutError):
+    """A batch did not arrive from its decode worker within ``decode_timeout`` seconds."""
+
+
+class _Slots:
+    """A worker's slots: free, in flight (by batch), viewed by the rank, their segments."""
+
+    def __init__(self):
+        self.free: list[int] = []
+        self.in_flight: dict[int, int] = {}  # seq -> slot
+        self.viewed: set[int] = set()
+        self.made = 0
+        self.segments: dict[int, Segment] = {}
+
+
+class DecodePool:
+    """``workers`` decode worker processes of one rank (see the module). ``recipe``: what
+    they decode with; ``rank``: named in errors; ``delivery``: how batches are taken out of
+    their slots; ``timeout``: the seconds a batch may take (None: no limit)."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        workers: int,
+        rank: int | str,
+        delivery: Delivery | None = None,
+        timeout: float | None = None,
+    ):
+        self.recipe, self.timeout = recipe, timeout
+        self.delivery = delivery or Delivery("view")
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.slots = {i: _Slots() for i in range(workers)}
+        self.results: dict[int, tuple[str, Any]] = {}  # seq -> ("done", result) / ("error", e)
+        self.firsts: dict[int, tuple[int | None, Any]] = {}  # seq -> its first row and name
+        self.abandoned: set[int] = set()  # batches in flight whose results nobody reads
+        self.released: queue.SimpleQueue = queue.SimpleQueue()  # (worker, slot) given back
+        self.failure: BaseException | None = None
+        self.inline_reason: str | None = None
+        self.seq = 0
+        self.closed = False
+        self._rank = rank
+        label = f"{'rank' if isinstance(rank, int) else 'for'}-{rank}".replace(" ", "-")
+        self.processes = WorkerProcesses(
+            recipe,
+            workers,
+            label,
+            self._who(),
+            self.changed,
+            self._arrived,
+            self._died,
+            self.delivery.poll,
+            self.delivery.busy,
+        )
+
+    @property
+    def rank(self) -> int | str:
+        return self._rank
+
+    @rank.setter
+    def rank(self, rank: int | str) -> None:
+        self._rank = rank
+        self.processes.who = self._who()
+
+    def _who(self) -> str:
+        return f"rank {self._rank}" if isinstance(self._rank, int) else str(self._rank)
+
+    # -- starting -------------------------------------------------------------------------------
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Wait until every worker has built its decoding (``decode_init_fn`` run)."""
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not self.processes.all_ready():
+                self._check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    slow = self.processes.count - sum(
+                        w.ready for w in self.processes.workers.values()
+                    )
+                    raise DecodeWorkerDied(
+                        f"{slow} decode workers of {self._who()} did not start in {timeout:.0f} s"
+                    )
+                self.changed.wait(min(left, 1.0))
+
+    # -- decoding -------------------------------------------------------------------------------
+    def decode_many(
+        self,
+        items: Iterable[T],
+        raw: Callable[[T], tuple[dict, np.ndarray, np.ndarray | None, int | None]],
+    ) -> Iterator[tuple[T, BatchResult]]:
+        """Each of ``items`` with its batch decoded, in order; ``raw(item)`` gives the
+        batch's values (column -> object array), row indices, names and epoch (None: not
+        training). Items are drawn ahead, as many as the workers have slots for."""
+        self.wait_ready()
+        pending: collections.deque[tuple[int, T]] = collections.deque()
+        items = iter(items)
+        exhausted = False
+        try:
+            while True:
+                if not exhausted and len(pending) < len(self.slots) * IN_FLIGHT:
+                    with self.changed:
+                        self._check()
+                        taken = self._take_slot()
+                    if taken is not None:
+                        item = next(items, _END)
+                        if item is _END:
+                            exhausted = True
+                            self._untake(taken)
+                            continue
+                        pending.append((self._submit(taken, raw(item)), item))
+                        continue
+                if not pending:
+                    if exhausted:
+                        return
+                    with self.changed:  # every slot held (viewed, or an abandoned pass's)
+                        self._check()
+                        self.changed.wait(0.02)
+                    continue
+                seq, item = pending[0]
+                kind, value = self._wait(seq)
+                pending.popleft()
+                if kind == "error":
+                    raise value
+                yield item, value
+                item = value = None  # not kept by this frame (a traceback keeps frames)
+        finally:  # stopped early: what is still in flight is dropped when it comes
+            with self.changed:
+                for seq, _ in pending:
+                    if self.results.pop(seq, None) is None:
+                        self.abandoned.add(seq)
+
+    def _take_slot(self) -> tuple[Worker, int] | None:
+        """A worker with room for a batch and the slot it decodes it into, taken (the
+        lock held); None where no worker has one."""
+        self._take_back()
+        best = None
+        for index, slots in self.slots.items():
+            worker = self.processes.workers.get(index)
+            if worker is None or len(slots.in_flight) >= IN_FLIGHT:
+                continue
+            if not slots.free and slots.made >= IN_FLIGHT + VIEWED:
+                continue
+            if best is None or len(slots.in_flight) < len(self.slots[best.index].in_flight):
+                best = worker
+        if best is None:
+            return None
+        slots = self.slots[best.index]
+        if slots.free:
+            return best, slots.free.pop()
+        slots.made += 1
+        return best, slots.made - 1
+
+    def _untake(self, taken: tuple[Worker, int]) -> None:
+        with self.changed:
+            self.slots[taken[0].index].free.append(taken[1])
+
+    def _take_back(self) -> None:
+        """The slots given back since (the lock held)."""
+        while True:
+            try:
+                index, slot = self.released.get_nowait()
+            except queue.Empty:
+                return
+            slots = self.slots[index]
+            slots.viewed.discard(slot)
+            slots.free.append(slot)
+
+    def _submit(self, taken: tuple[Worker, int], raw: tuple) -> int:
+        worker, slot = taken
+        values, ids, names, epoch = raw
+        rows = len(ids)
+        with self.changed:
+            self.seq += 1
+            seq = self.seq
+            self.slots[worker.index].in_flight[seq] = slot
+            self.firsts[seq] = (
+                int(ids[0]) if rows else None,
+                names[0] if names is not None and rows else None,
+            )
+        try:
+            worker.channel.send(("decode", seq, slot, epoch, values, ids, names))
+        except OSError:  # it died before this batch: the processes' thread finds out how
+            with self.changed:
+                self.slots[worker.index].in_flight.pop(seq, None)
+        return seq
+
+    def _wait(self, seq: int) -> tuple[str, Any]:
+        """Batch ``seq``'s result, waited for (``timeout`` seconds at most)."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        with self.changed:
+            while seq not in self.results:
+                self._check()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self.failure = self._timed_out(seq)
+                    raise self.failure
+                self.changed.wait(1.0 if left is None else min(left, 1.0))
+            return self.results.pop(seq)
+
+    def _check(self) -> None:
+        """Raise what failed (the lock held)."""
+        failure = self.failure or self.processes.failure
+        if failure is not None:
+            raise failure
+        if self.closed:
+            raise DecodeWorkerDied(f"the decode workers of {self._who()} were closed")
+
+    def _timed_out(self, seq: int) -> DecodeTimeout:
+        index = next(i for i, s in self.slots.items() if seq in s.in_flight)
+        worker = self.processes.workers[index]
+        return DecodeTimeout(
+            f"decode_timeout: decode worker {index} (pid {worker.pid}) of {self._who()} took "
+            f"more than {self.timeout:g} s on {self._batch_named(seq)}; the workers are "
+            "stopped. Find what the decoding waits on there (a slow or stuck read, a lock), "
+            "or raise decode_timeout"
+        )
+
+    def _batch_named(self, seq: int) -> str:
+        row, name = self.firsts.get(seq, (None, None))
+        named = f" ({self.recipe.row_names} {name})" if name is not None else ""
+        return f"the batch whose first row is {row} of the split{named}"
+
+    # -- the processes' thread ------------------------------------------------------------------
+    def _arrived(self, worker: Worker, message: tuple, fds: list[int]) -> None:
+        """A worker's ``done`` or ``error``: the batch taken out of its slot and kept for
+        its pass (or its slot given back, for an abandoned pass)."""
+        kind, seq = message[0], message[1]
+        slots = self.slots[worker.index]
+        with self.changed:
+            slot = slots.in_flight.pop(seq)
+            abandoned = seq in self.abandoned
+            self.abandoned.discard(seq)
+            self.firsts.pop(seq, None)
+            view = not abandoned and len(slots.viewed) < VIEWED
+            if view:
+                slots.viewed.add(slot)
+
+        def release(index: int = worker.index, slot: int = slot) -> None:
+            self.released.put((index, slot))
+
+        result: tuple[str, Any]
+        if kind == "done":
+            batch = message[2]
+            if batch.segment_size is not None:
+                self._replace(slots, slot, Segment(batch.segment_size, fds[0]))
+            if batch.inline_reason is not None:
+                self.inline_reason = batch.inline_reason
+            if abandoned:
+                release()
+                result = ("done", None)
+            else:
+                segment = slots.segments.get(slot)
+                result = ("done", self.delivery.take(batch, segment, release, view))
+        else:
+            release()
+            result = ("error", remote(message[2]))
+        with self.changed:
+            if not abandoned:
+                self.results[seq] = result
+            self.changed.notify_all()
+
+    def _replace(self, slots: _Slots, slot: int, segment: Segment) -> None:
+        old = slots.segments.get(slot)
+        if old is not None:
+            self.delivery.forget(old)
+            old.close()  # its memory goes with the last view of it
+        slots.segments[slot] = segment
+
+    def _died(self, worker: Worker) -> None:
+        with self.changed:
+            in_flight = self.slots[worker.index].in_flight
+            what = "before it started"
+            if in_flight:
+                what = f"while decoding {self._batch_named(min(in_flight))}"
+            elif worker.ready:
+                what = "between batches"
+            self.failure = self.failure or DecodeWorkerDied(
+                f"decode worker {worker.index} (pid {worker.pid}) of {self._who()} died "
+                f"{what}: {worker.cause()}"
+            )
+            self.changed.notify_all()
+
+    # -- what it did, and its end ---------------------------------------------------------------
+    def summary(self) -> dict:
+        """Each worker's peak memory (USS, PSS, RSS, in bytes, as last reported) and its
+        start (seconds)."""
+        workers = [self.processes.workers[i] for i in sorted(self.processes.workers)]
+        out = {
+            "worker_uss_bytes": [w.memory["uss"] for w in workers],
+            "worker_pss_bytes": [w.memory["pss"] for w in workers],
+            "worker_rss_bytes": [w.memory["rss"] for w in workers],
+            "worker_start_seconds": self.processes.start_seconds(),
+        }
+        if self.inline_reason:
+            out["inline_reason"] = self.inline_reason
+        return out
+
+    def close(self) -> None:
+        """End the workers (without waiting behind their batches) and free the slots."""
+        if self.closed:
+            return
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+        self.processes.close()
+        with self.changed:
+            self.results.clear()  # batches no pass will read (their views of the slots)
+        self.delivery.close()
+        for slots in self.slots.values():
+            for segment in slots.segments.values():
+                segment.close()
+
+    def __del__(self):
+        if not getattr(self, "closed", True):
+            self.close()
+
+
+_END = object()

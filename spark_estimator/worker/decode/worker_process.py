@@ -1,0 +1,124 @@
+"""Executor: a decode worker process, which decodes whole batches for its rank.
+
+Its rank's fork server (``fork_server``) forks it from itself, with its end of a Unix socket
+pair to the rank (``Channel``) and its stdout and stderr as pipes the rank forwards line by
+line to its own (so a ``decode_fn``'s prints reach the rank's log). ``serve`` runs
+``decode_init_fn`` and answers ``ready`` (or ``failed`` with why); then each message is one
+batch: its raw values, row indices and names, the epoch, and which of the worker's slots to
+decode into. The worker decodes and collates it as the rank's threads would (the same
+``BatchDecoding``), its stacked columns straight into that slot's shared memory
+(``SlotWriter``), and answers with the ``SlotBatch`` saying where each tensor lies and its
+memory (``MemorySampler``); an ``Exception`` is answered as it is (pickled where it can
+be), with its traceback.
+
+The worker never outlives its rank: a thread reads the rank's messages as they come (so
+the rank's sends never wait on a busy worker) and ends the process at once when the rank's
+end of the socket closes, whatever the decoding is doing; and the kernel kills it when its
+fork server ends (``PR_SET_PDEATHSIG``). It ignores SIGINT: a Ctrl-C in a terminal reaches
+every process of the foreground group, and its rank decides how decoding ends. Anything
+raised that is not an ``Exception`` (``SystemExit``, ``KeyboardInterrupt`` raised by the
+user's code) ends the worker, which its rank reports as a worker that died, with its exit
+status. It has one torch thread and no GPU (``CUDA_VISIBLE_DEVICES`` is empty).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from . import batch_decoding
+from .batch_decoding import BatchDecoding
+from .batch_format import SlotWriter
+from .channel import Channel
+
+SAMPLE_EVERY_S = 1.0  # how often a worker reads its memory (a read costs about a millisecond)
+
+
+def serve(channel: Channel, decoding: BatchDecoding) -> int:
+    """Decode the rank's batches until it closes the socket or says ``close``; the exit
+    status."""
+    batch_decoding.IN_WORKER_PROCESS = True
+    memory = MemorySampler()
+    try:
+        decoding.init()
+    except Exception as e:
+        channel.send(("failed", describe(e)))
+        return 1
+    channel.send(("ready", os.getpid(), memory.sample(force=True)))
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(channel, requests), daemon=True).start()
+    writer = SlotWriter()
+    while True:
+        message = requests.get()
+        if message[0] == "close":
+            return 0
+        _, seq, slot, epoch, values, ids, names = message
+        result = None  # the last batch's tensors, which may view a replaced segment, gone
+        try:
+            decoding.allocate = writer.begin(slot)
+            result = decoding.decode(values, ids, names, epoch)
+            batch, fds = writer.write(slot, result)
+        except Exception as e:
+            channel.send(("error", seq, describe(e)))
+            continue
+        channel.send(("done", seq, batch, memory.sample()), fds)
+
+
+def _receive(channel: Channel, requests: queue.SimpleQueue) -> None:
+    """Hand the rank's messages to the decoding loop as they come; the rank gone, end."""
+    try:
+        while True:
+            message, _ = channel.recv()
+            requests.put(message)
+    except (EOFError, OSError):
+        os._exit(0)
+
+
+class MemorySampler:
+    """This process's memory, read from ``/proc/self/smaps_rollup`` at most every
+    ``SAMPLE_EVERY_S``: the peaks of its private memory (USS: the pages no other process
+    maps, what it costs of its own), its proportional share (PSS: shared pages divided among
+    the processes that map them) and its resident set (RSS, which counts every page it
+    shares with its fork server and the other workers in full)."""
+
+    def __init__(self):
+        self.peaks = {"uss": 0, "pss": 0, "rss": 0}
+        self.last = 0.0
+
+    def sample(self, force: bool = False) -> dict[str, int]:
+        now = time.monotonic()
+        if force or now - self.last >= SAMPLE_EVERY_S:
+            self.last = now
+            for key, value in read_memory(os.getpid()).items():
+                self.peaks[key] = max(self.peaks[key], value)
+        return dict(self.peaks)
+
+
+def read_memory(pid: int) -> dict[str, int]:
+    """A process's USS, PSS and RSS in bytes (zeros where ``/proc`` does not say)."""
+    fields = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            name, value, *_ = line.split()
+            fields[name.rstrip(":")] = int(value) * 1024
+    except (OSError, ValueError):
+        return {"uss": 0, "pss": 0, "rss": 0}
+    uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return {"uss": uss, "pss": fields.get("Pss", 0), "rss": fields.get("Rss", 0)}
+
+
+def describe(error: BaseException) -> tuple[bytes | None, str, str, str]:
+    """An exception for the rank: pickled where it can be, its type, message and
+    traceback."""
+    text = "".join(traceback.format_exception(error))
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)
+    except Exception:
+        data = None
+    return data, type(error).__name__, str(error), text
