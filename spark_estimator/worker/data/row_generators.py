@@ -89,8 +89,7 @@ def _seeded(seed: int, epoch: int, rows: np.ndarray) -> list[np.random.Generator
     words = _pool_state(seed, epoch, rows)  # [rows, 4] uint64: PCG64's seeding
     pcg64, generator = np.random.PCG64, np.random.Generator
     return [
-        generator(pcg64(_RowSeed([seed, epoch, row], w)))
-        for row, w in zip(rows.tolist(), words)
+        generator(pcg64(_RowSeed([seed, epoch, row], w))) for row, w in zip(rows.tolist(), words)
     ]
 
 

@@ -42,7 +42,6 @@ def test_the_rows_generators_are_independent_and_where_numpy_disagrees_it_makes_
     )
 
 
-
 def test_a_rows_generator_spawns_the_children_default_rng_spawns():
     seed, epoch, rows = 42, 7, [3, 2**32 - 1]
     for generator, row in zip(rg.row_generators(seed, epoch, rows), rows):
