@@ -9,7 +9,8 @@ Every wait for other ranks is bounded by ``timeout_s``. When the block ends norm
 rank waits for the others before leaving; when it raises, the first failing rank's error is
 the one Spark reports (see ``meeting.first_failure``). The group and rank 0's server are
 closed (and its address file removed) when the task ends, failed or not, because PySpark
-reuses workers; what ``at_leave`` registered is closed before the group goes.
+reuses workers (after a failure, the server once the others have counted theirs:
+``meeting.await_failures``); what ``at_leave`` registered is closed before the group goes.
 
 A script run by ``run(script_path)`` forms the default group itself: the task exports
 torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
