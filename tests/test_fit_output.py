@@ -158,11 +158,12 @@ def test_a_default_fit_on_a_cluster_without_gpus_shows_no_gpu_warning(tmp_path):
 
 
 # A user's script, run as a user runs it (python script.py in a terminal): a plain fit whose
-# forward() prints once per rank, then a fit whose loss raises in its second epoch.
+# forward() prints once per rank, then a fit whose loss raises in its second epoch on rank 0
+# (whose task serves the job's TCPStore), rank 1 waiting for it in the gradients' allreduce.
 USER_SCRIPT = """
 import sys, tempfile, time, traceback, torch
 from pyspark.sql import SparkSession
-from spark_estimator import Store, TorchEstimator
+from spark_estimator import Store, TorchEstimator, distributed
 
 class Net(torch.nn.Module):
     def __init__(self):
@@ -182,7 +183,7 @@ class Loss(torch.nn.Module):
 
     def forward(self, output, label):
         self.calls += 1
-        if self.calls == self.fail_at:
+        if self.calls == self.fail_at and distributed.rank() == 0:
             raise ValueError("the loss failed in epoch 2")
         return torch.nn.functional.mse_loss(output, label)
 
@@ -242,3 +243,11 @@ def test_a_failed_fit_shows_our_error_once_and_not_the_executors(user_view):
     # Spark's log lines of the failed barrier tasks and its Java error are not repeated
     for spark_line in ("ERROR Executor", "TaskSetManager", "Py4JJavaError", "PythonException"):
         assert spark_line not in failed, failed
+
+
+def test_a_failed_fit_shows_no_cpp_frames_of_the_rank_left_waiting(user_view):
+    """Rank 1 fails after rank 0 (in its allreduce): torch logs no failed call to a store
+    that went away, with its C++ frames, after our error."""
+    _, failed = user_view
+    assert "frame #" not in failed and "Exception raised from" not in failed, failed
+    assert "TCPStore" not in failed, failed

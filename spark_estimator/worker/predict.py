@@ -49,20 +49,20 @@ def predict_batches(
     device = task_device(ctx, use_gpu="auto", warn=False)[0] if ctx else torch.device("cpu")
     model = loads(model_bytes).to(device).eval()
     expected = 1 if classification else len(output_cols)
-    decoder = None
+    decoder, finished = None, False
     prepared: Iterable = ((batch, None) for batch in batches if batch.num_rows)
-    if any(c.variable for c in features):
-        task = f"transform's task {ctx.partitionId()}" if ctx else "transform"
-        decoder = decoder_for(
-            decode or DecodeSpec(),
-            features,
-            row_names,
-            list(fit_labels or []),
-            task,
-            device.type == "cuda",
-        )
-        prepared = decoded_batches(batches, features, row_names, decoder)
     try:
+        if any(c.variable for c in features):
+            task = f"transform's task {ctx.partitionId()}" if ctx else "transform"
+            decoder = decoder_for(
+                decode or DecodeSpec(),
+                features,
+                row_names,
+                list(fit_labels or []),
+                task,
+                device.type == "cuda",
+            )
+            prepared = decoded_batches(batches, features, row_names, decoder)
         with torch.no_grad():
             for batch, decoded in prepared:
                 inputs = _inputs(batch, features, input_shapes, decoder, decoded, device)
@@ -76,9 +76,10 @@ def predict_batches(
                     scalar_outputs,
                     input_shapes,
                 )
+        finished = True
     finally:
         if decoder is not None:
-            release(decoder)
+            release(decoder, finished)
 
 
 def _inputs(batch, features, input_shapes, decoder, decoded, device) -> list:

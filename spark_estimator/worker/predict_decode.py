@@ -3,8 +3,10 @@ them (``Decoder``: threads or worker processes, no augmentation).
 
 Spark's Python worker runs one task after another, and ``transform`` one task per
 partition: the decoder (and its worker processes) of a model's decoding is made once per
-Python worker and kept for the next tasks (``decoder_for``), and closed after
-``IDLE_S`` seconds unused (or with the Python worker: its decode workers end with it).
+Python worker and kept for the next tasks (``decoder_for``): a task holds it until it lets
+it go (``release``), however long it decodes, and it is closed once no task has held it for
+``IDLE_S`` seconds, at once after a task that did not finish with it, or with the Python
+worker (its decode workers end with it).
 Each Arrow batch (``spark.sql.execution.arrow.maxRecordsPerBatch`` rows, 10,000 by default)
 is decoded in parts of ``PART_ROWS`` rows, several in flight at once with worker
 processes, and the parts joined again (``join_parts``: padded sequences padded to the
@@ -18,6 +20,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import pyarrow as pa
 import torch
@@ -29,9 +32,24 @@ from .decode.decoded import Decoded
 from .decode.decoder import Decoder
 
 PART_ROWS = 256  # rows of an Arrow batch decoded together (one worker's message)
-IDLE_S = 60.0  # a kept decoder unused this long is closed
-_decoders: dict[str, tuple[Decoder, list[float]]] = {}  # key -> (decoder, [last used])
-_lock = threading.Lock()
+IDLE_S = 60.0  # a kept decoder that no task holds is closed after this long
+
+
+@dataclass
+class _Kept:
+    """A kept decoder: its decoding's ``key``, the tasks holding it (``decoder_for`` to
+    ``release``), when the last let it go, and whether it is ``retired`` (a task using it
+    did not finish: it is closed once let go, never handed out again)."""
+
+    key: str
+    decoder: Decoder
+    users: int = 0
+    idle_since: float = 0.0
+    retired: bool = False
+
+
+_kept: list[_Kept] = []
+_changed = threading.Condition()  # guards _kept; notified when a decoder is let go
 _reaper: threading.Thread | None = None
 
 
@@ -43,46 +61,56 @@ def decoder_for(
     task: str,
     pin: bool,
 ) -> Decoder:
-    """This Python worker's decoder for a model's decoding (made on first use, then kept);
-    ``task`` names the task in errors."""
+    """This Python worker's decoder for a model's decoding (made on first use, then kept),
+    held by the task until it calls ``release``; ``task`` names the task in errors."""
     key = hashlib.sha256(repr((spec, features, row_names, fit_labels, pin)).encode()).hexdigest()
-    with _lock:
-        _start_reaper()
-        if key not in _decoders:
+    with _changed:
+        kept = next((k for k in _kept if k.key == key and not k.retired), None)
+        if kept is None:
             device = torch.device("cuda") if pin else None
             decoder = Decoder(
                 spec, features, set(), 0, row_names, fit_labels, task, device, PART_ROWS
             )
-            _decoders[key] = (decoder, [time.monotonic()])
-        decoder, used = _decoders[key]
-        used[0] = time.monotonic()
+            kept = _Kept(key, decoder)
+            _kept.append(kept)
+        kept.users += 1
+    decoder = kept.decoder
     decoder.rank = task
     return decoder
 
 
-def release(decoder: Decoder) -> None:
-    """The task is done with ``decoder``: its idle time starts now."""
-    with _lock:
-        for kept, used in _decoders.values():
-            if kept is decoder:
-                used[0] = time.monotonic()
-
-
-def _start_reaper() -> None:
+def release(decoder: Decoder, finished: bool) -> None:
+    """A task is done with ``decoder``: once no task holds it, its idle time starts. A
+    task that did not finish (an error, or its output not read to the end) may leave it
+    closed or mid-pass: it is closed once let go, and the next task gets a new one."""
     global _reaper
-    if _reaper is None or not _reaper.is_alive():
-        _reaper = threading.Thread(target=_reap, name="spark-estimator-decoders", daemon=True)
-        _reaper.start()
+    with _changed:
+        for kept in _kept:
+            if kept.decoder is decoder:
+                kept.users -= 1
+                kept.idle_since = time.monotonic()
+                kept.retired = kept.retired or not finished
+        if _reaper is None or not _reaper.is_alive():
+            _reaper = threading.Thread(target=_reap, name="spark-estimator-decoders", daemon=True)
+            _reaper.start()
+        _changed.notify()
 
 
 def _reap() -> None:
+    """Close each kept decoder that no task holds once retired or after ``IDLE_S``
+    seconds, waking when the first is due or a decoder is let go."""
     while True:
-        time.sleep(min(IDLE_S / 4, 10.0))
-        with _lock:
-            idle = [k for k, (_, used) in _decoders.items() if time.monotonic() - used[0] > IDLE_S]
-            closing = [_decoders.pop(k)[0] for k in idle]
-        for decoder in closing:
-            decoder.close()
+        with _changed:
+            now = time.monotonic()
+            idle = [k for k in _kept if not k.users]
+            due = [k for k in idle if k.retired or now - k.idle_since >= IDLE_S]
+            for kept in due:
+                _kept.remove(kept)
+            if not due:
+                waits = [k.idle_since + IDLE_S - now for k in idle]
+                _changed.wait(min(waits) if waits else None)
+        for kept in due:
+            kept.decoder.close()
 
 
 def decoded_batches(

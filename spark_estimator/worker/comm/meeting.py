@@ -18,6 +18,7 @@ count (``TAMPERED``).
 from __future__ import annotations
 
 import posixpath
+import socket
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ TAMPERED = (
     "that the first failure is still the one recorded."
 )
 POLL_S = (0.005, 0.25)  # the first and the longest wait between reads of the meeting file
+COUNTED_S = 2.0  # how long rank 0 keeps the store, after a failure, for the others to count
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,14 @@ def first_failure(store) -> tuple[bool, bool]:
     Only ranks that failed write it, so the rank replaces it, atomically, and counts from
     there: the first to do so is the first failure and records it, saying it was tampered
     (``TAMPERED``).
+
+    Rank 0 serves the store: leaving after a failure, it waits for the others to count
+    theirs (``await_failures``). A rank that comes later finds its port closed and asks the
+    store nothing: torch would log the failed call with its C++ frames to stderr, which
+    Spark shows on the driver's console after the job's error.
     """
+    if _served_nowhere(store):  # rank 0 left: a failure came first
+        return False, False
     try:
         return store.add(_FAILURES_KEY, 1) == 1, False
     except ForgedValue:
@@ -137,3 +146,31 @@ def first_failure(store) -> tuple[bool, bool]:
             return False, True
     except Exception:  # the store went away with rank 0: a failure came first
         return False, False
+
+
+def await_failures(store, world_size: int, timeout_s: float = COUNTED_S) -> None:
+    """Rank 0, whose process serves the job's store, leaving after a failure (its group
+    gone, so the others' collectives fail with it): wait until all ``world_size`` ranks
+    have counted their failure (``first_failure``), at most ``timeout_s``, so that none
+    finds the store gone meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if store.add(_FAILURES_KEY, 0) >= world_size:
+                return
+        except Exception:  # a count a stranger wrote: no telling who counted
+            return
+        time.sleep(0.02)
+
+
+def _served_nowhere(store) -> bool:
+    """Whether the port of the job's TCPStore (under ``store``: sealed, prefixed) refuses
+    connections: its server, rank 0's, has stopped."""
+    server = store.inner.underlying_store
+    try:
+        socket.create_connection((server.host, server.port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # unreachable for now: the store's own call decides
+        return False
+    return False

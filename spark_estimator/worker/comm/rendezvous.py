@@ -9,7 +9,8 @@ Every wait for other ranks is bounded by ``timeout_s``. When the block ends norm
 rank waits for the others before leaving; when it raises, the first failing rank's error is
 the one Spark reports (see ``meeting.first_failure``). The group and rank 0's server are
 closed (and its address file removed) when the task ends, failed or not, because PySpark
-reuses workers; what ``at_leave`` registered is closed before the group goes.
+reuses workers (after a failure, the server once the others have counted theirs:
+``meeting.await_failures``); what ``at_leave`` registered is closed before the group goes.
 
 A script run by ``run(script_path)`` forms the default group itself: the task exports
 torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -41,7 +42,7 @@ from ...shared.failures import is_retried
 from ...shared.spec import COLLECTIVE_TIMEOUT_S
 from ..environ import environ
 from .device import task_device, task_gpu_addresses
-from .meeting import TAMPERED, Meeting, first_failure, meet
+from .meeting import TAMPERED, Meeting, await_failures, first_failure, meet
 from .network import gloo_interface
 from .ranks import RankInfo, cross_ranks, homogeneous, job_ranks, local_ranks, node_ranks
 
@@ -153,6 +154,7 @@ def process_group(
     )
     torchrun = {} if init_group else torchrun_env(_current, hosts[0], port, run_id)
     _script_timeout = None if init_group else timeout
+    failed = False
     try:
         with environ({**network, **torchrun}):
             yield _current
@@ -163,6 +165,7 @@ def process_group(
         else:
             _leave_together(store, rank, world_size, timeout)
     except BaseException as e:  # sys.exit() in the code too
+        failed = True
         if on_error is not None:
             on_error()
         first, tampered = first_failure(store)
@@ -189,6 +192,8 @@ def process_group(
             dist.destroy_process_group()
         if server is not None:  # its address is of no use to anyone any more
             meeting.remove_address(ctx)
+            if failed:  # the others, failing with the group, count in its store
+                await_failures(store, world_size)
         del store, server  # rank 0's TCPStore stops listening when released
         if device.type == "cuda":
             torch.cuda.empty_cache()

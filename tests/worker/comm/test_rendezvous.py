@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from spark_estimator.shared.failures import record_failure
 from spark_estimator.store import Store
+from spark_estimator.worker.comm import rendezvous
 from spark_estimator.worker.comm.meeting import _FAILURES_KEY, Meeting
 from spark_estimator.worker.comm.rendezvous import (
     LATER_FAILURE_DELAY_S,
@@ -311,3 +312,47 @@ def test_a_rank_whose_rank_0_never_wrote_its_address_fails_within_the_timeout(tm
             pass
     assert time.monotonic() - started < 10
     assert not dist.is_initialized()
+
+
+def _fail_on_rank_0(rank: int, folder: str) -> None:
+    """Rank 0 raises while rank 1 waits for it in a collective; each writes what it raised
+    and rank 1 what its process printed (to the file descriptor torch's C++ logs to)."""
+    torch.set_num_threads(1)
+    if rank == 1:
+        os.dup2(os.open(f"{folder}/stderr-1.txt", os.O_WRONLY | os.O_CREAT, 0o644), 2)
+    rendezvous.LATER_FAILURE_DELAY_S = 0.1  # rank 1 raises soon after it counted
+    failures, raised = [], None
+    try:
+        with process_group(
+            FakeBarrierContext(rank, 2),
+            meeting_in(folder),
+            False,
+            60,
+            on_failure=lambda rank, error: failures.append(rank),
+            on_error=lambda: time.sleep(0.3),  # as the task writes its output lines first
+        ):
+            if rank == 0:
+                time.sleep(0.2)  # rank 1 is in the all_reduce
+                raise ValueError("the training code failed on rank 0")
+            dist.all_reduce(torch.ones(1))
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    torch.save({"raised": raised, "first": failures}, f"{folder}/rank-{rank}.pt")
+
+
+def test_a_rank_failing_after_rank_0_did_prints_no_cpp_traceback(tmp_path):
+    """Rank 0 serves the store: when it fails first, the rank whose collective fails with
+    it counts its failure while the store is still there, and torch logs no C++ frames of
+    a store that went away (Spark shows a task's output on the driver's console)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_fail_on_rank_0, args=(r, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    zero, one = (torch.load(tmp_path / f"rank-{r}.pt") for r in range(2))
+    assert zero == {"raised": "ValueError: the training code failed on rank 0", "first": [0]}
+    assert one["first"] == [] and "ValueError" not in one["raised"]  # a later failure
+    printed = (tmp_path / "stderr-1.txt").read_text()
+    assert "frame #" not in printed and "Exception raised from" not in printed, printed

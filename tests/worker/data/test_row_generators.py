@@ -1,5 +1,7 @@
 """The rows' augmentation generators made a batch at a time (``row_generators``)."""
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -38,3 +40,21 @@ def test_the_rows_generators_are_independent_and_where_numpy_disagrees_it_makes_
         not made
         and again[0].bit_generator.state == np.random.default_rng([3, 1, 10]).bit_generator.state
     )
+
+
+def test_a_rows_generator_spawns_the_children_default_rng_spawns():
+    seed, epoch, rows = 42, 7, [3, 2**32 - 1]
+    for generator, row in zip(rg.row_generators(seed, epoch, rows), rows):
+        numpy = np.random.default_rng([seed, epoch, row])
+        for n in (2, 1):  # a second spawn continues where the first left off, as NumPy's
+            ours, theirs = generator.spawn(n), numpy.spawn(n)
+            assert [g.integers(0, 2**62, 3).tolist() for g in ours] == [
+                g.integers(0, 2**62, 3).tolist() for g in theirs
+            ]
+        ours, theirs = generator.bit_generator.seed_seq, numpy.bit_generator.seed_seq
+        assert ours.entropy == theirs.entropy and ours.spawn_key == theirs.spawn_key
+        assert ours.n_children_spawned == theirs.n_children_spawned == 3
+        assert ours.generate_state(3).tolist() == theirs.generate_state(3).tolist()
+        copy = pickle.loads(pickle.dumps(generator))  # a decode_fn's result may carry it
+        assert copy.spawn(1)[0].random() == numpy.spawn(1)[0].random()
+        assert generator.random() == numpy.random()  # spawning leaves the parent's stream
