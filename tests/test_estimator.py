@@ -494,6 +494,11 @@ def _bad_inputs():
             ValueError,
             "decode_pool: must be one of",
         ),
+        "decode_timeout not positive": (
+            dict(decode_timeout=0.0),
+            ValueError,
+            "decode_timeout: must be > 0",
+        ),
         "map column": (
             dict(feature_cols=["m"]),
             TypeError,

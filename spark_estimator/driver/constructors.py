@@ -48,6 +48,7 @@ class TorchEstimatorConstructor:
         decode_pool: str = "auto",
         decode_workers: int | None = None,
         decode_device: str = "cpu",
+        decode_timeout: float | None = None,
         label_cols: list[str] | None = None,
         batch_size: int = 32,
         epochs: int = 1,
@@ -185,6 +186,12 @@ class TorchEstimatorConstructor:
             'cuda' (JPEGs on the process's GPU, a batch at a time, with
             torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch,
             and no decode_fn; per-row augmentation there with decode_batch_fn)
+        decode_timeout : float | None
+            the seconds one batch's decoding may take before the process fails naming the
+            batch's first row and its file (as DataLoader's timeout): a decode_fn waiting on a
+            read that never returns (a stuck network file system, an HTTP fetch) ends the fit or
+            transform instead of hanging it; its worker process is stopped (a thread is left to
+            end by itself). None: no limit
         label_cols : list[str] | None
             label columns; with several, the model returns one output per label (one name alone
             is taken as a one-element list; Spark ML's labelCol is not a param here)
@@ -420,6 +427,7 @@ class LightningEstimatorConstructor:
         decode_pool: str = "auto",
         decode_workers: int | None = None,
         decode_device: str = "cpu",
+        decode_timeout: float | None = None,
         label_cols: list[str] | None = None,
         batch_size: int = 32,
         epochs: int = 1,
@@ -533,6 +541,12 @@ class LightningEstimatorConstructor:
             'cuda' (JPEGs on the process's GPU, a batch at a time, with
             torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch,
             and no decode_fn; per-row augmentation there with decode_batch_fn)
+        decode_timeout : float | None
+            the seconds one batch's decoding may take before the process fails naming the
+            batch's first row and its file (as DataLoader's timeout): a decode_fn waiting on a
+            read that never returns (a stuck network file system, an HTTP fetch) ends the fit or
+            transform instead of hanging it; its worker process is stopped (a thread is left to
+            end by itself). None: no limit
         label_cols : list[str] | None
             label columns; with several, the model returns one output per label (one name alone
             is taken as a one-element list; Spark ML's labelCol is not a param here)
@@ -700,6 +714,7 @@ class TorchModelConstructor:
         decode_pool: str = "auto",
         decode_workers: int | None = None,
         decode_device: str = "cpu",
+        decode_timeout: float | None = None,
         dtype: str = "float32",
         stage_level_scheduling: bool = True,
         probabilityCol: str = "probability",
@@ -782,6 +797,12 @@ class TorchModelConstructor:
             'cuda' (JPEGs on the process's GPU, a batch at a time, with
             torchvision.io.decode_jpeg; needs torchvision that loads with the installed torch,
             and no decode_fn; per-row augmentation there with decode_batch_fn)
+        decode_timeout : float | None
+            the seconds one batch's decoding may take before the process fails naming the
+            batch's first row and its file (as DataLoader's timeout): a decode_fn waiting on a
+            read that never returns (a stuck network file system, an HTTP fetch) ends the fit or
+            transform instead of hanging it; its worker process is stopped (a thread is left to
+            end by itself). None: no limit
         dtype : str
             float type the features are cast to for the model: float32 or float64 (the
             estimator's dtype, set by fit)

@@ -45,6 +45,7 @@ class HasModelIOAccessors(Params):
     decode_pool: Param[str]
     decode_workers: Param[int | None]
     decode_device: Param[str]
+    decode_timeout: Param[float | None]
 
     def getFeatureCols(self) -> list[str]:
         """Gets the value of `feature_cols`: input columns; each becomes one positional argument
@@ -235,6 +236,24 @@ class HasModelIOAccessors(Params):
         torch, and no decode_fn; per-row augmentation there with decode_batch_fn)
         """
         return self._set(decode_device=value)
+
+    def getDecodeTimeout(self) -> float | None:
+        """Gets the value of `decode_timeout`: the seconds one batch's decoding may take before
+        the process fails naming the batch's first row and its file (as DataLoader's
+        timeout): a decode_fn waiting on a read that never returns (a stuck network file
+        system, an HTTP fetch) ends the fit or transform instead of hanging it; its worker
+        process is stopped (a thread is left to end by itself). None: no limit
+        """
+        return self.getOrDefault(self.decode_timeout)
+
+    def setDecodeTimeout(self: _P, value: float | None) -> _P:
+        """Sets the value of `decode_timeout`: the seconds one batch's decoding may take before
+        the process fails naming the batch's first row and its file (as DataLoader's
+        timeout): a decode_fn waiting on a read that never returns (a stuck network file
+        system, an HTTP fetch) ends the fit or transform instead of hanging it; its worker
+        process is stopped (a thread is left to end by itself). None: no limit
+        """
+        return self._set(decode_timeout=value)
 
 
 class FitParamsAccessors(Params):

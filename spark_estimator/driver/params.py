@@ -187,6 +187,16 @@ class HasModelIO(accessors.HasModelIOAccessors, HasClassification):
             TypeConverters.toString,
             default="cpu",
         ),
+        ParamSpec(
+            "decode_timeout",
+            "the seconds one batch's decoding may take before the process fails naming the "
+            "batch's first row and its file (as DataLoader's timeout): a decode_fn waiting "
+            "on a read that never returns (a stuck network file system, an HTTP fetch) ends "
+            "the fit or transform instead of hanging it; its worker process is stopped (a "
+            "thread is left to end by itself). None: no limit",
+            to_optional_float,
+            default=None,
+        ),
     )
 
 
@@ -740,6 +750,7 @@ DECODE_PARAMS = (
     "decode_pool",
     "decode_workers",
     "decode_device",
+    "decode_timeout",
 )
 
 # Params whose values are Python objects: persisted by pickle, not in JSON metadata.

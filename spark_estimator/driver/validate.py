@@ -98,12 +98,14 @@ def decode_spec(
     (``check_decoding``; ``string_labels``: whether the trainer takes a label column of
     strings as it is)."""
     functions = {name: stage.getOrDefault(name) for name in DECODE_FUNCTIONS}
-    padding, workers, device, pool = (
+    padding, workers, device, pool, timeout = (
         stage.getPaddingValue(),
         stage.getDecodeWorkers(),
         stage.getDecodeDevice(),
         stage.getDecodePool(),
+        stage.getDecodeTimeout(),
     )
+    check_positive("decode_timeout", timeout, optional=True)
     check_decoding(
         features, labels, reader, functions, padding, workers, device, pool, bad_rows, string_labels
     )
@@ -115,6 +117,7 @@ def decode_spec(
         bad_rows=bad_rows,
         device=device,
         bucket_by_length=bucket_by_length,
+        timeout=timeout,
     )
 
 
