@@ -364,7 +364,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
             },
         )
         if self.getMlflowLogging():
-            mlflow_log.log_fit(self, fitted)
+            mlflow_log.log_fit(self, fitted, store, data)
         return fitted
 
     def _class_index_labels(self) -> list[bool]:
