@@ -133,6 +133,13 @@ def save_model(
     metadata : dict, optional
         As ``log_model``'s.
 
+    Raises
+    ------
+    TypeError, ValueError
+        ``model`` holds no TorchModel; ``input_example`` lacks a feature column.
+    mlflow.exceptions.MlflowException
+        ``path`` exists and is not empty.
+
     Examples
     --------
     >>> save_model(model, "/tmp/churn")                                 # doctest: +SKIP
@@ -163,6 +170,11 @@ def load_model(model_uri: str, dst_path: str | None = None) -> TorchModel:
         local folder or any URI ``mlflow.artifacts.download_artifacts`` takes.
     dst_path : str, optional
         Where to download it (a temporary folder by default).
+
+    Returns
+    -------
+    TorchModel
+        The fitted model, as ``TorchModel.load`` reads the downloaded folder.
 
     Examples
     --------
