@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import threading
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
@@ -86,6 +87,31 @@ class TorchPyfunc:
         return module
 
 
+def _stacked(name: str, values: pd.Series, arrow_type: pa.ListType) -> pa.Array | None:
+    """A column of 1-D numpy arrays of one length (what Spark hands a pandas UDF, and
+    MLflow's schema check leaves) as one list array, stacked at once; None for any other
+    column (lists, arrays of several lengths), which ``pa.array`` converts."""
+    cells = values.to_numpy()
+    if not len(cells) or not isinstance(cells[0], np.ndarray):
+        return None
+    try:
+        stacked = np.stack(cells)
+    except (ValueError, TypeError):  # of several lengths
+        return None
+    if stacked.ndim != 2 or stacked.dtype == object:
+        return None
+    width = stacked.shape[1]
+    offsets = pa.array(np.arange(0, (len(stacked) + 1) * width, width, dtype=np.int32))
+    try:
+        flat = pa.array(stacked.reshape(-1)).cast(arrow_type.value_type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise TypeError(
+            f"feature_cols: column '{name}' ({stacked.dtype} arrays) cannot be read as the "
+            f"model's input of type {arrow_type}: {e}"
+        ) from e
+    return pa.ListArray.from_arrays(offsets, flat)
+
+
 def _image_bytes(image):
     """A Spark image struct (a dict or Row) with its ``data`` as bytes."""
     if image is None:
@@ -125,6 +151,9 @@ def _arrow_column(name: str, values: pd.Series, dt: DataType | None) -> pa.Array
     an image struct's ``data`` given as a string as base64: MLflow's JSON decodes only the
     bytes of binary columns); a TypeError naming the column where they are not of it."""
     if isinstance(dt, ArrayType):
+        stacked = _stacked(name, values, to_arrow_type(dt))
+        if stacked is not None:
+            return stacked
         values = values.map(lambda v: v.toArray() if hasattr(v, "toArray") else v)
     if isinstance(dt, StructType):
         values = values.map(_image_bytes)

@@ -97,11 +97,16 @@ def test_ml_vectors_and_lists_are_read_alike_and_strings_are_refused_naming_the_
     from pyspark.ml.linalg import Vectors
 
     model = counting_model()
-    lists = pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"x": [[1.0, 2.0, 3.0]]}))
+    rows = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    lists = pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"x": rows}))
     vectors = pyfunc.TorchPyfunc(model).predict(
-        pd.DataFrame({"x": [Vectors.dense([1.0, 2.0, 3.0])]})
+        pd.DataFrame({"x": [Vectors.dense(r) for r in rows]})
     )
-    assert lists["prediction"][0] == vectors["prediction"][0]
+    arrays = pyfunc.TorchPyfunc(model).predict(  # as Spark hands them over: stacked at once
+        pd.DataFrame({"x": list(np.array(rows, dtype=np.float32))})
+    )
+    assert lists["prediction"].tolist() == vectors["prediction"].tolist()
+    assert lists["prediction"].tolist() == arrays["prediction"].tolist()
     with pytest.raises(MlflowException, match=r"feature_cols: column 'x' \(object\) cannot be"):
         pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"x": ["1, 2, 3"]}))
 
