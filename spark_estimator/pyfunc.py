@@ -52,7 +52,7 @@ class TorchPyfunc:
     def get_raw_model(self) -> TorchModel:
         return self.model
 
-    def predict(self, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+    def predict(self, model_input: pd.DataFrame) -> pd.DataFrame:
         """The columns ``transform`` appends for the rows of ``model_input`` (see the
         module).
 
@@ -72,6 +72,15 @@ class TorchPyfunc:
         names = options["output_cols"]
         with self._lock:
             device = predict_device(_task_context())
+            if (
+                options["decode"].device == "cuda"
+                and device.type != "cuda"
+                and any(c.variable for c in options["features"])
+            ):
+                raise ValueError(
+                    "decode_device: 'cuda', but predict runs on the CPU here (no GPU); "
+                    "model.setDecodeDevice('cpu') before logging the model decodes on the CPU"
+                )
             module = self._module_on(device)
             parts = (batch.slice(start, BATCH_ROWS) for start in range(0, len(frame), BATCH_ROWS))
             done = list(predict_with(module, device, "predict", parts, **options))

@@ -85,14 +85,15 @@ def write_images(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tracking(tmp_path_factory):
-    """A sqlite tracking store and registry, its artifacts in a folder of this module."""
+    """A sqlite tracking store and registry, its artifacts in a folder of this module (the
+    experiment chosen by MLflow's environment variable, which leaves with the module)."""
     folder = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{folder / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment(
-        experiment_id=mlflow.create_experiment("serving", str(folder / "artifacts"))
-    )
-    yield uri
+    with pytest.MonkeyPatch.context() as patch:
+        experiment = mlflow.create_experiment("serving", str(folder / "artifacts"))
+        patch.setenv("MLFLOW_EXPERIMENT_ID", experiment)
+        yield uri
     mlflow.set_tracking_uri(None)
 
 

@@ -111,6 +111,19 @@ def test_ml_vectors_and_lists_are_read_alike_and_strings_are_refused_naming_the_
         pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"x": ["1, 2, 3"]}))
 
 
+def test_gpu_decoding_where_predict_runs_on_the_cpu_is_refused_naming_decode_device():
+    model = TorchModel(
+        model=Brightness(),
+        feature_cols=["content"],
+        decode_device="cuda",
+        feature_kinds={"content": ["binary", "float32"]},
+    )
+    if torch.cuda.is_available():
+        pytest.skip("predict runs on the GPU here")
+    with pytest.raises(MlflowException, match="decode_device: 'cuda', but predict runs on the CPU"):
+        pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"content": [b"\xff\xd8"]}))
+
+
 def test_a_model_config_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"model_config: .* takes none \(given: \['device'\]\)"):
         se_mlflow._load_pyfunc(str(tmp_path), {"device": "cpu"})

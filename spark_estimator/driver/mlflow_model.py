@@ -43,7 +43,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from ..shared.spec import IMAGE_FIELDS, ROW_NAMES, ColumnSpec
+from ..shared.spec import ROW_NAMES, ColumnSpec
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ EXAMPLE_ROWS = 2  # rows of the input example taken from a DataFrame or a fit's 
 # what predict needs besides this package: pinned to the versions installed here
 REQUIRED = ("torch", "pyspark", "pandas", "pyarrow", "numpy", "cloudpickle", "fsspec")
 IMAGE_REQUIRED = ("Pillow", "simplejpeg")  # spark_estimator.decoding's, for images
-# Spark's image source's struct (``IMAGE_FIELDS``), as ``spark.read.format("image")`` reads it
+# Spark's image source's struct (``shared.spec.IMAGE_FIELDS``), as its reader reads it
 IMAGE_STRUCT = StructType(
     [
         StructField("origin", StringType(), True),
@@ -64,7 +64,6 @@ IMAGE_STRUCT = StructType(
         StructField("data", BinaryType(), True),
     ]
 )
-assert tuple(IMAGE_STRUCT.names) == IMAGE_FIELDS
 
 
 def torch_model_of(model: Any):
@@ -222,13 +221,8 @@ def default_requirements(model) -> list[str]:
     names = ["spark-estimator", *REQUIRED]
     if {"binary", "image"} & {kind for kind, _ in model._feature_kinds.values()}:
         names += IMAGE_REQUIRED
-    pinned = []
-    for name in names:
-        try:
-            pinned.append(f"{name}=={importlib_metadata.version(name).split('+')[0]}")
-        except importlib_metadata.PackageNotFoundError:
-            pinned.append(name)
-    return pinned
+    versions = {name: installed_version(name) for name in names}
+    return [f"{n}=={v.split('+')[0]}" if v else n for n, v in versions.items()]
 
 
 def save_model(
@@ -254,16 +248,20 @@ def save_model(
     example = example_frame(input_example, torch_model.getFeatureCols())
     if signature is None:
         signature = infer_signature(torch_model, example)
-    requirements = pip_requirements or [
-        *default_requirements(torch_model),
-        *(extra_pip_requirements or []),
-    ]
+    if pip_requirements is not None and extra_pip_requirements is not None:
+        raise ValueError(
+            "pip_requirements, extra_pip_requirements: give one of them, the whole list or "
+            "what to add to the one inferred"
+        )
+    requirements = pip_requirements
+    if requirements is None:
+        requirements = [*default_requirements(torch_model), *(extra_pip_requirements or [])]
     with tempfile.TemporaryDirectory() as scratch:
         stage = os.path.join(scratch, "stage")
         torch_model.save(stage)
         mlflow_model.add_flavor(
             FLAVOR,
-            spark_estimator_version=metadata_version("spark-estimator"),
+            spark_estimator_version=installed_version("spark-estimator"),
             stage_class=f"{type(torch_model).__module__}.{type(torch_model).__name__}",
         )
         module_dir = None
@@ -311,7 +309,8 @@ def _pytorch_flavor(mlflow_model, module, scratch: str) -> str:
     return os.path.join(saved, conf["model_data"])
 
 
-def metadata_version(name: str) -> str | None:
+def installed_version(name: str) -> str | None:
+    """The version of the distribution ``name`` installed here (None: not installed)."""
     try:
         return importlib_metadata.version(name)
     except importlib_metadata.PackageNotFoundError:

@@ -10,7 +10,7 @@ import torch
 
 from spark_estimator import Store, TorchModel
 from spark_estimator.driver import mlflow_model
-from spark_estimator.shared.spec import ColumnSpec, DatasetInfo
+from spark_estimator.shared.spec import IMAGE_FIELDS, ColumnSpec, DatasetInfo
 from tests.conftest import linear_net
 
 pytest.importorskip("mlflow")
@@ -50,14 +50,8 @@ def test_each_kind_of_feature_column_has_its_type_in_the_signature():
     }
     assert inputs["v"]["items"] == {"type": "double"}
     assert inputs["tokens"]["items"] == {"type": "long"}
-    assert set(inputs["image"]["properties"]) == {
-        "origin",
-        "height",
-        "width",
-        "nChannels",
-        "mode",
-        "data",
-    }
+    assert set(inputs["image"]["properties"]) == set(IMAGE_FIELDS)  # Spark's image struct
+    assert tuple(mlflow_model.IMAGE_STRUCT.names) == IMAGE_FIELDS
     assert inputs["path"]["required"] is False
     outputs = signature.outputs.to_dict()
     assert outputs == [
@@ -132,6 +126,47 @@ def test_requirements_pin_this_package_and_torch_without_its_local_label():
         "Pillow",
         "simplejpeg",
     }
+
+
+def test_what_is_given_replaces_or_adds_to_what_is_inferred(tmp_path):
+    from mlflow.models import Model, ModelSignature
+    from mlflow.types.schema import ColSpec, Schema
+
+    model = TorchModel(
+        model=linear_net(), feature_cols=["x"], feature_kinds={"x": ["array", "float32"]}
+    )
+    added = tmp_path / "added"
+    mlflow_model.save_model(
+        str(added), torch_model=model, extra_pip_requirements=["tokenizers==0.20.3"]
+    )
+    requirements = (added / "requirements.txt").read_text().split()
+    assert "tokenizers==0.20.3" in requirements and any(
+        r.startswith("torch==") for r in requirements
+    )
+    replaced = tmp_path / "replaced"
+    signature = ModelSignature(outputs=Schema([ColSpec("double", "prediction")]))
+    mlflow_model.save_model(
+        str(replaced),
+        torch_model=model,
+        pip_requirements=["torch"],
+        signature=signature,
+        metadata={"team": "churn"},
+    )
+    assert "torch" in (replaced / "requirements.txt").read_text().split()
+    assert "spark-estimator" not in (replaced / "requirements.txt").read_text()
+    saved = Model.load(str(replaced / "MLmodel"))
+    assert saved.signature.inputs is None and saved.metadata == {"team": "churn"}
+
+
+def test_requirements_given_whole_and_added_to_at_once_are_refused(tmp_path):
+    model = TorchModel(model=linear_net(), feature_cols=["x"])
+    with pytest.raises(ValueError, match="pip_requirements, extra_pip_requirements: give one"):
+        mlflow_model.save_model(
+            str(tmp_path / "m"),
+            torch_model=model,
+            pip_requirements=["torch"],
+            extra_pip_requirements=["tokenizers"],
+        )
 
 
 def test_a_tuning_result_gives_its_best_model_and_anything_else_is_refused():
