@@ -10,8 +10,8 @@
 The logged folder is the TorchModel's Spark ML stage with MLflow's files beside it, so
 ``TorchModel.load`` reads it too (``load_model``). Its ``python_function`` flavor is
 ``spark_estimator.pyfunc.TorchPyfunc``; what ``predict`` takes and returns, and how the
-folder is laid out: docs/serving.md. Needs MLflow (``pip install 'spark-estimator[serving]'``
-for serving: mlflow-skinny, the ``mlflow`` extra, logs and loads but cannot serve).
+folder is laid out: docs/serving.md. Needs MLflow 3: the ``mlflow`` extra (mlflow-skinny)
+logs and loads; ``mlflow models serve`` needs the ``serving`` extra (mlflow).
 
 Loading runs code: the stage's ``objects.pkl`` is a pickle (docs/security.md); the weights
 alone load with ``torch.load(weights_only=True)`` from ``weights.pt`` in the folder.
@@ -69,7 +69,7 @@ def log_model(
     pip_requirements : list of str, optional
         Replaces the requirements written (this package, torch, pyspark, pandas,
         pyarrow, numpy, cloudpickle and fsspec at the versions installed here; Pillow
-        and simplejpeg where images are decoded by default).
+        and simplejpeg where the features hold images).
     extra_pip_requirements : list of str, optional
         Added to them: what a ``decode_fn`` imports (e.g. ``["tokenizers==0.20.3"]``).
     pytorch_flavor : bool, default False
@@ -87,7 +87,8 @@ def log_model(
     Raises
     ------
     TypeError, ValueError
-        ``model`` holds no TorchModel; ``input_example`` lacks a feature column.
+        ``model`` holds no TorchModel; ``input_example`` lacks a feature column;
+        ``pip_requirements`` and ``extra_pip_requirements`` both given.
 
     Examples
     --------
@@ -136,7 +137,7 @@ def save_model(
     Raises
     ------
     TypeError, ValueError
-        ``model`` holds no TorchModel; ``input_example`` lacks a feature column.
+        As ``log_model``'s.
     mlflow.exceptions.MlflowException
         ``path`` exists and is not empty.
 
