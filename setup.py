@@ -24,7 +24,10 @@ setup(
         "petastorm": ["petastorm==0.13.1"],
         "connect": ["pyspark[connect]>=3.5"],
         "s3": ["s3fs>=2024.2"],
-        "mlflow": ["mlflow-skinny>=2.10"],
+        # mlflow_logging and spark_estimator.mlflow (log, register, load: MLflow 3's models)
+        "mlflow": ["mlflow-skinny>=3"],
+        # mlflow models serve and a local tracking store too: mlflow-skinny cannot serve
+        "serving": ["mlflow>=3"],
         "lightning": ["lightning>=2.0"],
         # spark_estimator.decoding (decode_image; decode_images' JPEGs: simplejpeg), examples
         "vision": ["Pillow>=9.2", "simplejpeg>=1.8"],
@@ -40,7 +43,7 @@ setup(
             "pyspark[connect]",
             "s3fs>=2024.2",
             "moto[server]",
-            "mlflow-skinny>=2.10",
+            "mlflow>=3",  # serving (mlflow models serve) and the sqlite store's registry
             "lightning>=2.0",
             "tensorboard",
             "nbclient",

@@ -162,9 +162,24 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         return super().transform(dataset, params)
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
+        fields, options = self._prediction(dataset.schema)
+        self._check_decode_device(dataset.sparkSession, options["decode"], options["features"])
+        use_task_python(dataset.sparkSession)  # the driver's Python on a local master
+        out = self._map_batches(dataset, fields, options)
+        if not self.getClassification():
+            return out
+        raw, prob, _ = options["output_cols"]
+        return out.withColumns({c: array_to_vector(_col(c)) for c in (raw, prob)})
+
+    def _prediction(self, schema: StructType) -> tuple[list[StructField], dict]:
+        """The columns the model appends to rows of ``schema`` (with ``classification``,
+        raw and probability as arrays of doubles: ``transform`` makes them vectors), and
+        the keyword arguments of ``predict_batches`` for them but the model; also what the
+        MLflow model's ``predict`` runs (spark_estimator.pyfunc). Raises on a missing or
+        mistyped feature column and on output columns that cannot be added, naming them."""
         if not self.isDefined("model") or not self.isDefined("feature_cols"):
             raise ValueError("model, feature_cols: a TorchModel needs both to transform")
-        schema, dtype = dataset.schema, self.getDtype()
+        dtype = self.getDtype()
         validate.check_choice("dtype", dtype, FLOAT_DTYPES)
         features = [
             self._as_trained(validate.column_spec(schema, c, "feature", dtype))
@@ -172,10 +187,25 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         ]
         validate.check_input_shapes(self.getInputShapes(), self.getFeatureCols(), features)
         decode = validate.decode_spec(self, features, [])
-        self._check_decode_device(dataset.sparkSession, decode, features)
-        use_task_python(dataset.sparkSession)  # the driver's Python on a local master
         if self.getClassification():
-            return self._transform_classes(dataset, features, decode)
+            fields, scalar = self._class_fields(schema), []
+        else:
+            fields, scalar = self._output_fields(schema)
+        names = ROW_NAMES if ROW_NAMES in schema.names else None
+        return fields, {
+            "features": features,
+            "input_shapes": self.getInputShapes(),
+            "output_cols": [f.name for f in fields],
+            "scalar_outputs": scalar,
+            "classification": self.getClassification(),
+            "decode": decode,
+            "row_names": names if any(c.variable for c in features) else None,
+            "fit_labels": self._fit_label_cols,
+        }
+
+    def _output_fields(self, schema: StructType) -> tuple[list[StructField], list[bool]]:
+        """One column per model output: a double for outputs of shape [] or [1], else
+        array<float>; and which are doubles."""
         names = self._output_names()
         validate.check_output_cols(names, schema.names)
         if self._output_shapes is not None and len(self._output_shapes) != len(names):
@@ -191,7 +221,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             StructField(n, DoubleType() if s else ArrayType(FloatType(), False), False)
             for n, s in zip(names, scalar)
         ]
-        return self._map_batches(dataset, features, fields, scalar_outputs=scalar, decode=decode)
+        return fields, scalar
 
     def _check_decode_device(self, spark, decode: DecodeSpec, features: list[ColumnSpec]) -> None:
         """``decode_device='cuda'`` needs a GPU in transform's tasks (and, on a local master,
@@ -216,44 +246,33 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             return ColumnSpec(spec.name, "sequence", dtype)
         return spec
 
-    def _transform_classes(self, dataset: DataFrame, features, decode: DecodeSpec) -> DataFrame:
-        """``classification``: mapInArrow writes logits and probabilities as arrays of
-        doubles, which ``array_to_vector`` then turns into ML vectors (a projection)."""
+    def _class_fields(self, schema: StructType) -> list[StructField]:
+        """``classification``: the logits and probabilities as arrays of doubles (mapInArrow
+        writes them so; ``transform`` then makes them ML vectors with ``array_to_vector``, a
+        projection) and the class index."""
         raw, prob, pred = validate.classification_cols(
             self.getOutputCols(), self.getProbabilityCol(), self.getRawPredictionCol()
         )
         validate.check_class_output_shapes(self._output_shapes)
         params = ("rawPredictionCol", "probabilityCol", "output_cols")
         for param, name in zip(params, (raw, prob, pred)):
-            if name in dataset.schema.names:
+            if name in schema.names:
                 raise ValueError(f"{param}: column '{name}' already exists in the DataFrame")
         doubles = ArrayType(DoubleType(), False)
-        fields = [
+        return [
             StructField(raw, doubles, False),
             StructField(prob, doubles, False),
             StructField(pred, DoubleType(), False),
         ]
-        out = self._map_batches(
-            dataset, features, fields, scalar_outputs=[], classification=True, decode=decode
-        )
-        return out.withColumns({c: array_to_vector(_col(c)) for c in (raw, prob)})
 
-    def _map_batches(self, dataset: DataFrame, features, fields, **options) -> DataFrame:
-        """``dataset`` with the columns ``fields`` appended by ``predict_batches``; on a
-        GPU cluster whose tasks get less than a whole GPU, with a task resource profile of
-        one GPU and an executor's cores (``stage_level_scheduling``)."""
+    def _map_batches(self, dataset: DataFrame, fields: list[StructField], options: dict):
+        """``dataset`` with the columns ``fields`` appended by ``predict_batches`` (given
+        ``options``); on a GPU cluster whose tasks get less than a whole GPU, with a task
+        resource profile of one GPU and an executor's cores (``stage_level_scheduling``)."""
         stage = task_profile(dataset.sparkSession, self.getStageLevelScheduling(), job="transform")
         profile = {} if stage.profile is None else {"profile": stage.profile}
-        names = ROW_NAMES if ROW_NAMES in dataset.schema.names else None
         predict = functools.partial(
-            predict_batches,
-            model_bytes=dumps(self.getModel(), "model"),
-            features=features,
-            input_shapes=self.getInputShapes(),
-            output_cols=[f.name for f in fields],
-            row_names=names if any(c.variable for c in features) else None,
-            fit_labels=self._fit_label_cols,
-            **options,
+            predict_batches, model_bytes=dumps(self.getModel(), "model"), **options
         )
         schema = StructType(list(dataset.schema.fields) + fields)
         return dataset.mapInArrow(predict, schema, **profile)

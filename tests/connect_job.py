@@ -1,4 +1,5 @@
-"""A fit, transform, run(fn) and the driver's errors on a real local Spark Connect session.
+"""A fit, transform, run(fn), an MLflow Model and the driver's errors on a real local Spark
+Connect session.
 
 Run by tests/test_connect.py in its own process: a local Connect server cannot start while
 a classic SparkContext runs in the process, and once started it switches every later
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from importlib.util import find_spec
 from pathlib import Path
 
 os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -77,6 +79,29 @@ def fingerprints(spark, scratch: Path) -> dict:
     }
 
 
+def mlflow_model(model, df, scratch: Path) -> dict:
+    """The fitted model logged as an MLflow Model, a Connect DataFrame its input example;
+    its python_function's predictions against transform's."""
+    import mlflow
+
+    import spark_estimator.mlflow as se_mlflow
+
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # no registry needed: a file store
+    mlflow.set_tracking_uri(f"file:{scratch / 'mlruns'}")
+    with mlflow.start_run():
+        info = se_mlflow.log_model(model, input_example=df)
+    folder = Path(mlflow.artifacts.download_artifacts(info.model_uri))
+    example = json.loads((folder / "input_example.json").read_text())
+    predicted = mlflow.pyfunc.load_model(info.model_uri).predict(df.select("x").toPandas())
+    scored = model.transform(df).select("prediction").toPandas()
+    return {
+        "example": example["columns"],
+        "example_rows": len(example["data"]),
+        "max_difference": float((predicted["prediction"] - scored["prediction"]).abs().max()),
+        "stage_loads": TorchModel.load(str(folder)).getFeatureCols() == ["x"],
+    }
+
+
 def main(scratch: Path) -> dict:
     spark = SparkSession.builder.remote("local[2]").getOrCreate()
     out: dict = {"is_connect": is_connect(spark), "slots": available_slots(spark)}
@@ -95,6 +120,7 @@ def main(scratch: Path) -> dict:
     rows = model.transform(df).select("y", "prediction").collect()
     out["rows"] = len(rows)
     out["max_error"] = max(abs(r.y - r.prediction) for r in rows)
+    out["mlflow"] = mlflow_model(model, df, scratch) if find_spec("mlflow") else None
 
     est = make_estimator(store=store, epochs=1)
     path = est.materialize(df)

@@ -1,6 +1,6 @@
-"""fit, transform, fit_on_parquet, save/load and run(fn) on a real local Spark Connect
-session, in a subprocess (tests/connect_job.py): a local Connect server cannot share a
-process with the classic local[4] session of the other tests."""
+"""fit, transform, fit_on_parquet, save/load, an MLflow Model and run(fn) on a real local
+Spark Connect session, in a subprocess (tests/connect_job.py): a local Connect server cannot
+share a process with the classic local[4] session of the other tests."""
 
 from __future__ import annotations
 
@@ -45,6 +45,14 @@ def test_fit_learns_the_weights_and_transform_predicts(result):
     assert result["final_loss"] < 1e-3
     assert result["rows"] == 200
     assert result["max_error"] < 0.1
+
+
+def test_the_model_logs_to_mlflow_with_a_connect_dataframe_as_its_example(result):
+    pytest.importorskip("mlflow")
+    logged = result["mlflow"]
+    assert logged["example"] == ["x"] and logged["example_rows"] == 2
+    assert logged["max_difference"] < 1e-6  # pyfunc's predict == transform
+    assert logged["stage_loads"] is True
 
 
 def test_too_many_processes_fail_on_the_driver_before_any_job(result):

@@ -109,6 +109,9 @@ def test_parameters_md_lists_every_param_with_its_default():
         "conf/README.md",
         "examples/README.md",
         "docs/images-and-text.md",
+        "docs/serving.md",
+        "docs/security.md",
+        "docs/observability.md",
         "README.md",
     ],
 )
@@ -281,6 +284,9 @@ PUBLIC_DOCS = {
     "spark_estimator:TorchModel.__init__": (P,),
     "spark_estimator:TorchModel.transform": (P, R, X, E),
     "spark_estimator:Store.create": (P, R, X, E),
+    "spark_estimator.mlflow:log_model": (P, R, X, E),
+    "spark_estimator.mlflow:save_model": (P, X, E),
+    "spark_estimator.mlflow:load_model": (P, R, E),
     "spark_estimator.launcher:main": (),  # the CLI's: its usage is the module's docstring
     "spark_estimator.distributed:rank": (R, X),
     "spark_estimator.distributed:size": (R, X),

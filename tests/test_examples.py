@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from importlib import metadata
@@ -163,6 +164,21 @@ def test_gpt_language_model_job(tmp_path):
     assert float(found[1]) < 0.5 * float(found[2]), out  # 1.61 against 5.99 when measured
     completed = r"^  'did you hear that the' -> 'did you hear that the \w.*'$"
     assert re.search(completed, out, re.M), out  # the model goes on from the prompt
+
+
+def test_mlflow_serving_job(tmp_path):
+    pytest.importorskip("flask", reason="needs full mlflow (the serving extra)")
+    out = run_example("mlflow_serving.py", "--store", str(tmp_path))
+    assert re.search(r"logged models:/m-\w+, registered as models:/iris/1$", out, re.M), out
+    assert "signature: ['features': Array(double) (required)]" in out
+    answers = re.findall(r"^  \[[0-9. ]+\] -> class (\d) \(probability \[", out, re.M)
+    assert len(answers) == 3, out
+    assert "served == transform: True" in out
+    accuracy = float(re.search(r"held-out accuracy: ([0-9.]+) on \d+ rows", out).group(1))
+    assert accuracy >= 0.9, out  # 1.000 when measured
+    port = int(re.search(r"-h 127\.0\.0\.1 -p (\d+)$", out, re.M).group(1))
+    with pytest.raises(OSError):  # the server was stopped
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
 def _name(distribution: str) -> str:

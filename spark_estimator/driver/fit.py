@@ -372,7 +372,7 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
         )
         warn_decoding_notes(summaries)
         if self.getMlflowLogging():
-            mlflow_log.log_fit(self, fitted)
+            mlflow_log.log_fit(self, fitted, store, data)
         return fitted
 
     def _class_index_labels(self) -> list[bool]:

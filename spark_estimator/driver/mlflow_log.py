@@ -7,8 +7,10 @@ What is logged, into the active MLflow run, or else into a new run named by the 
   object-valued ones (``model``, ``optimizer``, ``loss``...), the store's URL and ``run_id``;
 - metrics: per epoch (``step`` = epoch), ``train/<name>`` and ``validation/<name>`` for the
   loss and every metric, and ``lr/group_<i>``, the names TensorBoard shows;
-- the fitted TorchModel, saved with ``TorchModel.save`` under the artifact path ``model``
-  (load it back with ``TorchModel.load(<downloaded folder>)``).
+- the fitted TorchModel as an MLflow Model named ``model`` (``mlflow_model.log_model``: the
+  Spark ML stage with MLmodel beside it, its signature from the fit's columns, its input
+  example the dataset's first rows), which ``mlflow.pyfunc.load_model("runs:/<id>/model")``
+  and ``TorchModel.load(<downloaded folder>)`` both read.
 
 An MLflow failure is a warning, never a failed fit (see ``log_fit``).
 """
@@ -17,12 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
 
 from pyspark.ml.param import Params
 
 from ..shared.history import epoch_scalars
+from . import mlflow_model
 from .params import OBJECT_PARAMS
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,17 @@ _MAX_PARAM_CHARS = 500  # MLflow limits a param's value; object reprs are cut to
 
 def check_installed() -> None:
     try:
-        import mlflow  # noqa: F401
+        import mlflow
     except ImportError as e:
         raise ValueError(
             "mlflow_logging: MLflow is not installed; pip install 'spark-estimator[mlflow]' "
             "(or mlflow) on the driver, or set mlflow_logging=False"
         ) from e
+    if int(mlflow.__version__.split(".")[0]) < 3:
+        raise ValueError(
+            f"mlflow_logging: MLflow {mlflow.__version__} is installed; the model is logged as "
+            "an MLflow 3 model: pip install 'spark-estimator[mlflow]' (or 'mlflow>=3')"
+        )
 
 
 def logged_params(estimator: Params, run_id: str) -> dict[str, str]:
@@ -64,15 +70,16 @@ def _names(value) -> str:
     return ",".join(getattr(v, "__name__", type(v).__name__) for v in items)
 
 
-def log_fit(estimator: Params, model) -> str | None:
-    """Log ``estimator``'s params and the fitted ``model`` (a TorchModel); return the
-    MLflow run's id, or None when MLflow failed.
+def log_fit(estimator: Params, model, store=None, data=None) -> str | None:
+    """Log ``estimator``'s params and the fitted ``model`` (a TorchModel; its input example
+    from the fit's dataset ``data`` in ``store`` where given); return the MLflow run's id,
+    or None when MLflow failed.
 
     A failure of MLflow (its server, or a refusal such as a second fit inside one active
     run, which would change a logged param's value) is logged as a warning on this
     module's logger and does not fail the fit: its model is trained and saved already."""
     try:
-        return _log_fit(estimator, model)
+        return _log_fit(estimator, model, store, data)
     except Exception as e:
         log.warning(
             "mlflow_logging: MLflow could not log run %s (%s: %s); the fitted model is "
@@ -84,7 +91,7 @@ def log_fit(estimator: Params, model) -> str | None:
         return None
 
 
-def _log_fit(estimator: Params, model) -> str:
+def _log_fit(estimator: Params, model, store, data) -> str:
     import mlflow
 
     active = mlflow.active_run()
@@ -93,7 +100,8 @@ def _log_fit(estimator: Params, model) -> str:
         mlflow.log_params(logged_params(estimator, model.getRunId()))
         for record in model.getHistory():
             mlflow.log_metrics(epoch_scalars(record), step=record["epoch"])
-        with tempfile.TemporaryDirectory() as folder:
-            model.save(os.path.join(folder, "model"))
-            mlflow.log_artifacts(os.path.join(folder, "model"), artifact_path="model")
+        example = None
+        if data is not None:
+            example = mlflow_model.example_rows(store, data, model.getFeatureCols())
+        mlflow_model.log_model(model, "model", input_example=example)
         return current.info.run_id

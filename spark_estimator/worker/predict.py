@@ -46,14 +46,57 @@ def predict_batches(
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    device = task_device(ctx, use_gpu="auto", warn=False)[0] if ctx else torch.device("cpu")
+    device = predict_device(ctx)
     model = loads(model_bytes).to(device).eval()
+    task = f"transform's task {ctx.partitionId()}" if ctx else "transform"
+    yield from predict_with(
+        model,
+        device,
+        task,
+        batches,
+        features,
+        input_shapes,
+        output_cols,
+        scalar_outputs,
+        classification,
+        decode,
+        row_names,
+        fit_labels,
+    )
+
+
+def predict_device(ctx) -> torch.device:
+    """Where predictions run: in a Spark task (``ctx``), the GPU Spark assigned it, else
+    the CPU; outside Spark (an MLflow model served or loaded in Python), this process's
+    current GPU where torch has one, else the CPU."""
+    if ctx is not None:
+        return task_device(ctx, use_gpu="auto", warn=False)[0]
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def predict_with(
+    model: torch.nn.Module,
+    device: torch.device,
+    task: str,
+    batches: Iterable[pa.RecordBatch],
+    features: list[ColumnSpec],
+    input_shapes: list[list[int]] | None,
+    output_cols: list[str],
+    scalar_outputs: list[bool],
+    classification: bool = False,
+    decode: DecodeSpec | None = None,
+    row_names: str | None = None,
+    fit_labels: list[str] | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """``predict_batches`` with the module already on ``device`` in eval mode (also the
+    MLflow model's ``predict``); ``task`` names the caller in decoding errors."""
     expected = 1 if classification else len(output_cols)
     decoder, finished = None, False
     prepared: Iterable = ((batch, None) for batch in batches if batch.num_rows)
     try:
         if any(c.variable for c in features):
-            task = f"transform's task {ctx.partitionId()}" if ctx else "transform"
             decoder = decoder_for(
                 decode or DecodeSpec(),
                 features,

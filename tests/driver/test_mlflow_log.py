@@ -1,4 +1,5 @@
-"""mlflow_log: params, per-epoch metrics and the saved model reach a real MLflow store."""
+"""mlflow_log: params, per-epoch metrics and the model (an MLflow Model) reach a real MLflow
+store."""
 
 import pytest
 import torch
@@ -53,8 +54,10 @@ def test_a_new_run_gets_params_metrics_per_epoch_and_the_model(tmp_path, mlflow_
     assert run.data.params["optimizer"] == "SGD"
     history = mlflow_tracking.get_metric_history(run_id, "validation/loss")
     assert [(m.step, m.value) for m in history] == [(1, 2.5), (2, 1.5)]
+    info = mlflow.models.get_model_info(f"runs:/{run_id}/model")  # an MLflow Model
+    assert set(info.flavors) == {"python_function", "spark_estimator"}
     folder = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="model")
-    loaded = TorchModel.load(folder)
+    loaded = TorchModel.load(folder)  # the Spark ML stage beside MLmodel
     assert loaded.getHistory() == HISTORY
     for a, b in zip(loaded.getModel().parameters(), fitted_model().getModel().parameters()):
         assert a.shape == b.shape
@@ -71,6 +74,12 @@ def test_an_active_run_is_used_and_left_open(tmp_path, mlflow_tracking, spark):
 def test_missing_mlflow_is_reported_naming_the_param(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "mlflow", None)
     with pytest.raises(ValueError, match="mlflow_logging: MLflow is not installed"):
+        mlflow_log.check_installed()
+
+
+def test_mlflow_before_3_is_reported_naming_the_param(monkeypatch):
+    monkeypatch.setattr(mlflow, "__version__", "2.22.1")
+    with pytest.raises(ValueError, match="mlflow_logging: MLflow 2.22.1 is installed; .* 3"):
         mlflow_log.check_installed()
 
 
