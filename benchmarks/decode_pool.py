@@ -64,9 +64,9 @@ from spark_estimator.decoding import decode_image  # noqa: E402
 from spark_estimator.shared.serialization import pack_functions  # noqa: E402
 from spark_estimator.shared.spec import ColumnSpec, DatasetInfo, DecodeSpec  # noqa: E402
 from spark_estimator.worker.data.batch import Batch  # noqa: E402
-from spark_estimator.worker.decode.decoder import Decoder  # noqa: E402
 from spark_estimator.worker.data.loader import first_rows, open_loader  # noqa: E402
 from spark_estimator.worker.data.shards import StepPlan  # noqa: E402
+from spark_estimator.worker.decode.decoder import Decoder  # noqa: E402
 
 FULL_IMAGES = 4096
 ROW_GROUP = 512

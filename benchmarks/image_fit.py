@@ -477,9 +477,9 @@ def data_path_rate(store, num_proc: int) -> float | None:
     from spark_estimator.shared.serialization import pack_functions
     from spark_estimator.shared.spec import DatasetInfo, DecodeSpec
     from spark_estimator.worker.data.batch import Batch
-    from spark_estimator.worker.decode.decoder import Decoder
     from spark_estimator.worker.data.loader import open_loader
     from spark_estimator.worker.data.shards import StepPlan
+    from spark_estimator.worker.decode.decoder import Decoder
 
     metas = sorted(Path(store.datasets).glob("*/_meta.json"))
     if not metas:
