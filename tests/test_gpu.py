@@ -477,3 +477,55 @@ def test_decode_worker_processes_feed_a_gpu_rank_with_pinned_batches(tmp_path):
     )
     assert result["pool"] == "processes" and result["device"] == "cuda:0"
     assert result["processes"] == pytest.approx(result["threads"], rel=1e-5)
+
+
+def test_a_gpu_rank_gets_its_batches_copied_to_the_device_straight_from_the_slots(
+    tmp_path, store
+):
+    """Decode worker processes on a GPU rank: each batch is copied to the GPU straight
+    from its worker's slot (registered with CUDA: no host copy), the slot given back once
+    the copy is done, the batches equal to those decoded in threads."""
+    from spark_estimator.worker.decode.pool import IN_FLIGHT
+    from tests.worker.data.test_loader import train_spec
+    from tests.worker.decode.test_decoder import ROWS, image_dataset
+    from tests.worker.decode.test_pool import decode_pass, decoder, same
+
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=7)
+    reference = decoder(spec, "threads", 1)
+    on_gpu = decoder(spec, "processes", 2, rank_device=torch.device("cuda"))
+    try:
+        want = decode_pass(spec, reference)
+        got = decode_pass(spec, on_gpu)
+        pool = on_gpu.processes
+        assert pool.delivery.mode == "device" and pool.delivery.registered
+        for _, decoded, _ in got:
+            assert decoded["img"].is_cuda and decoded.masks["tokens"].is_cuda
+        torch.cuda.synchronize()
+        as_cpu = [(ids, _on_cpu(d), kept) for ids, d, kept in got]
+        same(as_cpu, want)
+        assert sum(len(ids) for ids, _, _ in got) <= ROWS
+        with pool.changed:
+            pool.delivery.poll()
+            pool._take_back()
+            assert all(s.made <= IN_FLIGHT and not s.viewed for s in pool.slots.values())
+    finally:
+        reference.close()
+        on_gpu.close()
+    assert not on_gpu.processes.delivery.registered  # unregistered at the end
+
+
+def _on_cpu(decoded):
+    columns = {n: v.cpu() if torch.is_tensor(v) else v for n, v in decoded.columns.items()}
+    return type(decoded)(columns, {n: m.cpu() for n, m in decoded.masks.items()}, decoded.rows)
+
+
+def test_transform_on_a_gpu_joins_its_parts_in_pinned_memory():
+    from spark_estimator.worker.decode.decoded import Decoded
+    from spark_estimator.worker.predict_decode import join_parts
+
+    pixels = torch.randint(0, 255, (6, 4, 4, 3), dtype=torch.uint8).pin_memory()
+    images = pixels.permute(0, 3, 1, 2)  # channels-last, as decoded
+    parts = [Decoded({"img": images[:4]}, {}, 4), Decoded({"img": images[4:]}, {}, 2)]
+    joined = join_parts(parts, 0.0)["img"]
+    assert joined.is_pinned() and torch.equal(joined, images)
+    assert joined.is_contiguous(memory_format=torch.channels_last)

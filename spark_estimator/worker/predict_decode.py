@@ -188,11 +188,27 @@ def join_parts(parts: list[Decoded], padding_value: float) -> Decoded:
 
 def _cat(tensors: list[torch.Tensor], fill) -> torch.Tensor:
     """Tensors joined on their first dimension, those of fewer positions on the second
-    (sequences) padded with ``fill`` to the longest."""
+    (sequences) padded with ``fill`` to the longest; into pinned memory where they are
+    pinned (decoded for a GPU: the join is then copied to it without a staging copy),
+    channels-last images as channels-last."""
     if tensors[0].dim() >= 2 and len({t.shape[1] for t in tensors}) > 1:
         longest = max(t.shape[1] for t in tensors)
         tensors = [
             torch.nn.functional.pad(t, (0, longest - t.shape[1]), value=fill) if t.dim() == 2 else t
             for t in tensors
         ]
-    return torch.cat(tensors)
+    first = tensors[0]
+    if not first.is_pinned():
+        return torch.cat(tensors)
+    rows = sum(len(t) for t in tensors)
+    if first.dim() == 4 and not first.is_contiguous() and _channels_last(first):
+        height, width, channels = first.shape[2], first.shape[3], first.shape[1]
+        out = torch.empty((rows, height, width, channels), dtype=first.dtype, pin_memory=True)
+        out = out.permute(0, 3, 1, 2)
+    else:
+        out = torch.empty((rows, *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    return torch.cat(tensors, out=out)
+
+
+def _channels_last(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous(memory_format=torch.channels_last)

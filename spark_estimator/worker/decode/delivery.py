@@ -96,8 +96,7 @@ class Delivery:
         it, its copies done."""
         known = self.registered.pop(id(segment), None)
         if known is not None and known[0] is segment:
-            torch.cuda.current_stream(self.device).synchronize()
-            self.stream.synchronize()
+            self.stream.synchronize()  # its copies read it
             torch.cuda.cudart().cudaHostUnregister(known[1])
 
     def poll(self) -> None:

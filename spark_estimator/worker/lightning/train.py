@@ -153,7 +153,7 @@ def _train(
         batch = Batch(chunk, spec, device, transform, data.decoder, epoch, decoded)
         if recorder.output_shapes is None and recorder.first_inputs is None:
             recorder.first_inputs = [
-                t[:1].detach().to("cpu") if isinstance(t, torch.Tensor) else t[:1]
+                t[:1].detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t[:1]
                 for t in batch.inputs
             ]
         masks = {f"{name}_mask": mask for name, mask in batch.masks.items()}

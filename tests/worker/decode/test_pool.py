@@ -37,11 +37,22 @@ from tests.worker.decode.test_decoder import ROWS, augmented, image_dataset, png
 pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
 
 
-def decoder(spec, pool, workers, decode_fn=augmented, batch_rows=4, **options) -> Decoder:
+def decoder(
+    spec, pool, workers, decode_fn=augmented, batch_rows=4, rank_device=None, **options
+) -> Decoder:
+    """A rank's decoder (``options``: the DecodeSpec's; ``rank_device``: the rank's)."""
     functions = pack_functions(decode_fn=decode_fn, **options.pop("functions", {}))
     decode = DecodeSpec(functions=functions, pool=pool, workers=workers, **options)
     data = spec.data
-    out = Decoder(decode, data.columns, {"y"}, spec.seed, data.row_names, batch_rows=batch_rows)
+    out = Decoder(
+        decode,
+        data.columns,
+        {"y"},
+        spec.seed,
+        data.row_names,
+        device=rank_device,
+        batch_rows=batch_rows,
+    )
     out.prime(first_rows(spec, "train"))
     return out
 
