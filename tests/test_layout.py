@@ -34,9 +34,9 @@ LAYERS = [
     {"worker", "horovod", "distributed"},
     # the driver process's machinery
     {"driver"},
-    # the public fronts that drive a fit, a transform or a run, and the package's lazy
-    # names (spark_estimator.TorchEstimator, ...)
-    {"estimator", "lightning_estimator", "model", "runner", "launcher", ""},
+    # the public fronts that drive a fit, a transform, a run or a tuning study, and the
+    # package's lazy names (spark_estimator.TorchEstimator, ...)
+    {"estimator", "lightning_estimator", "model", "runner", "launcher", "tuning", ""},
 ]
 # the imports from a lower layer to a higher one there are, each with its reason
 UPWARD = {
