@@ -114,6 +114,7 @@ class StudyRun:
         profile = task_profile(self.spark, est.getStageLevelScheduling(), est.getUseGpu()).profile
         self.slots = available_slots(self.spark, est.getNumProc(), profile=profile)
         self.free = self.slots
+        self.procs = min(est.getNumProc() or self.slots, self.slots)
         running = optuna.trial.TrialState.RUNNING
         stale = [t for t in self.study.get_trials(deepcopy=False, states=(running,))]
         pending = [optuna.Trial(self.study, t._trial_id) for t in stale]  # taken up again
@@ -129,7 +130,10 @@ class StudyRun:
             try:
                 first = True
                 while True:
-                    if not self._wait(lambda: len(self.running) < self.parallelism):
+                    # the next trial is asked for once it can start (its sampler then
+                    # knows every trial that ended before), on the slots a fit of the
+                    # estimator takes; a space that changes num_proc waits again below
+                    if not self._wait(self._room):
                         break
                     resumed = bool(pending)
                     if not resumed and not self._more_trials():
@@ -158,6 +162,11 @@ class StudyRun:
                 cancel_jobs(self.spark, _tag(plan))
             for thread in self.threads:
                 thread.join(WAIT_S)
+
+    def _room(self) -> bool:
+        """Whether another trial may start: fewer than ``parallelism`` run, and the slots a
+        fit of the tuned estimator takes are free."""
+        return len(self.running) < self.parallelism and self.free >= self.procs
 
     def _more_trials(self) -> bool:
         if self.timeout is not None and time.monotonic() - self.started >= self.timeout:
@@ -287,7 +296,7 @@ class StudyRun:
         store = plan.estimator.getStore()
         key = store.read_json(store.run(plan.run_id).manifest)["data"]["dataset"]
         with self.lock:
-            new = self.datasets and key not in self.datasets
+            new = bool(self.datasets) and key not in self.datasets
             self.datasets.add(key)
         if new:
             logger.warning(

@@ -68,7 +68,8 @@ def trial_params(estimator, mapping) -> dict[str, Any]:
         name = key.name if isinstance(key, Param) else key
         if not isinstance(name, str) or not estimator.hasParam(name):
             known = [p.name for p in estimator.params]
-            close = difflib.get_close_matches(str(name), known, n=3)
+            initials = [k for k in known if "".join(w[0] for w in k.split("_")) == name]
+            close = initials + difflib.get_close_matches(str(name), known, n=3)
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
             raise ValueError(
                 f"space: {name!r} is not a param of {type(estimator).__name__}{hint} (the "
@@ -125,7 +126,9 @@ def check_metric(estimator, metric: str) -> None:
     splits = SPLITS if has_validation else ("train",)
     recorded = [f"{split}.{name}" for split in splits for name in names]
     if metric not in recorded:
-        why = " (the estimator has no validation data)" if metric.startswith("validation.") else ""
+        why = ""
+        if metric.startswith("validation.") and not has_validation:
+            why = " (the estimator has no validation data)"
         raise ValueError(
             f"metric: '{metric}' is not recorded by this fit{why}; it records {recorded}"
         )
