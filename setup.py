@@ -26,10 +26,18 @@ setup(
         "s3": ["s3fs>=2024.2"],
         "mlflow": ["mlflow-skinny>=2.10"],
         "lightning": ["lightning>=2.0"],
+        "tune": ["optuna>=4.0"],  # spark_estimator.tuning (OptunaSearch)
         # spark_estimator.decoding (decode_image; decode_images' JPEGs: simplejpeg), examples
         "vision": ["Pillow>=9.2", "simplejpeg>=1.8"],
         "text": ["tokenizers>=0.13.3", "transformers>=4.40"],  # the text and GPT-2 examples
-        "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn", "lightning>=2.0"],
+        "notebooks": [
+            "jupyterlab",
+            "ipywidgets",
+            "matplotlib",
+            "scikit-learn",
+            "lightning>=2.0",
+            "optuna>=4.0",
+        ],
         "examples": ["scikit-learn"],
         "test": [
             "pytest>=8",
@@ -42,6 +50,7 @@ setup(
             "moto[server]",
             "mlflow-skinny>=2.10",
             "lightning>=2.0",
+            "optuna>=4.0",
             "tensorboard",
             "nbclient",
             "nbformat",
