@@ -236,6 +236,13 @@ class OptunaSearchModel(Model, NestedStagesReadWrite):
     Saves and loads with Spark ML's ``write()`` / ``load()`` (the best model in its folder
     ``bestModel/``, as CrossValidatorModel's); a loaded model's ``study`` is the saved
     trials in a study in memory.
+
+    Examples
+    --------
+    >>> model = OptunaSearch(estimator=est, space=space, n_trials=8).fit(df)  # doctest: +SKIP
+    >>> model.bestParams, model.bestValue, model.bestModel.getHistory()[-1]  # doctest: +SKIP
+    >>> model.write().save("/models/search")                                # doctest: +SKIP
+    >>> OptunaSearchModel.load("/models/search").transform(df)              # doctest: +SKIP
     """
 
     _NESTED = ("bestModel",)
@@ -274,9 +281,22 @@ class OptunaSearchModel(Model, NestedStagesReadWrite):
         return float(self.bestTrial.value)
 
     def trials_dataframe(self):
-        """Every trial as a row of a pandas DataFrame (``spark.createDataFrame(...)`` makes it
-        a Spark one): number, state, value, epochs trained, run_id (its run in the store),
-        fit seconds, error, and a ``params_<name>`` column per suggested param."""
+        """Every trial as a row of a pandas DataFrame.
+
+        Returns
+        -------
+        pandas.DataFrame
+            One row per trial, in trial order: ``number``, ``state`` ("complete", "pruned",
+            "fail" or "running"), ``value``, ``epochs`` (trained), ``run_id`` (its run in
+            the store), ``fit_seconds``, ``duration_s`` (from its start to its end, on
+            the driver), ``error`` (a failed trial's) and ``params_<name>`` per suggested
+            param.
+
+        Examples
+        --------
+        >>> frame = model.trials_dataframe()                                 # doctest: +SKIP
+        >>> spark.createDataFrame(frame).show()                              # doctest: +SKIP
+        """
         import pandas as pd
 
         rows = []

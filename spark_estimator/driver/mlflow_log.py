@@ -11,6 +11,10 @@ What is logged, into the active MLflow run, or else into a new run named by the 
   (load it back with ``TorchModel.load(<downloaded folder>)``).
 
 An MLflow failure is a warning, never a failed fit (see ``log_fit``).
+
+A tuning study (``OptunaSearch`` with ``mlflow_logging``) has a run of its own, and each of
+its trials a run nested under it, active in the trial's thread, into which the trial's fit
+logs as above (``study_run``, ``trial_run``).
 """
 
 from __future__ import annotations
