@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 
 from ..callbacks import Callback, TrainingState, monitored_value
@@ -109,7 +108,3 @@ def history_value(record: dict, metric: str, lightning: bool) -> float:
         if metric in (record.get(split) or {}):
             return float(record[split][metric])
     raise KeyError(f"metric: '{metric}' is not in the epoch's record {record}")
-
-
-def finite(value: float) -> bool:
-    return not (math.isnan(value) or math.isinf(value))
