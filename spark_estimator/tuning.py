@@ -187,14 +187,17 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
         trials = study.get_trials(deepcopy=True)
         states = optuna.trial.TrialState
         if not any(t.state == states.COMPLETE for t in trials):
-            counts = {s.name.lower(): sum(t.state == s for t in trials) for s in states}
-            failed = [t for t in trials if t.state == states.FAIL and ERROR_ATTR in t.user_attrs]
+            counts = ", ".join(
+                f"{sum(t.state == s for t in trials)} {s.name.lower()}"
+                for s in states
+                if any(t.state == s for t in trials)
+            )
+            failed = [t for t in trials if ERROR_ATTR in t.user_attrs]
             first = (
                 f"; trial {failed[0].number}: {failed[0].user_attrs[ERROR_ATTR]}" if failed else ""
             )
             raise RuntimeError(
-                f"OptunaSearch: no trial of study '{study.study_name}' completed "
-                f"({ {k: v for k, v in counts.items() if v} }){first}"
+                f"OptunaSearch: no trial of study '{study.study_name}' completed ({counts}){first}"
             )
         best = study.best_trial
         model = models.get(best.number)

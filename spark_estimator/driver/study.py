@@ -25,10 +25,12 @@ checkpoint (``run_id``); it then asks for new trials until the study holds ``n_t
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 from pyspark import inheritable_thread_target
@@ -98,6 +100,9 @@ class StudyRun:
         self.sign = direction_sign  # reported values: metric * sign has the study's direction
         self.verbose = search.getVerbose() and not logging_configured(logger)
         self.mlflow = self.base.getMlflowLogging()
+        # a study that may outlive this fit (a storage, or one given): its best model is
+        # saved where a later fit finds it
+        self.kept = search.getStorage() is not None or search.getStudy() is not None
         self.models: dict[int, Any] = {}  # trial number -> fitted model of the best so far
         self.datasets: set[str] = set()  # the datasets trials trained on
         self.lock = threading.Condition()
@@ -117,7 +122,8 @@ class StudyRun:
         self.procs = min(est.getNumProc() or self.slots, self.slots)
         running = optuna.trial.TrialState.RUNNING
         stale = [t for t in self.study.get_trials(deepcopy=False, states=(running,))]
-        pending = [optuna.Trial(self.study, t._trial_id) for t in stale]  # taken up again
+        # taken up again (a FrozenTrial's storage id makes the Trial that reports to it)
+        pending = [optuna.Trial(self.study, t._trial_id) for t in stale]
         if pending:
             logger.info(
                 "study %s: taking up %d trial(s) an earlier fit left running: %s",
@@ -125,7 +131,8 @@ class StudyRun:
                 len(pending),
                 [t.number for t in pending],
             )
-        with mlflow_log.study_run(self.study.study_name) if self.mlflow else _nothing() as parent:
+        study_run = mlflow_log.study_run(self.study.study_name) if self.mlflow else nullcontext()
+        with study_run as parent:
             self.parent_run = parent
             try:
                 first = True
@@ -141,8 +148,7 @@ class StudyRun:
                     trial = pending.pop(0) if resumed else self.study.ask()
                     plan = self._plan(trial, resumed, check=first)
                     first = False
-                    if not self._wait(lambda need=plan.procs: self.free >= need, admit=plan):
-                        break
+                    self._wait(lambda need=plan.procs: self.free >= need, admit=plan)
                     self._start(plan)
             except BaseException as e:
                 if not isinstance(e, Exception):  # Ctrl-C: the running trials stay RUNNING
@@ -177,7 +183,7 @@ class StudyRun:
 
     def _wait(self, ready, admit: TrialPlan | None = None) -> bool:
         """Wait until ``ready()``; with ``admit``, then hold its slots as a running trial.
-        False where the timeout passed first (a trial asked for already is let in)."""
+        Without, False where the timeout passed first (a trial asked for is let in)."""
         with self.lock:
             while not ready():
                 timed_out = self.timeout is not None and (
@@ -227,11 +233,11 @@ class StudyRun:
         mlflow_run = (
             mlflow_log.trial_run(self.parent_run, plan.number, plan.trial.params)
             if self.mlflow
-            else _nothing(lambda state, value: None)
+            else nullcontext(lambda state, value: None)
         )
         label = f"spark-estimator trial {plan.number} of {self.study.study_name}"
         with labelled_jobs(self.spark, label, _tag(plan)), mlflow_run as end_run:
-            decide = lambda epoch, value: self._decide(plan, epoch, value)  # noqa: E731
+            decide = functools.partial(self._decide, plan)
             try:
                 with TrialWatch(plan.estimator.getStore(), plan.run_id, decide):
                     model = plan.estimator.fit(self.df)
@@ -276,13 +282,13 @@ class StudyRun:
 
     def _keep_if_best(self, plan: TrialPlan, model) -> bool:
         """Keep ``model`` where its trial is the study's best now (the earlier best's model
-        is dropped); in a study kept in a storage also save it to the trial's run, where a
-        later fit of the study finds it. Whether it is the best."""
+        is dropped); in a study that may outlive this fit also save it to the trial's run
+        (``tuned_model``), where a later fit of the study finds it. Whether it is the best."""
         with self.lock:
             if self.study.best_trial.number != plan.number:
                 return False
             self.models = {plan.number: model}
-        if self.study._storage.__class__.__name__ != "InMemoryStorage":
+        if self.kept:
             store = plan.estimator.getStore()
             url, options = store.fsspec_target(store.run(plan.run_id).tuned_model)
             writer = model.write().overwrite()
@@ -317,16 +323,3 @@ class StudyRun:
 
 def _tag(plan: TrialPlan) -> str:
     return f"spark-estimator-{plan.run_id}"
-
-
-class _nothing:
-    """A context manager that yields ``value`` and does nothing else."""
-
-    def __init__(self, value=None):
-        self.value = value
-
-    def __enter__(self):
-        return self.value
-
-    def __exit__(self, *exc) -> None:
-        return None

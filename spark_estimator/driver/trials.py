@@ -87,12 +87,14 @@ def plan_trial(base, trial, space, metric: str, slots: int, resumed: bool = Fals
     trial's suggestions are its own again), its run (the one it had, when resumed) and the
     pruning callback; it takes its ``num_proc`` of the ``slots`` (all where unset)."""
     params = trial_params(base, space(trial))
+    estimator = base.copy({base.getParam(name): value for name, value in params.items()})
+    store = estimator.getStore()
     run_id = trial.user_attrs.get(RUN_ID_ATTR) if resumed else None
+    if run_id is not None and store.exists(store.run(run_id).result):
+        run_id = None  # its fit ended but was not told: fit again, in a run of its own
     if run_id is None:
         run_id = f"trial-{trial.number}-{uuid.uuid4().hex[:8]}"
         trial.set_user_attr(RUN_ID_ATTR, run_id)
-    estimator = base.copy({base.getParam(name): value for name, value in params.items()})
-    store = estimator.getStore()
     if is_lightning(estimator):
         pl = lightning_package(estimator.getModel())
         pruning = lightning_trial_pruning(pl)(store, run_id, metric)
