@@ -44,7 +44,7 @@ folder instead; ``--no-record`` writes nothing).
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tuning.py                                   # ~10 min here
+    .venv/bin/python benchmarks/tuning.py                                   # ~5 min here
     .venv/bin/python benchmarks/tuning.py --trials 4 --epochs 2 --no-record  # smoke run
 """
 
