@@ -298,3 +298,43 @@ def test_each_trial_is_a_nested_mlflow_run_of_the_study(regression_df, store, ml
         assert run.data.metrics["trial_value"] == pytest.approx(trial.value)
         assert float(run.data.params["trial.lr"]) == pytest.approx(trial.params["lr"])
         assert "validation/loss" in run.data.metrics
+
+
+def test_an_evaluator_judges_the_validation_rows_and_the_search_saves_and_loads(
+    regression_df, store, tmp_path
+):
+    from pyspark.ml.evaluation import RegressionEvaluator
+    from pyspark.sql import functions as F
+
+    df = regression_df.withColumn("held_out", F.col("id") % 4 == 0)
+    est = make_estimator(store=store, validation="held_out", epochs=2)
+    r2 = RegressionEvaluator(labelCol="y", metricName="r2")  # larger is better
+    search = OptunaSearch(
+        estimator=est,
+        space=lr_space,
+        evaluator=r2,
+        n_trials=2,
+        seed=0,
+        study_name="judged",
+        pruner=optuna.pruners.NopPruner(),
+    )
+    model = search.fit(df)
+
+    assert model.study.direction == optuna.study.StudyDirection.MAXIMIZE
+    held_out = df.where("held_out")
+    assert model.bestValue == pytest.approx(r2.evaluate(model.bestModel.transform(held_out)))
+    assert model.bestValue == max(t.value for t in model.trials)
+    losses = [r["validation"]["loss"] for r in model.bestModel.getHistory()]
+    # validation.loss, which is minimized, is reported negated to the maximizing study
+    reported = model.bestTrial.intermediate_values
+    assert [reported[e] for e in (1, 2)] == pytest.approx([-v for v in losses])
+
+    path = str(tmp_path / "search")
+    search.write().save(path)
+    loaded = OptunaSearch.load(path)
+    assert (loaded.getNTrials(), loaded.getStudyName()) == (2, "judged")
+    assert loaded.getEstimator().getValidation() == "held_out"
+    assert loaded.getEstimator().getStore().url == store.url
+    assert loaded.getSpace()(optuna.trial.FixedTrial({"lr": 0.01})) == {"learning_rate": 0.01}
+    assert loaded.getEvaluator().getMetricName() == "r2"
+    assert isinstance(loaded.getPruner(), optuna.pruners.NopPruner)

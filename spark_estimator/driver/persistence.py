@@ -259,7 +259,9 @@ class NestedStagesReader(ObjectParamsReader):
             if not fs.exists(folder):
                 continue
             metadata = read_metadata(fs, folder, posixpath.join(path, name))
-            module, _, cls_name = metadata["class"].rpartition(".")
+            # a JVM stage's class is named as Scala's; pyspark's is the same in pyspark
+            python_class = metadata["class"].replace("org.apache.spark.", "pyspark.", 1)
+            module, _, cls_name = python_class.rpartition(".")
             cls = getattr(importlib.import_module(module), cls_name)
             reader = cls.read()
             if isinstance(reader, ObjectParamsReader):
