@@ -77,6 +77,7 @@ def test_the_best_model_is_the_best_trials_fit_and_saves_and_loads_in_a_pipeline
     again = PipelineModel.load(str(tmp_path / "pipeline"))
     assert isinstance(again.stages[0], OptunaSearchModel)
     assert again.stages[0].study.study_name == "in-a-pipeline"
+    assert again.stages[0].trials[0].params == model.trials[0].params  # seeded: the same trial
 
 
 def test_a_pruned_trial_stops_at_the_epoch_the_pruner_said_on_every_rank(regression_df, store):
