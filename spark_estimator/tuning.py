@@ -145,6 +145,11 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
         check_evaluator(self.getEvaluator(), estimator)
         if estimator.getStore() is None:
             raise ValueError("store: the estimator needs a store (its trials' runs go there)")
+        if estimator.getRunId() is not None:
+            raise ValueError(
+                f"run_id: the estimator's is {estimator.getRunId()!r}, but OptunaSearch gives "
+                "each trial a run of its own; unset it (estimator.clear(estimator.run_id))"
+            )
 
     def _study(self, optuna) -> tuple[Any, float]:
         """The study the trials go into, and the sign that gives ``metric`` its direction."""

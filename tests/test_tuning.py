@@ -175,14 +175,13 @@ def test_a_study_left_running_goes_on_from_its_trials_checkpoints_to_n_trials(re
 
 def _interrupt_and_wait() -> bool:
     """Ctrl-C in the driver's main thread while rank 0 waits for this answer, which comes
-    once Spark has ended the trial's job and killed its Python workers
-    (``spark.python.task.killTimeout``, 2 s after the job)."""
+    once Spark has ended the trial's job (a rank that outlives it is answered "abort")."""
     jobs = SparkContext._active_spark_context.statusTracker()
     _thread.interrupt_main()
     deadline = time.monotonic() + 60
     while jobs.getActiveJobsIds() and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(3.0)
+    time.sleep(0.5)
     return False
 
 
@@ -200,6 +199,10 @@ def test_bad_searches_are_refused_on_the_driver_naming_the_param(
         "space: 'lr' is not a param of TorchEstimator; did you mean 'learning_rate'"
     )
     assert refused(space=lambda t: {"run_id": "x"}).startswith("space: 'run_id' is set by")
+    with pytest.raises(ValueError, match="^run_id: the estimator's is 'mine'"):
+        OptunaSearch(estimator=est.copy({est.run_id: "mine"}), space=lr_space, n_trials=1).fit(
+            regression_df
+        )
     assert refused(space=lr_space, metric="validation.accuracy").startswith(
         "metric: 'validation.accuracy' is not recorded by this fit; it records"
     )

@@ -122,14 +122,17 @@ class StudyRun:
         self.procs = min(est.getNumProc() or self.slots, self.slots)
         running = optuna.trial.TrialState.RUNNING
         stale = [t for t in self.study.get_trials(deepcopy=False, states=(running,))]
-        # taken up again (a FrozenTrial's storage id makes the Trial that reports to it)
-        pending = [optuna.Trial(self.study, t._trial_id) for t in stale]
+        # taken up again (a FrozenTrial's storage id makes the Trial that reports to it),
+        # with the epochs it reported
+        pending = [
+            (optuna.Trial(self.study, t._trial_id), set(t.intermediate_values)) for t in stale
+        ]
         if pending:
             logger.info(
                 "study %s: taking up %d trial(s) an earlier fit left running: %s",
                 self.study.study_name,
                 len(pending),
-                [t.number for t in pending],
+                [t.number for t, _ in pending],
             )
         study_run = mlflow_log.study_run(self.study.study_name) if self.mlflow else nullcontext()
         with study_run as parent:
@@ -145,8 +148,9 @@ class StudyRun:
                     resumed = bool(pending)
                     if not resumed and not self._more_trials():
                         break
-                    trial = pending.pop(0) if resumed else self.study.ask()
+                    trial, reported = pending.pop(0) if resumed else (self.study.ask(), set())
                     plan = self._plan(trial, resumed, check=first)
+                    plan.reported_before = reported
                     first = False
                     self._wait(lambda need=plan.procs: self.free >= need, admit=plan)
                     self._start(plan)
@@ -162,7 +166,8 @@ class StudyRun:
     def _stop_running(self) -> None:
         """Cancel the running trials' jobs until their fits end (a fit starts its job again
         after a loss, up to its max_restarts); their trials are left RUNNING, for a later
-        fit of the study to take up again."""
+        fit of the study to take up again, and a rank that outlives its job is answered
+        "abort" at its next epoch's end (``TrialWatch``)."""
         while any(thread.is_alive() for thread in self.threads):
             for plan in list(self.running.values()):
                 cancel_jobs(self.spark, _tag(plan))
@@ -239,7 +244,8 @@ class StudyRun:
         with labelled_jobs(self.spark, label, _tag(plan)), mlflow_run as end_run:
             decide = functools.partial(self._decide, plan)
             try:
-                with TrialWatch(plan.estimator.getStore(), plan.run_id, decide):
+                store, interrupted = plan.estimator.getStore(), lambda: self.interrupted
+                with TrialWatch(store, plan.run_id, decide, aborted=interrupted):
                     model = plan.estimator.fit(self.df)
             except Exception as e:
                 if self.interrupted:
@@ -274,7 +280,8 @@ class StudyRun:
         """Report the epoch's value to the trial; whether its pruner stops it here (never
         at the fit's last epoch, which ends it anyway)."""
         plan.reported.append((epoch, value))
-        plan.trial.report(value * self.sign, epoch)
+        if epoch not in plan.reported_before:  # a step reported once keeps its first value
+            plan.trial.report(value * self.sign, epoch)
         if epoch >= plan.estimator.getEpochs() or not plan.trial.should_prune():
             return False
         plan.pruned_at = epoch

@@ -5,11 +5,14 @@ epoch, passes its value to ``decide`` (which reports it to the Optuna trial and 
 pruner) and writes the answer that rank 0 is waiting for. Epochs answered before (by an
 earlier fit of a resumed trial) are skipped. A ``decide`` that fails (the study's storage
 unreachable) answers "go on": pruning is an optimization, never a reason to fail a fit.
+Once ``aborted()`` says so (the search was interrupted), every answer is "abort", and the
+"abort" answers an earlier fit of the trial left are removed before its next fit starts.
 """
 
 from __future__ import annotations
 
 import logging
+import posixpath
 import threading
 from collections.abc import Callable
 
@@ -22,9 +25,15 @@ log = logging.getLogger(__name__)
 class TrialWatch:
     """Answers one run's epoch reports while the block runs (a context manager)."""
 
-    def __init__(self, store: Store, run_id: str, decide: Callable[[int, float], bool]):
+    def __init__(
+        self,
+        store: Store,
+        run_id: str,
+        decide: Callable[[int, float], bool],
+        aborted: Callable[[], bool] = lambda: False,
+    ):
         self.store, self.run = store, store.run(run_id)
-        self.decide = decide
+        self.decide, self.aborted = decide, aborted
         self.next_epoch = 1
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"trial-{run_id}", daemon=True)
@@ -50,16 +59,30 @@ class TrialWatch:
         if not self.store.exists(report):
             return False
         value = float(self.store.read_json(report)["value"])
-        try:
-            prune = bool(self.decide(epoch, value))
-        except Exception as e:
-            log.warning("tuning: could not report epoch %d to the trial (%s); going on", epoch, e)
-            prune = False
+        prune = False
+        if not self.aborted():
+            try:
+                prune = bool(self.decide(epoch, value))
+            except Exception as e:
+                log.warning("tuning: could not report epoch %d to the trial (%s)", epoch, e)
+        if self.aborted():
+            self.store.write_json(answer, {"prune": True, "abort": True})
+            return False  # no next epoch: the same answer for a report of this epoch again
         self.store.write_json(answer, {"prune": prune})
         self.next_epoch += 1
         return True
 
+    def _remove_aborts(self) -> None:
+        """Remove the "abort" answers an interrupted fit of this trial left."""
+        if not self.store.exists(self.run.trial):
+            return
+        for path in self.store.fs.find(self.run.trial):
+            if posixpath.basename(path).startswith("answer-"):
+                if self.store.read_json(path).get("abort"):
+                    self.store.remove(path)
+
     def __enter__(self) -> TrialWatch:
+        self._remove_aborts()
         self.thread.start()
         return self
 

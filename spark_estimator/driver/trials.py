@@ -44,6 +44,7 @@ class TrialPlan:
     procs: int  # the task slots its fit takes
     resumed: bool = False  # a running trial of an earlier fit, taken up again
     reported: list[tuple[int, float]] = field(default_factory=list)  # (epoch, value)
+    reported_before: set[int] = field(default_factory=set)  # a resumed trial's epochs
     pruned_at: int | None = None
 
     @property

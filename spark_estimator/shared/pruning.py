@@ -11,7 +11,10 @@ Lightning Trainer the callback broadcasts the answer itself and sets ``trainer.s
 
 An epoch answered before (a launch started again from an earlier checkpoint, a trial
 resumed by a later fit) is not asked again: its answer stands. An answer that does not come
-within ``ANSWER_TIMEOUT_S`` (the driver is gone) counts as "go on".
+within ``ANSWER_TIMEOUT_S`` (the driver is gone) counts as "go on". The tuner answers
+"abort" to the ranks of a trial it left running (its search interrupted: their job is
+cancelled, but a rank may outlive it for a moment): rank 0 raises ``TrialAborted`` before
+the epoch's checkpoint, so the run stays as the trial was left.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ def poll_s(store: Store) -> float:
     return POLL_S.get(store.protocol, REMOTE_POLL_S)
 
 
+class TrialAborted(RuntimeError):
+    """The tuner ended the trial (its search was interrupted): raised on rank 0."""
+
+
 def ask_tuner(store: Store, run_id: str, epoch: int, value: float) -> bool:
     """Report ``value`` of ``epoch`` to the tuner and wait for its answer: whether the
     trial is pruned (stops at this epoch's end). Called on rank 0."""
@@ -53,7 +60,10 @@ def ask_tuner(store: Store, run_id: str, epoch: int, value: float) -> bool:
             )
             return False
         time.sleep(every)
-    return bool(store.read_json(answer)["prune"])
+    answered = store.read_json(answer)
+    if answered.get("abort"):
+        raise TrialAborted(f"run {run_id}: the tuner ended this trial after epoch {epoch}")
+    return bool(answered["prune"])
 
 
 class TrialPruning(Callback):

@@ -3,6 +3,8 @@ rank 0's side (``shared.pruning``) called from this process."""
 
 from __future__ import annotations
 
+import pytest
+
 from spark_estimator.driver.trial_watch import TrialWatch
 from spark_estimator.shared import pruning
 
@@ -28,3 +30,16 @@ def test_a_decision_that_fails_answers_go_on(store):
     with TrialWatch(store, "r", broken):
         assert pruning.ask_tuner(store, "r", 1, 1.0) is False
     assert store.read_json(store.run("r").trial_answer(1)) == {"prune": False}
+
+
+def test_an_interrupted_search_answers_abort_and_a_later_fit_of_the_trial_is_asked_again(store):
+    interrupted = []
+    with TrialWatch(store, "r", lambda epoch, value: False, aborted=lambda: bool(interrupted)):
+        assert pruning.ask_tuner(store, "r", 1, 1.0) is False
+        interrupted.append(True)
+        with pytest.raises(pruning.TrialAborted, match="ended this trial after epoch 2"):
+            pruning.ask_tuner(store, "r", 2, 0.9)
+    asked = []
+    with TrialWatch(store, "r", lambda epoch, value: asked.append(epoch) or False):
+        assert pruning.ask_tuner(store, "r", 2, 0.8) is False  # the abort is gone
+    assert asked == [2]
