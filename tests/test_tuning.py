@@ -344,3 +344,41 @@ def test_an_evaluator_judges_the_validation_rows_and_the_search_saves_and_loads(
     assert loaded.getSpace()(optuna.trial.FixedTrial({"lr": 0.01})) == {"learning_rate": 0.01}
     assert loaded.getEvaluator().getMetricName() == "r2"
     assert isinstance(loaded.getPruner(), optuna.pruners.NopPruner)
+
+
+def test_a_study_in_a_storage_url_goes_on_in_a_later_search_which_times_out_at_once(
+    regression_df, store, tmp_path, monkeypatch, capsys
+):
+    """A sampler and a storage URL given, the lines printed where no logging is configured;
+    a later search of the same study whose timeout has passed asks for no trial and returns
+    the earlier best trial's model, saved in its run."""
+    from spark_estimator.driver import study as study_module
+
+    monkeypatch.setattr(study_module, "logging_configured", lambda log: False)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    est = make_estimator(store=store, validation=0.25, epochs=2)
+    first = OptunaSearch(
+        estimator=est,
+        space=lr_space,
+        n_trials=2,
+        storage=url,
+        study_name="urls",
+        sampler=optuna.samplers.RandomSampler(seed=3),
+        pruner=optuna.pruners.NopPruner(),
+    ).fit(regression_df)
+
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trial ")]
+    assert sorted(line.split(" complete, 2/2 epochs: validation.loss ")[0] for line in lines) == [
+        "trial 0",
+        "trial 1",
+    ]
+    same = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=3))
+    drawn = [lr_space(same.ask())["learning_rate"] for _ in range(2)]
+    assert [t.params["lr"] for t in first.trials] == drawn
+
+    later = OptunaSearch(
+        estimator=est, space=lr_space, timeout=1e-6, storage=url, study_name="urls"
+    ).fit(regression_df)
+    assert len(optuna.load_study(study_name="urls", storage=url).trials) == 2
+    assert later.bestTrial.number == first.bestTrial.number
+    assert weights(later.bestModel) == weights(first.bestModel)
