@@ -29,10 +29,18 @@ setup(
         # mlflow models serve and a local tracking store too: mlflow-skinny cannot serve
         "serving": ["mlflow>=3"],
         "lightning": ["lightning>=2.0"],
+        "tune": ["optuna>=4.0"],  # spark_estimator.tuning (OptunaSearch)
         # spark_estimator.decoding (decode_image; decode_images' JPEGs: simplejpeg), examples
         "vision": ["Pillow>=9.2", "simplejpeg>=1.8"],
         "text": ["tokenizers>=0.13.3", "transformers>=4.40"],  # the text and GPT-2 examples
-        "notebooks": ["jupyterlab", "ipywidgets", "matplotlib", "scikit-learn", "lightning>=2.0"],
+        "notebooks": [
+            "jupyterlab",
+            "ipywidgets",
+            "matplotlib",
+            "scikit-learn",
+            "lightning>=2.0",
+            "optuna>=4.0",
+        ],
         "examples": ["scikit-learn"],
         "test": [
             "pytest>=8",
@@ -45,6 +53,7 @@ setup(
             "moto[server]",
             "mlflow>=3",  # serving (mlflow models serve) and the sqlite store's registry
             "lightning>=2.0",
+            "optuna>=4.0",
             "tensorboard",
             "nbclient",
             "nbformat",

@@ -4,6 +4,7 @@
     from spark_estimator import LightningEstimator                  # LightningModules
     from spark_estimator import run, distributed                   # hand-written loops
     from spark_estimator import TrainingError                      # a rank's own error
+    from spark_estimator.tuning import OptunaSearch                # Optuna studies of fits
 
 Driver-side code lives in ``spark_estimator.driver`` (and the stage classes at the top
 level); code that runs inside Spark tasks lives in ``spark_estimator.worker``.

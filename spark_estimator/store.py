@@ -28,6 +28,12 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
                                                              stop so the job can grow
     runs/<run_id>/rendezvous/<launch>/<stage>.json           rank 0's TCPStore host and port
                                                              while the job's group forms
+    runs/<run_id>/trial/epoch-0001.json                      a tuning trial: rank 0's value of
+                                                             the epoch, for the tuner
+    runs/<run_id>/trial/answer-0001.json                     the tuner's answer: prune or go on
+    runs/<run_id>/model/                                     a tuning trial's fitted model, saved
+                                                             when it was the study's best
+    studies/<study>.journal                                  an Optuna study's journal (tuning)
 
 A Store is used on the driver and, pickled with its ``storage_options``, on every executor.
 Every file is written to a hidden temporary name (``.tmp-<id>-<name>``) and moved into
@@ -138,6 +144,16 @@ class RunFolder:
         "elastic/grow.json", "a fit, an hvd.elastic run: the ranks stop so the job can grow"
     )
     rendezvous = _child("rendezvous", "rank 0's TCPStore address while a job's group forms")
+    trial = _child("trial", "a tuning trial: rank 0's epoch values and the tuner's answers")
+    tuned_model = _child("model", "a tuning trial's fitted model, when it was the best")
+
+    def trial_report(self, epoch: int) -> str:
+        """Rank 0's value of ``epoch`` for the tuner (``shared.pruning``)."""
+        return posixpath.join(self.trial, f"epoch-{epoch:04d}.json")
+
+    def trial_answer(self, epoch: int) -> str:
+        """The tuner's answer to ``trial_report(epoch)``: prune the trial or go on."""
+        return posixpath.join(self.trial, f"answer-{epoch:04d}.json")
 
     def meeting(self, launch_id: str, stage: int | str) -> str:
         """Rank 0's TCPStore address for barrier job (Spark stage) ``stage`` of a launch
@@ -205,6 +221,10 @@ def layout() -> list[str]:
         run.commit,
         run.grow,
         run.meeting("<launch>", "<stage>"),
+        run.trial_report(1),
+        run.trial_answer(1),
+        run.tuned_model + "/",
+        store.study_journal("<study>"),
     ]
     return [p.removeprefix("/") for p in paths]
 
@@ -329,6 +349,11 @@ class Store:
 
     def run(self, run_id: str) -> RunFolder:
         return RunFolder(posixpath.join(self.runs, run_id))
+
+    def study_journal(self, study_name: str) -> str:
+        """The journal file of an Optuna study kept in the store (``storage="store"`` of
+        ``OptunaSearch``): ``studies/<study>.journal``."""
+        return self.join("studies", f"{study_name}.journal")
 
     def checkpoint_epochs(self, run_id: str) -> list[int]:
         """Epochs of ``run_id`` with a checkpoint, ascending."""

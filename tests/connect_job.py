@@ -1,5 +1,5 @@
-"""A fit, transform, run(fn), an MLflow Model and the driver's errors on a real local Spark
-Connect session.
+"""A fit, transform, run(fn), an MLflow Model, a tuning study and the driver's errors on a
+real local Spark Connect session.
 
 Run by tests/test_connect.py in its own process: a local Connect server cannot start while
 a classic SparkContext runs in the process, and once started it switches every later
@@ -102,6 +102,27 @@ def mlflow_model(model, df, scratch: Path) -> dict:
     }
 
 
+def tuning(store: Store, df) -> dict:
+    """An Optuna study of 3 one-process fits, 2 at once on the server's 2 slots."""
+    from spark_estimator.tuning import OptunaSearch
+
+    est = make_estimator(store=store, epochs=2, num_proc=1, validation=0.25)
+    search = OptunaSearch(
+        estimator=est,
+        space=lambda t: {"learning_rate": t.suggest_float("lr", 1e-3, 0.3, log=True)},
+        n_trials=3,
+        parallelism=2,
+        seed=0,
+    )
+    model = search.fit(df)
+    spans = [(t.datetime_start, t.datetime_complete) for t in model.trials]
+    return {
+        "states": [t.state.name for t in model.trials],
+        "at_once": max(sum(s <= start < e for s, e in spans) for start, _ in spans),
+        "transformed": model.transform(df).count(),
+    }
+
+
 def main(scratch: Path) -> dict:
     spark = SparkSession.builder.remote("local[2]").getOrCreate()
     out: dict = {"is_connect": is_connect(spark), "slots": available_slots(spark)}
@@ -138,6 +159,7 @@ def main(scratch: Path) -> dict:
         for a, b in zip(module.state_dict().values(), loaded.getModel().state_dict().values())
     )
     out["run"] = run(rank_sum, args=(0.5,), num_proc=2, use_gpu=False)
+    out["tuning"] = tuning(store, df)
     out["fingerprints"] = fingerprints(spark, scratch)
     return out
 

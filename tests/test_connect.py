@@ -1,6 +1,6 @@
-"""fit, transform, fit_on_parquet, save/load, an MLflow Model and run(fn) on a real local
-Spark Connect session, in a subprocess (tests/connect_job.py): a local Connect server cannot
-share a process with the classic local[4] session of the other tests."""
+"""fit, transform, fit_on_parquet, save/load, an MLflow Model, run(fn) and OptunaSearch on a
+real local Spark Connect session, in a subprocess (tests/connect_job.py): a local Connect
+server cannot share a process with the classic local[4] session of the other tests."""
 
 from __future__ import annotations
 
@@ -82,3 +82,8 @@ def test_dataset_keys(result):
     assert keys["files_listed"] >= 1 and keys["files_other_session"]
     assert keys["rewritten_files_differ"]
     assert keys["view_is_session_scoped"]
+
+
+def test_an_optuna_search_runs_its_trials_two_at_once_as_fits_do(result):
+    pytest.importorskip("optuna")
+    assert result["tuning"] == {"states": ["COMPLETE"] * 3, "at_once": 2, "transformed": 200}

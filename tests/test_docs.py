@@ -41,21 +41,25 @@ def test_constructors_module_is_up_to_date_with_the_specs():
     )
 
 
-@pytest.mark.parametrize("stage", ["TorchEstimator", "LightningEstimator", "TorchModel"])
+@pytest.mark.parametrize(
+    "stage", ["TorchEstimator", "LightningEstimator", "TorchModel", "tuning.OptunaSearch"]
+)
 def test_each_constructor_takes_every_param_with_its_default_and_documents_it(stage):
     """The specs are the one source of the constructors: a keyword per param (and Spark's
     snake_case spellings), its default the param's, typed, in the Parameters section."""
+    import importlib
     import inspect
 
-    import spark_estimator
     from spark_estimator.driver.param_specs import SPARK_ALIASES
 
-    cls = getattr(spark_estimator, stage)
+    module, _, name = f"spark_estimator.{stage}".rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
     instance = cls()
     signature = inspect.signature(cls.__init__)
     keywords = {n: p for n, p in signature.parameters.items() if n != "self"}
     extras = {s.name for s in getattr(cls, "KEYWORDS", ())}
-    assert set(keywords) == {p.name for p in instance.params} | set(SPARK_ALIASES) | extras
+    aliases = set(SPARK_ALIASES) if instance.hasParam("probabilityCol") else set()
+    assert set(keywords) == {p.name for p in instance.params} | aliases | extras
     doc = inspect.getdoc(cls.__init__)
     for param in instance.params:
         keyword = keywords[param.name]
@@ -69,10 +73,11 @@ def test_each_constructor_takes_every_param_with_its_default_and_documents_it(st
 def test_every_param_has_its_accessors_written_out():
     from spark_estimator import LightningEstimator, TorchEstimator, TorchModel
     from spark_estimator.driver import param_accessors
+    from spark_estimator.tuning import OptunaSearch
 
     source = (ROOT / "spark_estimator/driver/param_accessors.py").read_text()
     camel = load_generator()._camel
-    for stage in (TorchEstimator(), LightningEstimator(), TorchModel()):
+    for stage in (TorchEstimator(), LightningEstimator(), TorchModel(), OptunaSearch()):
         for param in stage.params:
             if param.name in ("probabilityCol", "rawPredictionCol"):  # pyspark's and ours
                 continue
@@ -83,14 +88,17 @@ def test_every_param_has_its_accessors_written_out():
 
 def test_parameters_md_lists_every_param_with_its_default():
     from spark_estimator import LightningEstimator, TorchEstimator, TorchModel
+    from spark_estimator.tuning import OptunaSearch
 
     text = load_generator().render()
     estimator_part, rest = text.split("\n## LightningEstimator\n")
-    lightning_part, model_part = rest.split("\n## TorchModel\n")
+    lightning_part, rest = rest.split("\n## TorchModel\n")
+    model_part, search_part = rest.split("\n## OptunaSearch\n")
     for stage, part in (
         (TorchEstimator(), estimator_part),
         (LightningEstimator(), lightning_part),
         (TorchModel(), model_part),
+        (OptunaSearch(), search_part),
     ):
         rows = dict(re.findall(r"^\| `(\w+)` \| (.*?) \|", part, re.M))
         assert set(rows) == {p.name for p in stage.params}
@@ -112,6 +120,7 @@ def test_parameters_md_lists_every_param_with_its_default():
         "docs/serving.md",
         "docs/security.md",
         "docs/observability.md",
+        "docs/tuning.md",
         "README.md",
     ],
 )
@@ -311,6 +320,11 @@ PUBLIC_DOCS = {
     "spark_estimator.horovod:elastic.TorchState": (P, E),
     "spark_estimator.horovod:run": (P, R, X, E),
     "spark_estimator.horovod:add_process_set": (P, R, X, E),
+    "spark_estimator.tuning:OptunaSearch": (E,),
+    "spark_estimator.tuning:OptunaSearch.__init__": (P,),
+    "spark_estimator.tuning:OptunaSearch.fit": (P, R, X, E),
+    "spark_estimator.tuning:OptunaSearchModel": (E,),
+    "spark_estimator.tuning:OptunaSearchModel.trials_dataframe": (R, E),
 }
 
 

@@ -96,6 +96,20 @@ def test_lightning_digits_job(tmp_path):
     assert len(list((tmp_path / "store" / "models").glob("*/objects.pkl"))) == 1
 
 
+def test_tuning_digits_job(tmp_path):
+    pytest.importorskip("optuna")
+    out = run_example(
+        "tuning_digits.py", "--store", str(tmp_path / "store"), "--trials", "4", "--epochs", "3"
+    )
+    rows = re.findall(r"^\s+(\d)\s+(complete|pruned|fail)\s+(\d)\s", out, re.M)
+    assert [int(n) for n, _, _ in rows] == [0, 1, 2, 3], out
+    assert all(state != "pruned" or int(epochs) < 3 for _, state, epochs in rows), out
+    trained = int(re.search(r"(\d+) epochs trained in 4 trials; without pruning: 12", out).group(1))
+    assert trained == sum(int(epochs) for _, _, epochs in rows)
+    accuracy = float(re.search(r"held-out accuracy of the best model: ([0-9.]+)", out).group(1))
+    assert accuracy >= 0.85, out  # 0.91 when measured
+
+
 def test_horovod_style_job():
     out = run_example("horovod_style_digits.py")
     epochs = re.findall(r"^\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)$", out, re.M)

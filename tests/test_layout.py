@@ -34,9 +34,20 @@ LAYERS = [
     {"worker", "horovod", "distributed"},
     # the driver process's machinery
     {"driver"},
-    # the public fronts that drive a fit, a transform or a run (or log and serve a fitted
-    # model: mlflow, pyfunc), and the package's lazy names (spark_estimator.TorchEstimator, ...)
-    {"estimator", "lightning_estimator", "model", "runner", "launcher", "mlflow", "pyfunc", ""},
+    # the public fronts that drive a fit, a transform, a run or a tuning study (or log and
+    # serve a fitted model: mlflow, pyfunc), and the package's lazy names
+    # (spark_estimator.TorchEstimator, ...)
+    {
+        "estimator",
+        "lightning_estimator",
+        "model",
+        "runner",
+        "launcher",
+        "mlflow",
+        "pyfunc",
+        "tuning",
+        "",
+    },
 ]
 # the imports from a lower layer to a higher one there are, each with its reason
 UPWARD = {

@@ -70,6 +70,8 @@ def test_quickstart_notebook(jupyter_path, tmp_path, monkeypatch):
     assert [int(epoch) for epoch, _ in lightning][:3] == [1, 2, 3], text
     accuracy = float(re.search(r"lightning held-out accuracy: ([0-9.]+)", text).group(1))
     assert accuracy >= 0.85, text
+    tuned = re.search(r"^tuning: best trial (\d), \{'width': (\d+), 'lr': [0-9.e-]+\}", text, re.M)
+    assert tuned and int(tuned.group(2)) in (8, 16, 32), text
 
 
 def test_tabular_regression_notebook(jupyter_path, tmp_path, monkeypatch):

@@ -19,6 +19,10 @@ On Spark Connect the JVM's plan is not reachable from Python; ``connect_fingerpr
 the fingerprint from the client's plan message, the server's analyzed plan text and the
 input files instead, with the same rules (valid across sessions only where the plan
 describes its rows).
+
+Fits of one driver that need a dataset of the same key at once (the trials of a tuning
+study, a CrossValidator's threads) make it one at a time (``one_writer``): the first
+writes it, the others then find it in the store.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 
 from pyspark.sql import DataFrame
@@ -35,6 +42,19 @@ from .launch import is_connect
 
 _CONTENT_LEAVES = {"LocalRelation", "Range", "OneRowRelation"}
 _FILE_LEAVES = {"HiveTableRelation"}
+_WRITERS: dict[tuple[str, str], threading.Lock] = {}  # (store url, key) -> its writer's lock
+_WRITERS_LOCK = threading.Lock()
+
+
+@contextmanager
+def one_writer(store_url: str, key: str) -> Iterator[None]:
+    """Hold the block while no other thread of this process holds it for the same dataset
+    key of the same store: fits started at once find or write the dataset one after the
+    other, so it is written once."""
+    with _WRITERS_LOCK:
+        lock = _WRITERS.setdefault((store_url, key), threading.Lock())
+    with lock:
+        yield
 
 
 def _leaves(plan) -> list:

@@ -40,7 +40,7 @@ from ..shared.row_split import RowSplit
 from ..shared.spec import ColumnSpec, DatasetInfo, InPlace, row_names_column
 from ..store import Store, spark_url
 from ..worker.data.table_stats import COUNTED_SCHEMA, TableCounts, count_row_groups
-from .cache_key import FILE_STATUS, cache_key, source_fingerprint
+from .cache_key import FILE_STATUS, cache_key, one_writer, source_fingerprint
 from .data_checks import check_dataset, checked_columns, counted_columns
 from .data_checks import label_ranges as counted_label_ranges
 from .launch import is_connect
@@ -192,7 +192,15 @@ def _needs_a_pass(specs: list[tuple[str, ColumnSpec]], schema: pa.Schema) -> boo
     return False
 
 
-def in_place_dataset(
+def in_place_dataset(df: DataFrame, scan: ParquetScan, store: Store, *args, **kwargs):
+    """``checked_in_place`` of the table, which fits of this driver that read it at once
+    (the trials of a tuning study) check one after the other: the first checks it, the
+    others find its ``tables/<key>.json`` (``cache_key.one_writer``)."""
+    with one_writer(store.url, scan.root):
+        return checked_in_place(df, scan, store, *args, **kwargs)
+
+
+def checked_in_place(
     df: DataFrame,
     scan: ParquetScan,
     store: Store,

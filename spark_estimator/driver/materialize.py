@@ -25,7 +25,8 @@ Each write goes to its own folder, ``datasets/<key>/<write-id>``, which no other
 writes or removes. ``datasets/<key>/_meta.json`` (row counts and row-group sizes per file,
 row lengths, and what the key was computed from) is written last, atomically, and names the
 complete write; a dataset whose ``_meta.json`` exists is complete and is reused by any later
-fit, in any session, with the same key (see ``cache_key``). Two fits writing the same key
+fit, in any session, with the same key (see ``cache_key``). Fits of one driver that need
+the same key at once write it once (``one_writer``); two drivers writing the same key
 at once both end with a complete dataset: the one that finds ``_meta.json`` already there
 drops its own write and uses the published one; if both publish, the last ``_meta.json``
 wins and the other write stays, unnamed but intact, for the fit that is reading it.
@@ -48,7 +49,7 @@ from ..shared.column_stats import check_observed, merge_stats
 from ..shared.spec import SPLITS, ColumnSpec, DatasetInfo, row_names_column
 from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
-from .cache_key import cache_key, source_fingerprint
+from .cache_key import cache_key, one_writer, source_fingerprint
 from .data_checks import (
     check_dataset,
     checked_columns,
@@ -121,6 +122,40 @@ def materialize(
     key = cache_key(
         source, features + labels, validation, seed, asdict(options), sample_weight, row_names
     )
+    with one_writer(store.url, key):
+        return _find_or_write(
+            df,
+            store,
+            key,
+            source,
+            row_names,
+            features,
+            labels,
+            validation,
+            seed,
+            options,
+            sample_weight,
+            input_shapes,
+            check,
+        )
+
+
+def _find_or_write(
+    df: DataFrame,
+    store: Store,
+    key: str,
+    source: dict,
+    row_names: str | None,
+    features: list[ColumnSpec],
+    labels: list[ColumnSpec],
+    validation,
+    seed: int,
+    options: WriteOptions,
+    sample_weight: ColumnSpec | None,
+    input_shapes: list[list[int]] | None,
+    check: Callable[[DatasetInfo], None] | None,
+) -> DatasetInfo:
+    """``materialize`` for the dataset of ``key``: the one in the store, or written."""
     dataset = store.dataset(key)
     if store.exists(dataset.meta):
         data = DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)

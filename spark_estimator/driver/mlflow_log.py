@@ -13,6 +13,10 @@ What is logged, into the active MLflow run, or else into a new run named by the 
   and ``TorchModel.load(<downloaded folder>)`` both read.
 
 An MLflow failure is a warning, never a failed fit (see ``log_fit``).
+
+A tuning study (``OptunaSearch`` with ``mlflow_logging``) has a run of its own, and each of
+its trials a run nested under it, active in the trial's thread, into which the trial's fit
+logs as above (``study_run``, ``trial_run``).
 """
 
 from __future__ import annotations
@@ -105,3 +109,73 @@ def _log_fit(estimator: Params, model, store, data) -> str:
             example = mlflow_model.example_rows(store, data, model.getFeatureCols())
         mlflow_model.log_model(model, "model", input_example=example)
         return current.info.run_id
+
+
+# -- tuning: a study's run and its trials' nested runs ---------------------------------------
+# MLflow's active run is per thread: a study's trials fit in threads of their own, each in a
+# run of its own nested under the study's, so each trial's fit logs into its own run.
+
+
+@contextlib.contextmanager
+def study_run(study_name: str):
+    """The MLflow run a study's trials nest under, while the block runs: the active run of
+    this thread, or a new one named by the study (ended after the block). Yields its id;
+    None where MLflow failed (a warning: the search goes on without it)."""
+    try:
+        import mlflow
+
+        active = mlflow.active_run()
+        run = None if active else mlflow.start_run(run_name=study_name)
+        run_id = (active or run).info.run_id
+    except Exception as e:
+        log.warning(
+            "mlflow_logging: MLflow could not start the study's run (%s: %s)", type(e).__name__, e
+        )
+        yield None
+        return
+    try:
+        yield run_id
+    finally:
+        if run is not None:
+            mlflow.end_run()
+
+
+@contextlib.contextmanager
+def trial_run(parent_run_id: str | None, trial_number: int, params: dict):
+    """A run of its own for one trial, nested under ``parent_run_id``, active in this
+    thread while the block runs (the trial's fit logs into it, ``log_fit``): tagged with the
+    trial's number, its suggested params logged as ``trial.<name>``. Yields a function
+    ``end(state, value)`` that records how the trial ended ("complete", "pruned" or
+    "fail": the run then ends FAILED). Without a parent (MLflow failed) nothing is logged."""
+    if parent_run_id is None:
+        yield lambda state, value: None
+        return
+    import mlflow
+
+    ended = {"state": "fail"}
+
+    def end(state: str, value: float | None) -> None:
+        ended["state"] = state
+        try:
+            mlflow.set_tag("optuna.trial_state", state)
+            if value is not None:
+                mlflow.log_metric("trial_value", value)
+        except Exception as e:
+            log.warning("mlflow_logging: could not log trial %d's end (%s)", trial_number, e)
+
+    try:
+        mlflow.start_run(
+            run_name=f"trial-{trial_number}",
+            nested=True,
+            parent_run_id=parent_run_id,
+            tags={"optuna.trial_number": str(trial_number)},
+        )
+        mlflow.log_params({f"trial.{k}": str(v)[:_MAX_PARAM_CHARS] for k, v in params.items()})
+    except Exception as e:
+        log.warning("mlflow_logging: could not start trial %d's run (%s)", trial_number, e)
+        yield lambda state, value: None
+        return
+    try:
+        yield end
+    finally:
+        mlflow.end_run("FAILED" if ended["state"] == "fail" else "FINISHED")

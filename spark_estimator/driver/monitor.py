@@ -62,10 +62,10 @@ def show_line(rank: int, line: str, printed: bool) -> None:
 
 def print_lines_by_default() -> bool:
     """Whether ranks' lines are also printed: no logging is configured for them."""
-    return not _logging_configured(logger)
+    return not logging_configured(logger)
 
 
-def _logging_configured(log: logging.Logger) -> bool:
+def logging_configured(log: logging.Logger) -> bool:
     """Whether a handler (other than a NullHandler) would see ``log``'s records."""
     while log is not None:
         if any(not isinstance(h, logging.NullHandler) for h in log.handlers):

@@ -1259,3 +1259,219 @@ class ModelParamsAccessors(Params):
         resources, where a task gets a share of a GPU or none
         """
         return self._set(stage_level_scheduling=value)
+
+
+class SearchParamsAccessors(Params):
+    estimator: Param[Any]
+    space: Param[Any]
+    metric: Param[str]
+    direction: Param[str]
+    evaluator: Param[Any]
+    n_trials: Param[int | None]
+    timeout: Param[float | None]
+    parallelism: Param[int]
+    study: Param[Any]
+    study_name: Param[str | None]
+    sampler: Param[Any]
+    pruner: Param[Any]
+    storage: Param[Any]
+    seed: Param[int | None]
+    verbose: Param[bool]
+
+    def getEstimator(self) -> Any:
+        """Gets the value of `estimator`: the TorchEstimator or LightningEstimator to tune:
+        every trial fits a copy of it with the trial's params
+        """
+        return self.getOrDefault(self.estimator)
+
+    def setEstimator(self: _P, value: Any) -> _P:
+        """Sets the value of `estimator`: the TorchEstimator or LightningEstimator to tune:
+        every trial fits a copy of it with the trial's params
+        """
+        return self._set(estimator=value)
+
+    def getSpace(self) -> Any:
+        """Gets the value of `space`: the search space: a function optuna.Trial -> dict of the
+        estimator's params (names or Params) and their values for that trial, e.g.
+        {'learning_rate': trial.suggest_float('lr', 1e-4, 1e-1, log=True)}; model and
+        optimizer may be functions that use the trial's suggestions (a width), and a
+        LightningEstimator's model a module built from them
+        """
+        return self.getOrDefault(self.space)
+
+    def setSpace(self: _P, value: Any) -> _P:
+        """Sets the value of `space`: the search space: a function optuna.Trial -> dict of the
+        estimator's params (names or Params) and their values for that trial, e.g.
+        {'learning_rate': trial.suggest_float('lr', 1e-4, 1e-1, log=True)}; model and
+        optimizer may be functions that use the trial's suggestions (a width), and a
+        LightningEstimator's model a module built from them
+        """
+        return self._set(space=value)
+
+    def getMetric(self) -> str:
+        """Gets the value of `metric`: the history value reported to the trial after each epoch,
+        which the pruner judges, and the trial's value without an evaluator:
+        'validation.loss', 'train.<metric>'... (a TorchEstimator's history keys) or, for a
+        LightningEstimator, a name the module logs ('val_loss')
+        """
+        return self.getOrDefault(self.metric)
+
+    def setMetric(self: _P, value: str) -> _P:
+        """Sets the value of `metric`: the history value reported to the trial after each epoch,
+        which the pruner judges, and the trial's value without an evaluator:
+        'validation.loss', 'train.<metric>'... (a TorchEstimator's history keys) or, for a
+        LightningEstimator, a name the module logs ('val_loss')
+        """
+        return self._set(metric=value)
+
+    def getDirection(self) -> str:
+        """Gets the value of `direction`: whether metric is better when smaller, 'minimize', or
+        larger, 'maximize'; the study's direction unless an evaluator says otherwise
+        """
+        return self.getOrDefault(self.direction)
+
+    def setDirection(self: _P, value: str) -> _P:
+        """Sets the value of `direction`: whether metric is better when smaller, 'minimize', or
+        larger, 'maximize'; the study's direction unless an evaluator says otherwise
+        """
+        return self._set(direction=value)
+
+    def getEvaluator(self) -> Any:
+        """Gets the value of `evaluator`: a Spark ML Evaluator whose value on the fitted model's
+        transform of the validation rows (the estimator's validation column) is a complete
+        trial's value; the study then maximizes where evaluator.isLargerBetter(). Default:
+        none (metric's last value)
+        """
+        return self.getOrDefault(self.evaluator)
+
+    def setEvaluator(self: _P, value: Any) -> _P:
+        """Sets the value of `evaluator`: a Spark ML Evaluator whose value on the fitted model's
+        transform of the validation rows (the estimator's validation column) is a complete
+        trial's value; the study then maximizes where evaluator.isLargerBetter(). Default:
+        none (metric's last value)
+        """
+        return self._set(evaluator=value)
+
+    def getNTrials(self) -> int | None:
+        """Gets the value of `n_trials`: how many trials the study holds when the search ends,
+        those of an earlier fit of the same study included (each trial one fit)
+        """
+        return self.getOrDefault(self.n_trials)
+
+    def setNTrials(self: _P, value: int | None) -> _P:
+        """Sets the value of `n_trials`: how many trials the study holds when the search ends,
+        those of an earlier fit of the same study included (each trial one fit)
+        """
+        return self._set(n_trials=value)
+
+    def getTimeout(self) -> float | None:
+        """Gets the value of `timeout`: seconds after which no new trial starts (the running
+        ones finish)
+        """
+        return self.getOrDefault(self.timeout)
+
+    def setTimeout(self: _P, value: float | None) -> _P:
+        """Sets the value of `timeout`: seconds after which no new trial starts (the running
+        ones finish)
+        """
+        return self._set(timeout=value)
+
+    def getParallelism(self) -> int:
+        """Gets the value of `parallelism`: how many trials run at once where the cluster has
+        the task slots for them (each trial's num_proc); the others wait in the tuner
+        """
+        return self.getOrDefault(self.parallelism)
+
+    def setParallelism(self: _P, value: int) -> _P:
+        """Sets the value of `parallelism`: how many trials run at once where the cluster has
+        the task slots for them (each trial's num_proc); the others wait in the tuner
+        """
+        return self._set(parallelism=value)
+
+    def getStudy(self) -> Any:
+        """Gets the value of `study`: an optuna.Study to add the trials to (its sampler, pruner,
+        storage and direction); default: one made from study_name, sampler, pruner and
+        storage
+        """
+        return self.getOrDefault(self.study)
+
+    def setStudy(self: _P, value: Any) -> _P:
+        """Sets the value of `study`: an optuna.Study to add the trials to (its sampler, pruner,
+        storage and direction); default: one made from study_name, sampler, pruner and
+        storage
+        """
+        return self._set(study=value)
+
+    def getStudyName(self) -> str | None:
+        """Gets the value of `study_name`: the study's name: a fit finds the study of that name
+        in storage and goes on with it. Default: a new name
+        """
+        return self.getOrDefault(self.study_name)
+
+    def setStudyName(self: _P, value: str | None) -> _P:
+        """Sets the value of `study_name`: the study's name: a fit finds the study of that name
+        in storage and goes on with it. Default: a new name
+        """
+        return self._set(study_name=value)
+
+    def getSampler(self) -> Any:
+        """Gets the value of `sampler`: the Optuna sampler; default: TPESampler(seed=seed)"""
+        return self.getOrDefault(self.sampler)
+
+    def setSampler(self: _P, value: Any) -> _P:
+        """Sets the value of `sampler`: the Optuna sampler; default: TPESampler(seed=seed)"""
+        return self._set(sampler=value)
+
+    def getPruner(self) -> Any:
+        """Gets the value of `pruner`: the Optuna pruner that stops a trial at an epoch's end;
+        default: MedianPruner(); optuna.pruners.NopPruner() to prune nothing
+        """
+        return self.getOrDefault(self.pruner)
+
+    def setPruner(self: _P, value: Any) -> _P:
+        """Sets the value of `pruner`: the Optuna pruner that stops a trial at an epoch's end;
+        default: MedianPruner(); optuna.pruners.NopPruner() to prune nothing
+        """
+        return self._set(pruner=value)
+
+    def getStorage(self) -> Any:
+        """Gets the value of `storage`: where the study is kept: None (in memory), 'store' (a
+        journal file in the estimator's store, a local or shared filesystem:
+        studies/<study_name>.journal), an Optuna storage URL ('sqlite:///study.db',
+        'postgresql://...') or storage
+        """
+        return self.getOrDefault(self.storage)
+
+    def setStorage(self: _P, value: Any) -> _P:
+        """Sets the value of `storage`: where the study is kept: None (in memory), 'store' (a
+        journal file in the estimator's store, a local or shared filesystem:
+        studies/<study_name>.journal), an Optuna storage URL ('sqlite:///study.db',
+        'postgresql://...') or storage
+        """
+        return self._set(storage=value)
+
+    def getSeed(self) -> int | None:
+        """Gets the value of `seed`: the default sampler's seed: with parallelism=1 the same
+        trials again
+        """
+        return self.getOrDefault(self.seed)
+
+    def setSeed(self: _P, value: int | None) -> _P:
+        """Sets the value of `seed`: the default sampler's seed: with parallelism=1 the same
+        trials again
+        """
+        return self._set(seed=value)
+
+    def getVerbose(self) -> bool:
+        """Gets the value of `verbose`: print one line per finished trial (its number, params,
+        epochs, value and state) where no logging is configured for spark_estimator.tuning;
+        the lines are logged there at INFO either way
+        """
+        return self.getOrDefault(self.verbose)
+
+    def setVerbose(self: _P, value: bool) -> _P:
+        """Sets the value of `verbose`: print one line per finished trial (its number, params,
+        epochs, value and state) where no logging is configured for spark_estimator.tuning;
+        the lines are logged there at INFO either way
+        """
+        return self._set(verbose=value)

@@ -1,5 +1,5 @@
-"""Spark ML Params of TorchEstimator, LightningEstimator and TorchModel (driver side): the
-declarations of the params. Over 500 lines by design: it declares some 70 params and
+"""Spark ML Params of TorchEstimator, LightningEstimator, TorchModel and OptunaSearch (driver
+side): the declarations of the params. Over 500 lines by design: it declares some 85 params and
 keywords, each with its doc (the text of ``explainParams()``, docs/parameters.md and the
 constructors' docstrings); the machinery they are declared with is in the
 ``param_specs`` module.
@@ -743,6 +743,123 @@ class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
     )
 
 
+class SearchParams(accessors.SearchParamsAccessors, SpecParams):
+    """The params of OptunaSearch (``spark_estimator.tuning``): the estimator it tunes, the
+    search space, what it optimizes, the trials and the Optuna study they go into."""
+
+    _specs = (
+        ParamSpec(
+            "estimator",
+            "the TorchEstimator or LightningEstimator to tune: every trial fits a copy of it "
+            "with the trial's params",
+            hint="Any",
+        ),
+        ParamSpec(
+            "space",
+            "the search space: a function optuna.Trial -> dict of the estimator's params "
+            "(names or Params) and their values for that trial, e.g. {'learning_rate': "
+            "trial.suggest_float('lr', 1e-4, 1e-1, log=True)}; model and optimizer may be "
+            "functions that use the trial's suggestions (a width), and a LightningEstimator's "
+            "model a module built from them",
+            hint="Callable[[Any], dict]",
+        ),
+        ParamSpec(
+            "metric",
+            "the history value reported to the trial after each epoch, which the pruner "
+            "judges, and the trial's value without an evaluator: 'validation.loss', "
+            "'train.<metric>'... (a TorchEstimator's history keys) or, for a "
+            "LightningEstimator, a name the module logs ('val_loss')",
+            TypeConverters.toString,
+            default="validation.loss",
+        ),
+        ParamSpec(
+            "direction",
+            "whether metric is better when smaller, 'minimize', or larger, 'maximize'; "
+            "the study's direction unless an evaluator says otherwise",
+            TypeConverters.toString,
+            default="minimize",
+        ),
+        ParamSpec(
+            "evaluator",
+            "a Spark ML Evaluator whose value on the fitted model's transform of the "
+            "validation rows (the estimator's validation column) is a complete trial's "
+            "value; the study then maximizes where evaluator.isLargerBetter(). Default: "
+            "none (metric's last value)",
+            default=None,
+            hint="Any",
+        ),
+        ParamSpec(
+            "n_trials",
+            "how many trials the study holds when the search ends, those of an earlier "
+            "fit of the same study included (each trial one fit)",
+            to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "timeout",
+            "seconds after which no new trial starts (the running ones finish)",
+            to_optional_float,
+            default=None,
+        ),
+        ParamSpec(
+            "parallelism",
+            "how many trials run at once where the cluster has the task slots for them "
+            "(each trial's num_proc); the others wait in the tuner",
+            TypeConverters.toInt,
+            default=1,
+        ),
+        ParamSpec(
+            "study",
+            "an optuna.Study to add the trials to (its sampler, pruner, storage and "
+            "direction); default: one made from study_name, sampler, pruner and storage",
+            default=None,
+            hint="Any",
+        ),
+        ParamSpec(
+            "study_name",
+            "the study's name: a fit finds the study of that name in storage and goes on "
+            "with it. Default: a new name",
+            to_optional_str,
+            default=None,
+        ),
+        ParamSpec(
+            "sampler",
+            "the Optuna sampler; default: TPESampler(seed=seed)",
+            default=None,
+            hint="Any",
+        ),
+        ParamSpec(
+            "pruner",
+            "the Optuna pruner that stops a trial at an epoch's end; default: "
+            "MedianPruner(); optuna.pruners.NopPruner() to prune nothing",
+            default=None,
+            hint="Any",
+        ),
+        ParamSpec(
+            "storage",
+            "where the study is kept: None (in memory), 'store' (a journal file in the "
+            "estimator's store, a local or shared filesystem: studies/<study_name>.journal), "
+            "an Optuna storage URL ('sqlite:///study.db', 'postgresql://...') or storage",
+            default=None,
+            hint="str | Any",
+        ),
+        ParamSpec(
+            "seed",
+            "the default sampler's seed: with parallelism=1 the same trials again",
+            to_optional_int,
+            default=None,
+        ),
+        ParamSpec(
+            "verbose",
+            "print one line per finished trial (its number, params, epochs, value and "
+            "state) where no logging is configured for spark_estimator.tuning; the lines are "
+            "logged there at INFO either way",
+            TypeConverters.toBoolean,
+            default=True,
+        ),
+    )
+
+
 # The decoding params a fitted TorchModel takes from its estimator (transform decodes alike)
 DECODE_PARAMS = (
     *DECODE_FUNCTIONS,
@@ -768,6 +885,14 @@ OBJECT_PARAMS = (
     "trainer_args",
     "profiler",
     *DECODE_FUNCTIONS,
+    # OptunaSearch's
+    "estimator",
+    "space",
+    "evaluator",
+    "study",
+    "sampler",
+    "pruner",
+    "storage",
 )
 
 

@@ -29,10 +29,15 @@ Either way the stage is written whole into a hidden sibling folder first and the
 ``path``, and an existing stage is moved aside only once its replacement is complete, so a
 save that fails (an object that cannot be pickled, a full disk) or is killed never leaves a
 half-written stage at ``path`` and never loses the one that was there.
+
+A stage that holds stages (OptunaSearch its estimator and evaluator, OptunaSearchModel its
+best model) writes each into a folder of its name inside its own, as Spark ML's tuners do
+(``NestedStagesReadWrite``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import posixpath
 import time
@@ -220,3 +225,62 @@ class ObjectParamsReadWrite(MLReadable, MLWritable):
     @classmethod
     def read(cls) -> ObjectParamsReader:
         return ObjectParamsReader(cls)
+
+
+class NestedStagesWriter(ObjectParamsWriter):
+    """Also writes the stages a stage holds (``instance._nested()``: name -> stage, None
+    where unset), each into the folder of its name, before the stage's own metadata: ours
+    through fsspec as above, Spark's own (an Evaluator) with their own writer."""
+
+    def _write_stage(self, fs: fsspec.AbstractFileSystem, fs_path: str) -> None:
+        for name, stage in self.instance._nested().items():
+            if stage is None:
+                continue
+            folder = posixpath.join(fs_path, name)
+            writer = stage.write()
+            if isinstance(writer, ObjectParamsWriter):
+                writer.storage_options = self.storage_options
+                writer._write_stage(fs, folder)
+            else:
+                writer.overwrite().save(fs.unstrip_protocol(folder))
+        super()._write_stage(fs, fs_path)
+
+
+class NestedStagesReader(ObjectParamsReader):
+    """Reads what NestedStagesWriter wrote: the stage, then each of its stages (by the
+    class its metadata names), handed to ``instance._restore_nested``."""
+
+    def load(self, path: str) -> Any:
+        instance = super().load(path)
+        fs, fs_path = self._fs(path)
+        stages = {}
+        for name in instance._NESTED:
+            folder = posixpath.join(fs_path, name)
+            if not fs.exists(folder):
+                continue
+            metadata = read_metadata(fs, folder, posixpath.join(path, name))
+            # a JVM stage's class is named as Scala's; pyspark's is the same in pyspark
+            python_class = metadata["class"].replace("org.apache.spark.", "pyspark.", 1)
+            module, _, cls_name = python_class.rpartition(".")
+            cls = getattr(importlib.import_module(module), cls_name)
+            reader = cls.read()
+            if isinstance(reader, ObjectParamsReader):
+                reader.storage_options = self.storage_options
+                stages[name] = reader.load(posixpath.join(path, name))
+            else:
+                stages[name] = reader.load(fs.unstrip_protocol(folder))
+        instance._restore_nested(stages)
+        return instance
+
+
+class NestedStagesReadWrite(MLReadable, MLWritable):
+    """Spark ML's ``write()`` and ``read()`` for a stage that holds stages (``_NESTED``)."""
+
+    _NESTED: tuple[str, ...] = ()
+
+    def write(self) -> NestedStagesWriter:
+        return NestedStagesWriter(self)
+
+    @classmethod
+    def read(cls) -> NestedStagesReader:
+        return NestedStagesReader(cls)

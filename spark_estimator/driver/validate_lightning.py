@@ -76,7 +76,7 @@ def check_monitors(model, callbacks, has_validation: bool) -> None:
     monitored = [cb for cb in callbacks if isinstance(getattr(cb, "monitor", None), str)]
     if not monitored:
         return
-    validation_only = _strings(model, VALIDATION_HOOKS) - _strings(model, TRAINING_HOOKS)
+    validation_only = validation_names(model)
     for cb in monitored:
         if cb.monitor in validation_only:
             raise ValueError(
@@ -85,6 +85,12 @@ def check_monitors(model, callbacks, has_validation: bool) -> None:
                 "validation data; set validation= (a fraction or a column) or monitor a "
                 "value logged in training"
             )
+
+
+def validation_names(model) -> set[str]:
+    """The names ``model`` logs in its validation hooks only, as ``check_monitors`` reads
+    them (string constants of the hooks' code)."""
+    return _strings(model, VALIDATION_HOOKS) - _strings(model, TRAINING_HOOKS)
 
 
 def _strings(model, hooks: tuple[str, ...]) -> set[str]:

@@ -9,7 +9,7 @@ import pytest
 
 from spark_estimator import Store
 from spark_estimator.driver import monitor as monitor_module
-from spark_estimator.driver.monitor import FitMonitor, _logging_configured
+from spark_estimator.driver.monitor import FitMonitor, logging_configured
 from spark_estimator.worker.observe.run_log import RankLog
 
 
@@ -69,12 +69,12 @@ def test_not_verbose_draws_no_bar(store, capsys):
 def test_logging_counts_as_configured_with_a_real_handler_up_the_chain():
     bare = logging.getLogger("spark_estimator_test_bare")
     bare.propagate = False
-    assert not _logging_configured(bare)
+    assert not logging_configured(bare)
     bare.addHandler(logging.NullHandler())
-    assert not _logging_configured(bare)
+    assert not logging_configured(bare)
     child = logging.getLogger("spark_estimator_test_bare.child")
     bare.addHandler(logging.StreamHandler())
-    assert _logging_configured(child)
+    assert logging_configured(child)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +84,7 @@ def test_logging_counts_as_configured_with_a_real_handler_up_the_chain():
 def test_lines_are_printed_when_verbose_and_logging_is_not_configured(
     store, capsys, monkeypatch, verbose, configured, printed
 ):
-    monkeypatch.setattr(monitor_module, "_logging_configured", lambda log: configured)
+    monkeypatch.setattr(monitor_module, "logging_configured", lambda log: configured)
     write_rank(store, 0, ["hello"])
     capsys.readouterr()
     with FitMonitor(store, "r", "L", verbose=verbose):

@@ -1,0 +1,332 @@
+"""Driver: run an Optuna study whose trials are fits (``OptunaSearch.fit``).
+
+The driver owns the loop (Optuna's ask and tell; no ``optimize``): it asks for a trial only
+when one can start, builds its fit (``trials.plan_trial``: the space is called here, on the
+driver thread, in trial order) and starts it in a thread of its own. Admission is decided
+here, from the task slots counted once (``launch.available_slots``, under the estimator's
+task resource profile, so GPUs count as a fit counts them): at most ``parallelism`` trials
+run at once, and a trial starts only when its ``num_proc`` slots are free; the others wait
+in the tuner, never as a barrier job waiting on slots another trial holds.
+
+Each running trial has a ``TrialWatch`` that answers rank 0's epoch reports: the value goes
+to ``trial.report`` and the pruner's ``should_prune`` answers; a pruned fit stops at that
+epoch's end on every rank and the trial is told PRUNED. A fit that raises (its training
+code, NaN losses with ``terminate_on_nan``, a param value its checks refuse) makes a FAIL
+trial with the error in its user attributes, and the study goes on. Every trial of a study
+trains from one dataset: fits of the same data at once materialize it once
+(``cache_key.one_writer``); params that change the data (``validation``, ``random_seed``)
+make one dataset per value, said once in a warning.
+
+A study kept in a storage survives its driver: a later fit of the same study name finds
+the trials that were running (left RUNNING by a driver that was killed, or interrupted)
+and takes each up again with its own params and run, which resumes from the run's last
+checkpoint (``run_id``); it then asks for new trials until the study holds ``n_trials``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from typing import Any
+
+from pyspark import inheritable_thread_target
+from pyspark.sql import DataFrame
+
+from ..store import Store
+from . import mlflow_log
+from .launch import available_slots, cancel_jobs, labelled_jobs
+from .monitor import logging_configured
+from .stage_profile import task_profile
+from .trial_watch import TrialWatch
+from .trials import (
+    EPOCHS_ATTR,
+    ERROR_ATTR,
+    FIT_SECONDS_ATTR,
+    TrialPlan,
+    check_metric,
+    plan_trial,
+    trial_line,
+    trial_value,
+)
+
+logger = logging.getLogger("spark_estimator.tuning")
+INSTALL = "pip install 'spark-estimator[tune]' (or optuna)"
+WAIT_S = 0.5  # how often a waiting loop looks at the clock (timeout)
+
+
+def require_optuna():
+    """The optuna module, or an ImportError saying how to install it."""
+    try:
+        import optuna
+    except ImportError as e:
+        raise ImportError(f"OptunaSearch needs Optuna on the driver: {INSTALL}") from e
+    return optuna
+
+
+def open_storage(storage, store: Store, study_name: str):
+    """The Optuna storage ``storage`` names: None (in memory), "store" (a journal file in
+    the store, which must be a filesystem with file locks), a URL or a storage object."""
+    optuna = require_optuna()
+    if storage != "store":
+        return storage
+    if store.protocol != "file":
+        raise ValueError(
+            f"storage: 'store' keeps the study in a journal file, which needs file locks: a "
+            f"local or shared filesystem, not {store.url}; give an Optuna storage URL "
+            "(e.g. 'postgresql://...' or 'sqlite:///study.db') instead"
+        )
+    path = store.study_journal(study_name)
+    store.fs.makedirs(store.join("studies"), exist_ok=True)
+    backend = optuna.storages.journal.JournalFileBackend(path)
+    return optuna.storages.JournalStorage(backend)
+
+
+class StudyRun:
+    """One ``fit`` of an OptunaSearch: the study's trials run until it holds ``n_trials``
+    or ``timeout`` passed."""
+
+    def __init__(self, search, df: DataFrame, study, direction_sign: float):
+        self.search, self.df, self.study = search, df, study
+        self.spark = df.sparkSession
+        self.base = search.getEstimator()
+        self.space, self.metric = search.getSpace(), search.getMetric()
+        self.evaluator = search.getEvaluator()
+        self.n_trials, self.timeout = search.getNTrials(), search.getTimeout()
+        self.parallelism = search.getParallelism()
+        self.sign = direction_sign  # reported values: metric * sign has the study's direction
+        self.verbose = search.getVerbose() and not logging_configured(logger)
+        self.mlflow = self.base.getMlflowLogging()
+        # a study that may outlive this fit (a storage, or one given): its best model is
+        # saved where a later fit finds it
+        self.kept = search.getStorage() is not None or search.getStudy() is not None
+        self.models: dict[int, Any] = {}  # trial number -> fitted model of the best so far
+        self.datasets: set[str] = set()  # the datasets trials trained on
+        self.lock = threading.Condition()
+        self.running: dict[int, TrialPlan] = {}
+        self.threads: list[threading.Thread] = []
+        self.free = 0  # task slots no running trial holds
+        self.interrupted = False
+        self.started = time.monotonic()
+
+    # -- the loop -------------------------------------------------------------------------
+    def run(self) -> None:
+        optuna = require_optuna()
+        est = self.base
+        profile = task_profile(self.spark, est.getStageLevelScheduling(), est.getUseGpu()).profile
+        self.slots = available_slots(self.spark, est.getNumProc(), profile=profile)
+        self.free = self.slots
+        self.procs = min(est.getNumProc() or self.slots, self.slots)
+        running = optuna.trial.TrialState.RUNNING
+        stale = [t for t in self.study.get_trials(deepcopy=False, states=(running,))]
+        # taken up again (a FrozenTrial's storage id makes the Trial that reports to it),
+        # with the epochs it reported
+        pending = [
+            (optuna.Trial(self.study, t._trial_id), set(t.intermediate_values)) for t in stale
+        ]
+        if pending:
+            logger.info(
+                "study %s: taking up %d trial(s) an earlier fit left running: %s",
+                self.study.study_name,
+                len(pending),
+                [t.number for t, _ in pending],
+            )
+        study_run = mlflow_log.study_run(self.study.study_name) if self.mlflow else nullcontext()
+        with study_run as parent:
+            self.parent_run = parent
+            try:
+                first = True
+                while True:
+                    # the next trial is asked for once it can start (its sampler then
+                    # knows every trial that ended before), on the slots a fit of the
+                    # estimator takes; a space that changes num_proc waits again below
+                    if not self._wait(self._room):
+                        break
+                    resumed = bool(pending)
+                    if not resumed and not self._more_trials():
+                        break
+                    trial, reported = pending.pop(0) if resumed else (self.study.ask(), set())
+                    plan = self._plan(trial, resumed, check=first)
+                    plan.reported_before = reported
+                    first = False
+                    self._wait(lambda need=plan.procs: self.free >= need, admit=plan)
+                    self._start(plan)
+            except BaseException as e:
+                if not isinstance(e, Exception):  # Ctrl-C: the running trials stay RUNNING
+                    self.interrupted = True
+                    self._stop_running()
+                raise
+            finally:
+                for thread in self.threads:
+                    thread.join()
+
+    def _stop_running(self) -> None:
+        """Cancel the running trials' jobs until their fits end (a fit starts its job again
+        after a loss, up to its max_restarts); their trials are left RUNNING, for a later
+        fit of the study to take up again, and a rank that outlives its job is answered
+        "abort" at its next epoch's end (``TrialWatch``)."""
+        while any(thread.is_alive() for thread in self.threads):
+            for plan in list(self.running.values()):
+                cancel_jobs(self.spark, _tag(plan))
+            for thread in self.threads:
+                thread.join(WAIT_S)
+
+    def _room(self) -> bool:
+        """Whether another trial may start: fewer than ``parallelism`` run, and the slots a
+        fit of the tuned estimator takes are free."""
+        return len(self.running) < self.parallelism and self.free >= self.procs
+
+    def _more_trials(self) -> bool:
+        if self.timeout is not None and time.monotonic() - self.started >= self.timeout:
+            return False
+        if self.n_trials is None:
+            return True
+        return len(self.study.get_trials(deepcopy=False)) < self.n_trials
+
+    def _wait(self, ready, admit: TrialPlan | None = None) -> bool:
+        """Wait until ``ready()``; with ``admit``, then hold its slots as a running trial.
+        Without, False where the timeout passed first (a trial asked for is let in)."""
+        with self.lock:
+            while not ready():
+                timed_out = self.timeout is not None and (
+                    time.monotonic() - self.started >= self.timeout
+                )
+                if timed_out and admit is None:
+                    return False
+                self.lock.wait(WAIT_S)
+            if admit is not None:
+                self.free -= admit.procs
+                self.running[admit.number] = admit
+        return True
+
+    def _plan(self, trial, resumed: bool, check: bool) -> TrialPlan:
+        """The trial's fit; a space or metric that cannot work fails the trial and raises."""
+        try:
+            plan = plan_trial(self.base, trial, self.space, self.metric, self.slots, resumed)
+            if check:
+                check_metric(plan.estimator, self.metric)
+        except Exception as e:
+            self.study.tell(trial, state=require_optuna().trial.TrialState.FAIL)
+            raise e
+        return plan
+
+    def _start(self, plan: TrialPlan) -> None:
+        target = inheritable_thread_target(self.spark)(self._trial_thread)
+        thread = threading.Thread(target=target, args=(plan,), name=f"trial-{plan.number}")
+        self.threads.append(thread)
+        thread.start()
+
+    # -- one trial, in its own thread -------------------------------------------------------
+    def _trial_thread(self, plan: TrialPlan) -> None:
+        try:
+            self._run_trial(plan)
+        except Exception as e:  # the study's storage, MLflow...: the trial's line says it
+            logger.exception("trial %d: the tuner failed to record it: %s", plan.number, e)
+        finally:
+            with self.lock:
+                self.free += plan.procs
+                self.running.pop(plan.number, None)
+                self.lock.notify_all()
+
+    def _run_trial(self, plan: TrialPlan) -> None:
+        optuna = require_optuna()
+        states = optuna.trial.TrialState
+        started = time.monotonic()
+        mlflow_run = (
+            mlflow_log.trial_run(self.parent_run, plan.number, plan.trial.params)
+            if self.mlflow
+            else nullcontext(lambda state, value: None)
+        )
+        label = f"spark-estimator trial {plan.number} of {self.study.study_name}"
+        with labelled_jobs(self.spark, label, _tag(plan)), mlflow_run as end_run:
+            decide = functools.partial(self._decide, plan)
+            try:
+                store, interrupted = plan.estimator.getStore(), lambda: self.interrupted
+                with TrialWatch(store, plan.run_id, decide, aborted=interrupted):
+                    model = plan.estimator.fit(self.df)
+            except Exception as e:
+                if self.interrupted:
+                    return  # left RUNNING: a later fit takes it up again
+                error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+                plan.trial.set_user_attr(ERROR_ATTR, error)
+                plan.trial.set_user_attr(EPOCHS_ATTR, len(plan.reported))
+                self.study.tell(plan.trial, state=states.FAIL)
+                end_run("fail", None)
+                self._line(plan, "failed", len(plan.reported), None, started, error=error)
+                return
+            epochs = len(model.getHistory())
+            self._note_dataset(plan)
+            plan.trial.set_user_attr(EPOCHS_ATTR, epochs)
+            plan.trial.set_user_attr(
+                FIT_SECONDS_ATTR, model.getTrainingSummary()["fit_seconds"]["total"]
+            )
+            if plan.pruned_at is not None:
+                value = plan.reported[-1][1]
+                self.study.tell(plan.trial, state=states.PRUNED)
+                end_run("pruned", value)
+                self._line(plan, "pruned", epochs, value, started)
+            else:
+                value = trial_value(plan, model, self.metric, self.evaluator, self.df)
+                frozen = self.study.tell(plan.trial, value)
+                best = frozen.state == states.COMPLETE and self._keep_if_best(plan, model)
+                state = "complete" if frozen.state == states.COMPLETE else "failed"
+                end_run("complete" if state == "complete" else "fail", value)
+                self._line(plan, state, epochs, value, started, best=best)
+
+    def _decide(self, plan: TrialPlan, epoch: int, value: float) -> bool:
+        """Report the epoch's value to the trial; whether its pruner stops it here (never
+        at the fit's last epoch, which ends it anyway)."""
+        plan.reported.append((epoch, value))
+        if epoch not in plan.reported_before:  # a step reported once keeps its first value
+            plan.trial.report(value * self.sign, epoch)
+        if epoch >= plan.estimator.getEpochs() or not plan.trial.should_prune():
+            return False
+        plan.pruned_at = epoch
+        return True
+
+    def _keep_if_best(self, plan: TrialPlan, model) -> bool:
+        """Keep ``model`` where its trial is the study's best now (the earlier best's model
+        is dropped); in a study that may outlive this fit also save it to the trial's run
+        (``tuned_model``), where a later fit of the study finds it. Whether it is the best."""
+        with self.lock:
+            if self.study.best_trial.number != plan.number:
+                return False
+            self.models = {plan.number: model}
+        if self.kept:
+            store = plan.estimator.getStore()
+            url, options = store.fsspec_target(store.run(plan.run_id).tuned_model)
+            writer = model.write().overwrite()
+            for key, value in options.items():
+                writer.option(key, value)
+            writer.save(url)
+        return True
+
+    def _note_dataset(self, plan: TrialPlan) -> None:
+        """Warn where a trial trained on another dataset than the trials before it."""
+        store = plan.estimator.getStore()
+        key = store.read_json(store.run(plan.run_id).manifest)["data"]["dataset"]
+        with self.lock:
+            new = bool(self.datasets) and key not in self.datasets
+            self.datasets.add(key)
+        if new:
+            logger.warning(
+                "trial %d trained on a dataset of its own: its params change the rows or their "
+                "split (validation, random_seed...), so each of their values writes (or checks) "
+                "the data once more",
+                plan.number,
+            )
+
+    def _line(self, plan, state, epochs, value, started, best=False, error=None) -> None:
+        line = trial_line(
+            plan, state, epochs, value, self.metric, time.monotonic() - started, best, error
+        )
+        logger.info(line)
+        if self.verbose:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _tag(plan: TrialPlan) -> str:
+    return f"spark-estimator-{plan.run_id}"
