@@ -20,6 +20,7 @@ from typing import Any
 from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame
 
+from .driver import mlflow_log
 from .driver.constructors import OptunaSearchConstructor
 from .driver.fit import StoreEstimator
 from .driver.params import OBJECT_PARAMS, SearchParams
@@ -110,7 +111,10 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
         study, sign = self._study(optuna)
         run = StudyRun(self, dataset, study, sign)
         run.run()
-        return self._model(optuna, study, run.models)
+        model = self._model(optuna, study, run.models)
+        if run.parent_run is not None:  # mlflow_logging: the best model in the study's run
+            mlflow_log.log_best(run.parent_run, model.bestModel, model.bestTrial, dataset)
+        return model
 
     def _check(self) -> None:
         estimator = self.getOrDefault("estimator") if self.isDefined("estimator") else None

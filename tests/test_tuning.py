@@ -304,6 +304,15 @@ def test_each_trial_is_a_nested_mlflow_run_of_the_study(regression_df, store, ml
         assert run.data.metrics["trial_value"] == pytest.approx(trial.value)
         assert float(run.data.params["trial.lr"]) == pytest.approx(trial.params["lr"])
         assert "validation/loss" in run.data.metrics
+    # the best model: an MLflow Model of the study's run, predicting as bestModel does
+    import mlflow
+
+    assert study.data.tags["optuna.best_trial"] == str(model.bestTrial.number)
+    logged = mlflow.pyfunc.load_model(f"runs:/{study.info.run_id}/model")
+    rows = regression_df.limit(5)
+    predicted = logged.predict(rows.select(*est.getFeatureCols()).toPandas())["prediction"]
+    expected = model.transform(rows).select("prediction").toPandas()["prediction"]
+    assert predicted.tolist() == pytest.approx(expected.tolist(), rel=1e-5)
 
 
 def test_an_evaluator_judges_the_validation_rows_and_the_search_saves_and_loads(

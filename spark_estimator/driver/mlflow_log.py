@@ -140,6 +140,32 @@ def study_run(study_name: str):
             mlflow.end_run()
 
 
+def log_best(parent_run_id: str, model, trial, dataset) -> None:
+    """The study's best model (the best trial's fitted TorchModel) logged as the MLflow
+    Model ``model`` of the study's run ``parent_run_id``, as a fit's model is logged (its
+    input example the first rows of the study's ``dataset``), with the best trial's number,
+    value and params; a failure of MLflow is a warning."""
+    try:
+        import mlflow
+
+        active = mlflow.active_run()
+        resumed = active is None or active.info.run_id != parent_run_id
+        run = mlflow.start_run(run_id=parent_run_id) if resumed else contextlib.nullcontext()
+        with run:
+            mlflow.set_tag("optuna.best_trial", str(trial.number))
+            mlflow.log_metric("best_value", trial.value)
+            best = {f"best.{k}": str(v)[:_MAX_PARAM_CHARS] for k, v in trial.params.items()}
+            mlflow.log_params(best)
+            example = mlflow_model.example_frame(dataset, model.getFeatureCols())
+            mlflow_model.log_model(model, "model", input_example=example)
+    except Exception as e:
+        log.warning(
+            "mlflow_logging: MLflow could not log the study's best model (%s: %s)",
+            type(e).__name__,
+            e,
+        )
+
+
 @contextlib.contextmanager
 def trial_run(parent_run_id: str | None, trial_number: int, params: dict):
     """A run of its own for one trial, nested under ``parent_run_id``, active in this
