@@ -36,7 +36,7 @@ from ...decoding import BadImage, default_decode, image_sizes
 from ...decoding.batch import decode_images_into
 from ...shared.serialization import loads
 from ...shared.spec import column_param
-from ..data.row_generators import row_generators
+from .row_generators import row_generators
 from .collate import Allocate, Collation, different_shapes
 from .decoded import MASK, BadRow, BatchResult, Decoded, Recipe
 

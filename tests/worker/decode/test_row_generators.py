@@ -5,7 +5,7 @@ import pickle
 import numpy as np
 import pytest
 
-from spark_estimator.worker.data import row_generators as rg
+from spark_estimator.worker.decode import row_generators as rg
 
 
 @pytest.mark.parametrize(
