@@ -2,15 +2,17 @@
 columns ``transform`` appends for those rows, computed by the same code (``TorchModel``'s
 ``_prediction`` and ``predict_with`` of transform's tasks, decoding included).
 
-The feature columns are turned into Arrow columns of the types the fit read them as
-(numbers as doubles, arrays and ML vectors as lists of doubles, token-id sequences as
-lists of longs, images as bytes, text as strings: ``driver.mlflow_model.kind_type``), or,
-for a TorchModel not made by a fit, of the types pandas holds; a ``path`` column, as
-``binaryFile`` has, names the rows that fail to decode. The rows then run through the
-model in batches of ``BATCH_ROWS`` (transform's Arrow batches), under ``torch.no_grad``, on
-``predict_device``: in a Spark task (``mlflow.pyfunc.spark_udf``) the GPU Spark assigned
-it, else this process's GPU where torch has one, else the CPU. One ``predict`` runs at a
-time per loaded model (requests of a server wait for each other).
+The feature columns (of a pandas DataFrame, or of the dict of numpy arrays that MLflow's
+check of a tensor signature hands on) are turned into Arrow columns of the types the fit
+read them as (numbers as doubles, arrays and ML vectors as lists of doubles, token-id
+sequences as lists of longs, images as bytes, text as strings:
+``driver.mlflow_model.kind_type``), or, for a TorchModel not made by a fit, of the types
+pandas holds; a ``path`` column, as ``binaryFile`` has, names the rows that fail to decode.
+The rows then run through the model in batches of ``BATCH_ROWS`` (transform's Arrow
+batches), under ``torch.no_grad``, on ``predict_device``: in a Spark task
+(``mlflow.pyfunc.spark_udf``) the GPU Spark assigned it, else this process's GPU where
+torch has one, else the CPU. One ``predict`` runs at a time per loaded model (requests of a
+server wait for each other).
 
 Outputs come back as a pandas DataFrame with one row per input row, in order: a double
 column per output of shape [] or [1], else a column of float32 numpy arrays; with

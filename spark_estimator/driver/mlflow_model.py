@@ -12,11 +12,14 @@ The model's folder is the Spark ML stage ``TorchModel.save`` writes (``metadata/
 
 so ``TorchModel.load`` reads the folder MLflow downloads, as it read the folders that
 ``mlflow_logging`` logged before (the stage alone, no MLmodel). The signature comes from the
-columns the fit read (``feature_kinds``), else from the input example's columns, and the
-outputs ``transform`` appends (``TorchModel._prediction``): numbers as ``double``, arrays and
-vectors as arrays of ``double`` (token-id sequences of ``long``), images as ``binary``,
-strings as ``string``, Spark's image struct as an object; outputs as ``double`` or arrays of
-``float`` (``double`` for the classifier columns).
+columns the fit read (``feature_kinds``, ``feature_lengths``), else from the input example's
+columns, and the outputs ``transform`` appends (``TorchModel._prediction``). Its inputs are
+tensors (``tensor_inputs``) where every feature column is a number, an array or a vector of
+known width, not all numbers: MLflow checks those a column at once. Else they are columns:
+numbers as ``double``, arrays and vectors as arrays of ``double`` (token-id sequences of
+``long``), images as ``binary``, strings as ``string``, Spark's image struct as an object.
+Outputs are columns: ``double`` or arrays of ``float`` (``double`` for the classifier
+columns).
 """
 
 from __future__ import annotations
