@@ -62,7 +62,11 @@ def log_model(
         does not record the fit's columns (a TorchModel built by hand).
     signature : mlflow.models.ModelSignature, optional
         Replaces the one inferred: the fit's feature columns (or the example's) as
-        inputs, the columns ``transform`` appends as outputs.
+        inputs, the columns ``transform`` appends as outputs. The inferred inputs are
+        tensors of shape (-1, width) and (-1,) where every feature column is an array, an
+        ML vector or a number, not all numbers, and each width is known (the fit's, else
+        ``input_shapes``' or the example's), which MLflow checks a column at once; else
+        columns (docs/serving.md).
     registered_model_name : str, optional
         Register the logged model under this name (created when it does not exist): a
         new version, loadable as ``models:/<name>/<version>``.

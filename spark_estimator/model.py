@@ -73,6 +73,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         "training_summary",
         "feature_kinds",
         "fit_label_cols",
+        "feature_lengths",
     )
 
     def _init_keywords(self, keywords: dict) -> None:
@@ -87,6 +88,8 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         # arrays of varying length are "sequence"s (padded, a mask after them)
         self._feature_kinds = dict(state["feature_kinds"] or {})
         self._fit_label_cols = list(state["fit_label_cols"] or [])
+        # column -> values per row of an array or vector column fit read (not sequences)
+        self._feature_lengths = dict(state["feature_lengths"] or {})
 
     def copy(self, extra=None) -> TorchModel:
         """A copy with the same uid and the ``extra`` params (a dict Param -> value). It
@@ -100,6 +103,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         that._training_summary = deepcopy(self._training_summary)
         that._feature_kinds = dict(self._feature_kinds)
         that._fit_label_cols = list(self._fit_label_cols)
+        that._feature_lengths = dict(self._feature_lengths)
         return that
 
     def getTrainingSummary(self) -> dict:
@@ -300,6 +304,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             "training_summary": self._training_summary,
             "feature_kinds": self._feature_kinds,
             "fit_label_cols": self._fit_label_cols,
+            "feature_lengths": self._feature_lengths,
         }
 
     def _restore(self, objects: dict, metadata: dict) -> None:
@@ -310,6 +315,7 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
         self._training_summary = metadata.get("training_summary") or {}
         self._feature_kinds = metadata.get("feature_kinds") or {}
         self._fit_label_cols = metadata.get("fit_label_cols") or []
+        self._feature_lengths = metadata.get("feature_lengths") or {}
 
 
 def _col(name: str):

@@ -2,15 +2,17 @@
 columns ``transform`` appends for those rows, computed by the same code (``TorchModel``'s
 ``_prediction`` and ``predict_with`` of transform's tasks, decoding included).
 
-The feature columns are turned into Arrow columns of the types the fit read them as
-(numbers as doubles, arrays and ML vectors as lists of doubles, token-id sequences as
-lists of longs, images as bytes, text as strings: ``driver.mlflow_model.kind_type``), or,
-for a TorchModel not made by a fit, of the types pandas holds; a ``path`` column, as
-``binaryFile`` has, names the rows that fail to decode. The rows then run through the
-model in batches of ``BATCH_ROWS`` (transform's Arrow batches), under ``torch.no_grad``, on
-``predict_device``: in a Spark task (``mlflow.pyfunc.spark_udf``) the GPU Spark assigned
-it, else this process's GPU where torch has one, else the CPU. One ``predict`` runs at a
-time per loaded model (requests of a server wait for each other).
+The feature columns (of a pandas DataFrame, or of the dict of numpy arrays that MLflow's
+check of a tensor signature hands on) are turned into Arrow columns of the types the fit
+read them as (numbers as doubles, arrays and ML vectors as lists of doubles, token-id
+sequences as lists of longs, images as bytes, text as strings:
+``driver.mlflow_model.kind_type``), or, for a TorchModel not made by a fit, of the types
+pandas holds; a ``path`` column, as ``binaryFile`` has, names the rows that fail to decode.
+The rows then run through the model in batches of ``BATCH_ROWS`` (transform's Arrow
+batches), under ``torch.no_grad``, on ``predict_device``: in a Spark task
+(``mlflow.pyfunc.spark_udf``) the GPU Spark assigned it, else this process's GPU where
+torch has one, else the CPU. One ``predict`` runs at a time per loaded model (requests of a
+server wait for each other).
 
 Outputs come back as a pandas DataFrame with one row per input row, in order: a double
 column per output of shape [] or [1], else a column of float32 numpy arrays; with
@@ -21,7 +23,9 @@ ML vectors in ``transform``) and ``prediction`` as a double.
 from __future__ import annotations
 
 import base64
+import math
 import threading
+from collections.abc import Mapping
 
 import numpy as np
 import pandas as pd
@@ -52,22 +56,22 @@ class TorchPyfunc:
     def get_raw_model(self) -> TorchModel:
         return self.model
 
-    def predict(self, model_input: pd.DataFrame) -> pd.DataFrame:
+    def predict(self, model_input: pd.DataFrame | Mapping[str, np.ndarray]) -> pd.DataFrame:
         """The columns ``transform`` appends for the rows of ``model_input`` (see the
-        module).
+        module): a pandas DataFrame, or a dict of numpy arrays with the rows first (what
+        MLflow's check of a tensor signature hands on).
 
         Raises MlflowException (INVALID_PARAMETER_VALUE: a server answers 400 with its
         message) for a missing or mistyped feature column, naming it, and for an image or
         string that does not decode, naming the column (and the row's ``path``): the
         ValueError or TypeError of transform's checks and decoding, as its cause."""
-        frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
         try:
-            return self._predict(frame)
+            return self._predict(input_columns(model_input))
         except (ValueError, TypeError) as e:
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
 
-    def _predict(self, frame: pd.DataFrame) -> pd.DataFrame:
-        batch = arrow_batch(frame, self.model)
+    def _predict(self, columns: dict[str, pd.Series | np.ndarray]) -> pd.DataFrame:
+        batch = arrow_batch(columns, self.model)
         fields, options = self.model._prediction(from_arrow_schema(batch.schema))
         names = options["output_cols"]
         with self._lock:
@@ -82,7 +86,8 @@ class TorchPyfunc:
                     "model.setDecodeDevice('cpu') before logging the model decodes on the CPU"
                 )
             module = self._module_on(device)
-            parts = (batch.slice(start, BATCH_ROWS) for start in range(0, len(frame), BATCH_ROWS))
+            rows = range(0, batch.num_rows, BATCH_ROWS)
+            parts = (batch.slice(start, BATCH_ROWS) for start in rows)
             done = list(predict_with(module, device, "predict", parts, **options))
         if not done:
             return pd.DataFrame({f.name: pd.Series(dtype=object) for f in fields})
@@ -96,10 +101,23 @@ class TorchPyfunc:
         return module
 
 
-def _stacked(name: str, values: pd.Series, arrow_type: pa.ListType) -> pa.Array | None:
+def input_columns(model_input) -> dict[str, pd.Series | np.ndarray]:
+    """``model_input``'s columns by name: a DataFrame's (or what pandas makes of other
+    input) as Series; a dict's values as given where they are numpy arrays of rows of
+    values (2-D or more: a tensor signature's), else as Series."""
+    if isinstance(model_input, Mapping):
+        return {
+            name: value if isinstance(value, np.ndarray) and value.ndim > 1 else pd.Series(value)
+            for name, value in model_input.items()
+        }
+    frame = model_input if isinstance(model_input, pd.DataFrame) else pd.DataFrame(model_input)
+    return {name: frame[name] for name in frame.columns}
+
+
+def _stacked(values: pd.Series) -> np.ndarray | None:
     """A column of 1-D numpy arrays of one length (what Spark hands a pandas UDF, and
-    MLflow's schema check leaves) as one list array, stacked at once; None for any other
-    column (lists, arrays of several lengths), which ``pa.array`` converts."""
+    MLflow's check of an array column leaves) stacked at once into rows; None for any
+    other column (lists, arrays of several lengths), which ``pa.array`` converts."""
     cells = values.to_numpy()
     if not len(cells) or not isinstance(cells[0], np.ndarray):
         return None
@@ -107,18 +125,25 @@ def _stacked(name: str, values: pd.Series, arrow_type: pa.ListType) -> pa.Array 
         stacked = np.stack(cells)
     except (ValueError, TypeError):  # of several lengths
         return None
-    if stacked.ndim != 2 or stacked.dtype == object:
-        return None
-    width = stacked.shape[1]
-    offsets = pa.array(np.arange(0, (len(stacked) + 1) * width, width, dtype=np.int32))
-    try:
-        flat = pa.array(stacked.reshape(-1)).cast(arrow_type.value_type)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-        raise TypeError(
-            f"feature_cols: column '{name}' ({stacked.dtype} arrays) cannot be read as the "
-            f"model's input of type {arrow_type}: {e}"
-        ) from e
-    return pa.ListArray.from_arrays(offsets, flat)
+    return stacked if stacked.ndim == 2 and stacked.dtype != object else None
+
+
+def _list_array(name: str, rows: np.ndarray, arrow_type: pa.ListType | None) -> pa.Array:
+    """The rows of a numpy array (each row's values flattened) as one list array of
+    ``arrow_type`` (of their own element type where None), without a copy per row."""
+    width = math.prod(rows.shape[1:])
+    flat = rows.reshape(len(rows), width)
+    offsets = pa.array(np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32))
+    values = pa.array(flat.reshape(-1))
+    if arrow_type is not None:
+        try:
+            values = values.cast(arrow_type.value_type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise TypeError(
+                f"feature_cols: column '{name}' ({rows.dtype} arrays) cannot be read as the "
+                f"model's input of type {arrow_type}: {e}"
+            ) from e
+    return pa.ListArray.from_arrays(offsets, values)
 
 
 def _image_bytes(image):
@@ -137,32 +162,38 @@ def _task_context():
     return TaskContext.get()
 
 
-def arrow_batch(frame: pd.DataFrame, model: TorchModel) -> pa.RecordBatch:
-    """The feature columns of ``frame`` (and its ``path`` column, naming rows in decoding
+def arrow_batch(columns: dict[str, pd.Series | np.ndarray], model: TorchModel) -> pa.RecordBatch:
+    """The feature columns of ``columns`` (and its ``path`` column, naming rows in decoding
     errors) as Arrow, each of the type the fit read it as where it is known."""
     names = list(model.getFeatureCols()) if model.isDefined("feature_cols") else []
-    missing = [n for n in names if n not in frame.columns]
+    missing = [n for n in names if n not in columns]
     if missing:
         raise ValueError(
             f"feature_cols: column '{missing[0]}' is not in the DataFrame "
-            f"(columns: {list(frame.columns)})"
+            f"(columns: {list(columns)})"
         )
-    if ROW_NAMES in frame.columns and ROW_NAMES not in names:
+    if ROW_NAMES in columns and ROW_NAMES not in names:
         names.append(ROW_NAMES)
     schema = fit_schema(model)
     known = {f.name: f.dataType for f in schema.fields} if schema is not None else {}
-    arrays = [_arrow_column(n, frame[n], known.get(n)) for n in names]
+    arrays = [_arrow_column(n, columns[n], known.get(n)) for n in names]
     return pa.RecordBatch.from_arrays(arrays, names=names)
 
 
-def _arrow_column(name: str, values: pd.Series, dt: DataType | None) -> pa.Array:
-    """``values`` as Arrow, of Spark type ``dt`` where given (ML vectors as their values,
-    an image struct's ``data`` given as a string as base64: MLflow's JSON decodes only the
-    bytes of binary columns); a TypeError naming the column where they are not of it."""
+def _arrow_column(name: str, values: pd.Series | np.ndarray, dt: DataType | None) -> pa.Array:
+    """``values`` (a Series, or a numpy array of rows of values) as Arrow, of Spark type
+    ``dt`` where given (ML vectors as their values, an image struct's ``data`` given as a
+    string as base64: MLflow's JSON decodes only the bytes of binary columns); a TypeError
+    naming the column where they are not of it."""
+    arrow_type = None if dt is None else to_arrow_type(dt)
+    if isinstance(values, np.ndarray):  # rows of values
+        if dt is None or isinstance(dt, ArrayType):
+            return _list_array(name, values, arrow_type)
+        values = pd.Series(list(values))  # refused below: not of one value a row
     if isinstance(dt, ArrayType):
-        stacked = _stacked(name, values, to_arrow_type(dt))
+        stacked = _stacked(values)
         if stacked is not None:
-            return stacked
+            return _list_array(name, stacked, arrow_type)
         values = values.map(lambda v: v.toArray() if hasattr(v, "toArray") else v)
     if isinstance(dt, StructType):
         values = values.map(_image_bytes)
@@ -173,7 +204,6 @@ def _arrow_column(name: str, values: pd.Series, dt: DataType | None) -> pa.Array
                 f"feature_cols: column '{name}' must hold bytes (encoded images, as "
                 f"binaryFile's content), not {sorted(kinds)}"
             )
-    arrow_type = None if dt is None else to_arrow_type(dt)
     if arrow_type is not None and len(values) == 0:
         return pa.array([], type=arrow_type)
     try:

@@ -184,7 +184,7 @@ def test_mlflow_serving_job(tmp_path):
     pytest.importorskip("flask", reason="needs full mlflow (the serving extra)")
     out = run_example("mlflow_serving.py", "--store", str(tmp_path))
     assert re.search(r"logged models:/m-\w+, registered as models:/iris/1$", out, re.M), out
-    assert "signature: ['features': Array(double) (required)]" in out
+    assert "signature: ['features': Tensor('float32', (-1, 4))]" in out  # the fit's width
     answers = re.findall(r"^  \[[0-9. ]+\] -> class (\d) \(probability \[", out, re.M)
     assert len(answers) == 3, out
     assert "served == transform: True" in out

@@ -285,6 +285,28 @@ def test_bad_input_to_predict_is_refused_naming_the_column(models, tmp_path):
         TorchPyfunc(model).predict(pd.DataFrame({"content": ["a string"]}))
 
 
+def test_a_model_of_arrays_has_a_tensor_signature_checked_at_once_also_over_rest(models):
+    """MLflow checks a tensor signature a column at once (the widths too), an array of a
+    column signature row by row; the server's request handler reads its JSON formats."""
+    from mlflow.pyfunc import scoring_server
+
+    uri, model, df, want = models["regressor"]
+    loaded = mlflow.pyfunc.load_model(uri)
+    schema = loaded.metadata.get_input_schema()
+    assert schema.is_tensor_spec() and schema.inputs[0].shape == (-1, 3)  # the example's
+    with pytest.raises(MlflowException, match=r"column 'x' could not be converted to the exp"):
+        loaded.predict(pd.DataFrame({"x": [[1.0, 2.0]]}))
+    rows = [[list(x)] for x in df.toPandas()["x"]]
+    bodies = [
+        {"dataframe_split": {"columns": ["x"], "data": rows}},
+        {"inputs": {"x": [row[0] for row in rows]}},
+    ]
+    for body in bodies:
+        answer = scoring_server.invocations(json.dumps(body), "application/json", loaded, schema)
+        assert answer.status == 200, answer.response
+        assert_same(pd.DataFrame(json.loads(answer.response)["predictions"]), want)
+
+
 def test_the_pytorch_flavor_gives_the_module_back_when_asked_for(models, tmp_path):
     regressor = models["regressor"][1]
     se_mlflow.save_model(regressor, str(tmp_path / "with"), pytorch_flavor=True)

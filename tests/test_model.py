@@ -421,6 +421,7 @@ def test_a_binary_classifier_fits_and_its_columns_survive_save_and_load(spark, s
     model.save(path)
     back = TorchModel.load(path)
     assert back.getClassification() and back.getProbabilityCol() == "p"
+    assert back._feature_lengths == {"x": 3}  # the MLflow model's tensor signature's width
     assert (
         back.transform(df).select("p", "prediction").collect()
         == out.select("p", "prediction").collect()
@@ -432,11 +433,12 @@ def test_a_binary_classifier_fits_and_its_columns_survive_save_and_load(spark, s
 
 
 def test_a_model_and_an_estimator_saved_before_decode_workers_load_and_decode(spark, tmp_path):
-    """Stages saved before decode_pool, decode_batch_fn, decode_init_fn and fit_label_cols
-    existed (their metadata without them): loaded with those at their defaults."""
+    """Stages saved before decode_pool, decode_batch_fn, decode_init_fn, fit_label_cols and
+    feature_lengths existed (their metadata without them): loaded with those at their
+    defaults."""
     from spark_estimator.driver.persistence import METADATA_DIR
 
-    new = {"decode_pool", "decode_batch_fn", "decode_init_fn", "fit_label_cols"}
+    new = {"decode_pool", "decode_batch_fn", "decode_init_fn", "fit_label_cols", "feature_lengths"}
 
     def as_saved_before(path) -> None:
         (part,) = (path / METADATA_DIR).glob("part-*")

@@ -111,6 +111,18 @@ def test_ml_vectors_and_lists_are_read_alike_and_strings_are_refused_naming_the_
         pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"x": ["1, 2, 3"]}))
 
 
+def test_a_dict_of_rows_of_values_as_a_tensor_signature_hands_on_predicts_as_a_dataframe():
+    model = counting_model()
+    x = np.arange(15, dtype=np.float32).reshape(5, 3)
+    frame = pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"x": list(x)}))
+    tensors = pyfunc.TorchPyfunc(model).predict({"x": x})
+    assert tensors["prediction"].tolist() == frame["prediction"].tolist()
+    empty = pyfunc.TorchPyfunc(model).predict({"x": np.zeros((0, 3), np.float32)})
+    assert list(empty.columns) == ["prediction"] and len(empty) == 0
+    with pytest.raises(MlflowException, match=r"column 'x' \(<U1 arrays\) cannot be read"):
+        pyfunc.TorchPyfunc(model).predict({"x": np.full((2, 3), "a")})
+
+
 def test_gpu_decoding_where_predict_runs_on_the_cpu_is_refused_naming_decode_device():
     model = TorchModel(
         model=Brightness(),

@@ -727,6 +727,7 @@ class TorchModelConstructor:
         training_summary: dict | None = None,
         feature_kinds: dict[str, list[str]] | None = None,
         fit_label_cols: list[str] | None = None,
+        feature_lengths: dict[str, int] | None = None,
     ) -> None:
         """Set the params given as keywords; the others keep their defaults.
 
@@ -835,6 +836,9 @@ class TorchModelConstructor:
         fit_label_cols : list[str] | None
             the label columns of the fit (transform's rows do not hold them: a decode_fn that
             reads one is told so)
+        feature_lengths : dict[str, int] | None
+            column -> the number of values each row of an array or vector feature column held in
+            the fit (the shapes of the MLflow model's tensor signature)
         """
         super().__init__()
         self._init_keywords(self._input_kwargs)

@@ -355,6 +355,11 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
             **{name: self.getOrDefault(name) for name in DECODE_PARAMS},
             feature_kinds={c.name: [c.kind, c.dtype] for c in data.features},
             fit_label_cols=self.getLabelCols(),
+            feature_lengths={
+                c.name: data.row_lengths[c.name]
+                for c in data.features
+                if c.name in data.row_lengths
+            },
             history=result["history"],
             output_shapes=result["output_shapes"],
             run_id=run_id,

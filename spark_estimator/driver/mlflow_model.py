@@ -12,11 +12,14 @@ The model's folder is the Spark ML stage ``TorchModel.save`` writes (``metadata/
 
 so ``TorchModel.load`` reads the folder MLflow downloads, as it read the folders that
 ``mlflow_logging`` logged before (the stage alone, no MLmodel). The signature comes from the
-columns the fit read (``feature_kinds``), else from the input example's columns, and the
-outputs ``transform`` appends (``TorchModel._prediction``): numbers as ``double``, arrays and
-vectors as arrays of ``double`` (token-id sequences of ``long``), images as ``binary``,
-strings as ``string``, Spark's image struct as an object; outputs as ``double`` or arrays of
-``float`` (``double`` for the classifier columns).
+columns the fit read (``feature_kinds``, ``feature_lengths``), else from the input example's
+columns, and the outputs ``transform`` appends (``TorchModel._prediction``). Its inputs are
+tensors (``tensor_inputs``) where every feature column is a number, an array or a vector of
+known width, not all numbers: MLflow checks those a column at once. Else they are columns:
+numbers as ``double``, arrays and vectors as arrays of ``double`` (token-id sequences of
+``long``), images as ``binary``, strings as ``string``, Spark's image struct as an object.
+Outputs are columns: ``double`` or arrays of ``float`` (``double`` for the classifier
+columns).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from ..shared.shapes import row_length
 from ..shared.spec import ROW_NAMES, ColumnSpec
 
 log = logging.getLogger(__name__)
@@ -205,11 +209,52 @@ def infer_signature(model, example=None):
         return None
     fields, options = model._prediction(schema)
     features = options["features"]
-    inputs = [ColSpec(mlflow_type(kind_type(c)), c.name) for c in features]
+    inputs = tensor_inputs(model, features, example)
+    if inputs is None:
+        inputs = [ColSpec(mlflow_type(kind_type(c)), c.name) for c in features]
     if any(c.variable for c in features) and ROW_NAMES not in model.getFeatureCols():
         inputs.append(ColSpec("string", ROW_NAMES, required=False))  # names rows in errors
     outputs = [ColSpec(mlflow_type(f.dataType), f.name) for f in fields]
     return ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs))
+
+
+def tensor_inputs(model, features: list[ColumnSpec], example=None) -> list | None:
+    """A tensor signature's inputs where every feature column is a number, an array or an
+    ML vector, not all numbers, and each array's width is known (``row_width``): one named
+    ``TensorSpec`` a column, of the features' dtype, of shape (-1,) for numbers and
+    (-1, width) for the others. MLflow checks these a column at once (and the widths),
+    where it checks each row of an array of a column signature on its own, which costs
+    more than an MLP's inference. None for any other model: a column signature."""
+    import numpy as np
+    from mlflow.types.schema import TensorSpec
+
+    kinds = {c.kind for c in features}
+    if not kinds & {"array", "vector"} or kinds - {"scalar", "array", "vector"}:
+        return None
+    shapes = model.getInputShapes() or [None] * len(features)
+    inputs = []
+    for column, shape in zip(features, shapes):
+        width = None if column.kind == "scalar" else row_width(model, column, shape, example)
+        if column.kind != "scalar" and width is None:
+            return None
+        dims = (-1,) if width is None else (-1, width)
+        inputs.append(TensorSpec(np.dtype(column.dtype), dims, column.name))
+    return inputs
+
+
+def row_width(model, column: ColumnSpec, shape: list[int] | None, example=None) -> int | None:
+    """How many values each row of the array or vector ``column`` holds: as the fit read
+    them (``feature_lengths``), else as its ``input_shapes`` entry says, else as the input
+    example's first row holds; None where none tells."""
+    if column.name in model._feature_lengths:
+        return int(model._feature_lengths[column.name])
+    if shape is not None:
+        return row_length(shape)
+    if example is None or not len(example) or column.name not in example.columns:
+        return None
+    first = example[column.name].iloc[0]
+    values = first.toArray() if hasattr(first, "toArray") else first
+    return len(values) if hasattr(values, "__len__") else None
 
 
 def default_requirements(model) -> list[str]:

@@ -725,6 +725,13 @@ class ModelParams(accessors.ModelParamsAccessors, HasModelIO):
             default=None,
             hint="list[str]",
         ),
+        ParamSpec(
+            "feature_lengths",
+            "column -> the number of values each row of an array or vector feature column "
+            "held in the fit (the shapes of the MLflow model's tensor signature)",
+            default=None,
+            hint="dict[str, int]",
+        ),
     )
 
     _specs = (

@@ -68,11 +68,44 @@ def test_without_the_fits_columns_the_example_types_the_signature_else_there_is_
     example = mlflow_model.example_frame(pd.DataFrame({"x": [[1.0, 2, 3]], "y": [1]}), ["x"])
     assert list(example.columns) == ["x"]
     signature = mlflow_model.infer_signature(model, example)
-    assert signature.inputs.to_dict() == [
-        {"type": "array", "items": {"type": "double"}, "name": "x", "required": True}
-    ]
+    x = {"dtype": "float32", "shape": (-1, 3)}  # the example's first row holds 3 values
+    assert signature.inputs.to_dict() == [{"name": "x", "type": "tensor", "tensor-spec": x}]
     with pytest.raises(ValueError, match=r"input_example: the feature columns \['x'\] are not"):
         mlflow_model.example_frame(pd.DataFrame({"z": [1.0]}), ["x"])
+
+
+def test_numbers_arrays_and_vectors_of_known_widths_have_a_tensor_signature():
+    """MLflow checks a tensor a column at once, an array of a column signature row by row;
+    the widths are the fit's, else input_shapes', else the example's; unknown: columns."""
+    kinds = {"n": ["scalar", "float64"], "x": ["array", "float64"], "v": ["vector", "float64"]}
+    model = TorchModel(
+        model=linear_net(),
+        feature_cols=list(kinds),
+        feature_kinds=kinds,
+        feature_lengths={"x": 3, "v": 4},
+        dtype="float64",
+    )
+    inputs = mlflow_model.infer_signature(model).inputs
+    assert inputs.is_tensor_spec() and inputs.input_names() == ["n", "x", "v"]
+    assert [(t.type.name, t.shape) for t in inputs.inputs] == [
+        ("float64", (-1,)),
+        ("float64", (-1, 3)),
+        ("float64", (-1, 4)),
+    ]
+    shaped = TorchModel(
+        model=linear_net(),
+        feature_cols=["x"],
+        feature_kinds={"x": ["array", "float32"]},
+        input_shapes=[[1, 2, 2]],
+    )
+    [tensor] = mlflow_model.infer_signature(shaped).inputs.inputs
+    assert (tensor.type.name, tensor.shape) == ("float32", (-1, 4))  # a row's values
+    unknown = TorchModel(
+        model=linear_net(), feature_cols=["x"], feature_kinds={"x": ["array", "float32"]}
+    )
+    assert mlflow_model.infer_signature(unknown).inputs.to_dict() == [
+        {"type": "array", "items": {"type": "double"}, "name": "x", "required": True}
+    ]
 
 
 def dataset(tmp_path, table: pa.Table, kind: str) -> tuple[Store, DatasetInfo]:
