@@ -36,9 +36,9 @@ from ...decoding import BadImage, default_decode, image_sizes
 from ...decoding.batch import decode_images_into
 from ...shared.serialization import loads
 from ...shared.spec import column_param
-from .row_generators import row_generators
 from .collate import Allocate, Collation, different_shapes
 from .decoded import MASK, BadRow, BatchResult, Decoded, Recipe
+from .row_generators import row_generators
 
 log = logging.getLogger("spark_estimator.worker.decode")
 IN_WORKER_PROCESS = False  # set by a decode worker process (``worker_process``)
