@@ -44,7 +44,7 @@ from .batch_decoding import BatchDecoding
 from .decoded import BatchResult, Decoded, Recipe
 from .delivery import Delivery, ready
 from .gpu_jpeg import GpuJpegs
-from .pool import IN_FLIGHT, VIEWED, DecodePool, DecodeTimeout
+from .pool import DecodePool, DecodeTimeout, slots_per_worker
 from .shared_memory import SHM_DIR_ENV, shm_folder, shm_free_bytes, shm_place
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Decoder:
             return
         tensors = decoded.tensors().values()
         row = sum(t.numel() * t.element_size() for t in tensors) / decoded.rows
-        slots = IN_FLIGHT + (VIEWED if self.device.type == "cpu" else 0)
+        slots = slots_per_worker(self._delivery_mode())
         need = int(row * self.batch_rows * 1.25) * slots * self.workers
         free = shm_free_bytes()
         share = free * SHM_SHARE / max(1, self.local_ranks)
@@ -196,10 +196,16 @@ class Decoder:
             if self.spec.timeout is not None and self.waiter is None:
                 self.waiter = ThreadPoolExecutor(1, thread_name_prefix="spark-estimator-batch")
 
-    def _delivery(self) -> Delivery:
+    def _delivery_mode(self) -> str:
+        """How batches leave the workers' slots: views on a CPU; on a GPU, copied to it
+        (training) or into pinned memory (transform, which joins parts first)."""
         if self.device.type != "cuda":
-            return Delivery("view")
-        return Delivery("device", self.device) if self.training else Delivery("pin")
+            return "view"
+        return "device" if self.training else "pin"
+
+    def _delivery(self) -> Delivery:
+        mode = self._delivery_mode()
+        return Delivery(mode, self.device if mode == "device" else None)
 
     @property
     def skipped(self) -> int:

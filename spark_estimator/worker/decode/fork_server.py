@@ -106,7 +106,6 @@ def fork(decoding: BatchDecoding, server: Channel, selector) -> tuple[int, tuple
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the rank owns shutdown
             name("decode-worker")
             faulthandler.enable(all_threads=False)  # on its own stderr now: the decoding thread
-            gc.unfreeze()
             code = serve(Channel(theirs), decoding)
         except SystemExit as e:  # the user's code ended the worker: its status, as Python's
             code = e.code if isinstance(e.code, int) else 1

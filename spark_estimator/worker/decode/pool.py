@@ -40,7 +40,8 @@ from .shared_memory import Segment
 
 T = TypeVar("T")
 IN_FLIGHT = 2  # batches a worker holds at once: one decoded while the rank reads the other
-VIEWED = 2  # a worker's batches the rank may hold as views of its slots
+VIEWED = 2  # a worker's batches the rank may hold as views of its slots (delivery "view")
+COPYING = 1  # a worker's slots whose batches are still being copied out (other deliveries)
 
 
 class DecodeTimeout(TimeoutError):
@@ -73,6 +74,7 @@ class DecodePool:
     ):
         self.recipe, self.timeout = recipe, timeout
         self.delivery = delivery or Delivery("view")
+        self.most_slots = slots_per_worker(self.delivery.mode)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.slots = {i: _Slots() for i in range(workers)}
@@ -183,7 +185,7 @@ class DecodePool:
             worker = self.processes.workers.get(index)
             if worker is None or len(slots.in_flight) >= IN_FLIGHT:
                 continue
-            if not slots.free and slots.made >= IN_FLIGHT + VIEWED:
+            if not slots.free and slots.made >= self.most_slots:
                 continue
             if best is None or len(slots.in_flight) < len(self.slots[best.index].in_flight):
                 best = worker
@@ -276,7 +278,7 @@ class DecodePool:
             abandoned = seq in self.abandoned
             self.abandoned.discard(seq)
             self.firsts.pop(seq, None)
-            view = not abandoned and len(slots.viewed) < VIEWED
+            view = self.delivery.mode == "view" and not abandoned and len(slots.viewed) < VIEWED
             if view:
                 slots.viewed.add(slot)
 
@@ -361,3 +363,9 @@ class DecodePool:
 
 
 _END = object()
+
+
+def slots_per_worker(delivery: str) -> int:
+    """The most slots a worker makes: those it decodes into, and those the rank holds as
+    views (delivery "view") or is still copying out of (the others)."""
+    return IN_FLIGHT + (VIEWED if delivery == "view" else COPYING)
