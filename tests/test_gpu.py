@@ -479,9 +479,7 @@ def test_decode_worker_processes_feed_a_gpu_rank_with_pinned_batches(tmp_path):
     assert result["processes"] == pytest.approx(result["threads"], rel=1e-5)
 
 
-def test_a_gpu_rank_gets_its_batches_copied_to_the_device_straight_from_the_slots(
-    tmp_path, store
-):
+def test_a_gpu_rank_gets_its_batches_copied_to_the_device_straight_from_the_slots(tmp_path, store):
     """Decode worker processes on a GPU rank: each batch is copied to the GPU straight
     from its worker's slot (registered with CUDA: no host copy), the slot given back once
     the copy is done, the batches equal to those decoded in threads."""

@@ -105,4 +105,3 @@ def _chw(array: np.ndarray, copy: bool = True) -> torch.Tensor:
 
 def _pair(size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-

@@ -298,7 +298,6 @@ class BatchDecoding:
         )
 
 
-
 def _first_size(images: list) -> tuple[int, int]:
     """The (height, width) of the first of ``images`` whose header reads ((1, 1) where none
     does: every image then fails to decode, and is named)."""

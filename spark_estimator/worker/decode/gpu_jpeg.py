@@ -80,4 +80,3 @@ def decode_jpegs(name: str, images: list[bytes], device: torch.device) -> torch.
             "stacks them as they are: resize them to one size before fit"
         )
     return torch.stack(out)
-

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 SHM_DIR_ENV = "SPARK_ESTIMATOR_SHM_DIR"
+SEGMENT_NAME = "spark-estimator-decode"  # in a segment's mapping's name (/proc/PID/maps)
 
 
 def shm_folder() -> str | None:
@@ -128,9 +129,9 @@ class Segment:
 def _new(size: int) -> int:
     folder = shm_folder()
     if folder is None:
-        fd = os.memfd_create("spark-estimator-decode", os.MFD_CLOEXEC)
+        fd = os.memfd_create(SEGMENT_NAME, os.MFD_CLOEXEC)
     else:
-        fd, path = tempfile.mkstemp(prefix="spark-estimator-decode-", dir=folder)
+        fd, path = tempfile.mkstemp(prefix=f"{SEGMENT_NAME}-", dir=folder)
         os.unlink(path)  # freed once its last descriptor and mapping close
     try:
         os.posix_fallocate(fd, 0, size)

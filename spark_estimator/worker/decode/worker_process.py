@@ -29,14 +29,15 @@ import queue
 import threading
 import time
 import traceback
-from pathlib import Path
 
 from . import batch_decoding
 from .batch_decoding import BatchDecoding
 from .batch_format import SlotWriter
 from .channel import Channel
+from .shared_memory import SEGMENT_NAME
 
-SAMPLE_EVERY_S = 1.0  # how often a worker reads its memory (a read costs about a millisecond)
+SAMPLE_EVERY_S = 5.0  # how often a worker reads its memory (a read costs 5 to 15 ms)
+SEGMENT_NAME_BYTES = SEGMENT_NAME.encode()
 
 
 def serve(channel: Channel, decoding: BatchDecoding) -> int:
@@ -80,11 +81,12 @@ def _receive(channel: Channel, requests: queue.SimpleQueue) -> None:
 
 
 class MemorySampler:
-    """This process's memory, read from ``/proc/self/smaps_rollup`` at most every
+    """This process's memory, read from ``/proc/self/smaps`` at most every
     ``SAMPLE_EVERY_S``: the peaks of its private memory (USS: the pages no other process
-    maps, what it costs of its own), its proportional share (PSS: shared pages divided among
-    the processes that map them) and its resident set (RSS, which counts every page it
-    shares with its fork server and the other workers in full)."""
+    maps, what it costs of its own; its slots' segments left out, which its rank maps too
+    once it reads them), its proportional share (PSS: shared pages divided among the
+    processes that map them) and its resident set (RSS, which counts every page it shares
+    with its fork server and the other workers in full)."""
 
     def __init__(self):
         self.peaks = {"uss": 0, "pss": 0, "rss": 0}
@@ -100,16 +102,25 @@ class MemorySampler:
 
 
 def read_memory(pid: int) -> dict[str, int]:
-    """A process's USS, PSS and RSS in bytes (zeros where ``/proc`` does not say)."""
-    fields = {}
+    """A process's USS (without the shared-memory segments it maps: ``SEGMENT_NAME``), PSS
+    and RSS in bytes (zeros where ``/proc`` does not say)."""
+    totals = {"uss": 0, "pss": 0, "rss": 0}
+    segment = False
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
-            name, value, *_ = line.split()
-            fields[name.rstrip(":")] = int(value) * 1024
-    except (OSError, ValueError):
-        return {"uss": 0, "pss": 0, "rss": 0}
-    uss = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
-    return {"uss": uss, "pss": fields.get("Pss", 0), "rss": fields.get("Rss", 0)}
+        with open(f"/proc/{pid}/smaps", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return totals
+    for line in lines:
+        if not line[:1].isupper():  # a mapping's first line: its addresses, ..., its name
+            segment = SEGMENT_NAME_BYTES in line
+        elif line.startswith(b"Private_"):
+            totals["uss"] += 0 if segment else int(line.split()[1]) * 1024
+        elif line.startswith(b"Pss:"):
+            totals["pss"] += int(line.split()[1]) * 1024
+        elif line.startswith(b"Rss:"):
+            totals["rss"] += int(line.split()[1]) * 1024
+    return totals
 
 
 def describe(error: BaseException) -> tuple[bytes | None, str, str, str]:
