@@ -13,7 +13,8 @@ on its own new store, a TPESampler seeded 0:
 
 (a) no pruning (``NopPruner``), trials one at a time (``parallelism=1``);
 (b) no pruning, ``--parallelism`` (2) trials at once;
-(c) ``MedianPruner(n_startup_trials=4, n_warmup_steps=2)``, one at a time;
+(c) ``SuccessiveHalvingPruner()`` (Optuna's defaults: rungs at 1, 4 and 16 epochs, a
+    quarter promoted), one at a time;
 (d) the same pruner, ``--parallelism`` at once;
 (e) the grid: the estimator's ``fitMultiple`` over a ``ParamGridBuilder`` of 5 learning
     rates (1e-5, 1e-4, 1e-3, 1e-2, 1e-1) x the 3 widths, 15 fits (a 16-point grid of this
@@ -73,7 +74,7 @@ HEADER = """\
 # Tuning (benchmarks/tuning.py)
 
 `OptunaSearch` over the digits CNN (learning rate log-uniform 1e-5 to 1, width in
-{16, 32, 64}, TPE seeded 0): epochs trained with a `MedianPruner` against none, wall time
+{16, 32, 64}, TPE seeded 0): epochs trained with a `SuccessiveHalvingPruner` against none, wall time
 with trials at once against one at a time, the driver's own seconds per trial, the pruning
 round trip per epoch, and the best validation loss against a grid of the same space fitted
 with `fitMultiple`. How each number is obtained: the script's docstring.
@@ -224,13 +225,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(dir=args.store_dir) as folder:  # Python workers, torch
         estimator(Store.create(folder), 1, args.num_proc).fit(df)
 
-    nop, median = optuna.pruners.NopPruner, optuna.pruners.MedianPruner
+    nop, halving = optuna.pruners.NopPruner, optuna.pruners.SuccessiveHalvingPruner
     runs = {}
     for name, pruner, parallelism in (
         ("a", nop(), 1),
         ("b", nop(), args.parallelism),
-        ("c", median(n_startup_trials=4, n_warmup_steps=2), 1),
-        ("d", median(n_startup_trials=4, n_warmup_steps=2), args.parallelism),
+        ("c", halving(), 1),
+        ("d", halving(), args.parallelism),
     ):
         runs[name] = search(df, args, pruner, parallelism)
         frame = runs[name]["frame"]
@@ -265,8 +266,8 @@ def main() -> int:
     names = {
         "a": "(a) no pruning, one at a time",
         "b": f"(b) no pruning, {args.parallelism} at once",
-        "c": "(c) MedianPruner, one at a time",
-        "d": f"(d) MedianPruner, {args.parallelism} at once",
+        "c": "(c) SuccessiveHalvingPruner, one at a time",
+        "d": f"(d) SuccessiveHalvingPruner, {args.parallelism} at once",
     }
     for key, label in names.items():
         states = runs[key]["frame"]["state"].value_counts()

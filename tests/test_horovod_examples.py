@@ -58,8 +58,7 @@ def alone(script: list[str], tmp_path: Path, *flags: str) -> float:
 
 @pytest.mark.parametrize(
     "master, flags",
-    [
-        ("local[2]", ()),
+    [  # the plain allreduce on a local-cluster, the compressed Adasum one on local[2]
         pytest.param(CLUSTER, (), marks=pytest.mark.cluster),
         ("local[2]", ("--fp16-allreduce", "--use-adasum")),
     ],
