@@ -114,7 +114,7 @@ def read_memory(pid: int) -> dict[str, int]:
     for line in lines:
         if not line[:1].isupper():  # a mapping's first line: its addresses, ..., its name
             segment = SEGMENT_NAME_BYTES in line
-        elif line.startswith(b"Private_"):
+        elif line.startswith((b"Private_Clean:", b"Private_Dirty:")):
             totals["uss"] += 0 if segment else int(line.split()[1]) * 1024
         elif line.startswith(b"Pss:"):
             totals["pss"] += int(line.split()[1]) * 1024
