@@ -15,7 +15,7 @@ from .driver.fit import StoreEstimator
 from .driver.fit_checks import Training
 from .driver.params import EstimatorParams
 from .model import TorchModel
-from .shared.spec import COMMIT_AUTO, SPLITS, LoopSpec, metric_keys
+from .shared.spec import COMMIT_AUTO, LoopSpec
 
 # the params whose objects the executors rebuild from one pickle (worker.loop.objects)
 _BUNDLED = (
@@ -71,12 +71,12 @@ class TorchEstimator(TorchEstimatorConstructor, StoreEstimator, EstimatorParams)
             objects, self.getLabelCols(), loop.lr_scheduler_interval
         )
         validate_training.check_fsdp_wrap(objects["model"], loop.fsdp_wrap)
-        names = ["loss", *metric_keys(list(metrics or {}), self.getLabelCols())]
 
         def check_callbacks(has_validation: bool) -> None:
-            splits = SPLITS if has_validation else ("train",)
-            monitorable = {f"{split}.{name}" for split in splits for name in names}
-            validate_training.check_callbacks(self.getCallbacks(), monitorable)
+            monitorable = validate_training.recorded_metrics(
+                list(metrics or {}), self.getLabelCols(), has_validation
+            )
+            validate_training.check_callbacks(self.getCallbacks(), set(monitorable))
 
         return Training(
             bundle=bundle,

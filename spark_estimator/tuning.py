@@ -24,7 +24,7 @@ from .driver import mlflow_log
 from .driver.constructors import OptunaSearchConstructor
 from .driver.fit import StoreEstimator
 from .driver.params import OBJECT_PARAMS, SearchParams
-from .driver.persistence import NestedStagesReadWrite
+from .driver.persistence import NestedStagesReadWrite, in_store
 from .driver.study import StudyRun, open_storage, require_optuna
 from .driver.trials import EPOCHS_ATTR, ERROR_ATTR, FIT_SECONDS_ATTR, RUN_ID_ATTR, check_evaluator
 from .model import TorchModel
@@ -212,11 +212,10 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
         model = models.get(best.number)
         if model is None:  # the best trial finished in an earlier fit of the study
             store = self.getEstimator().getStore()
-            url, options = store.fsspec_target(store.run(best.user_attrs[RUN_ID_ATTR]).tuned_model)
             reader = TorchModel.read()
-            for key, value in options.items():
-                reader.option(key, value)
-            model = reader.load(url)
+            model = reader.load(
+                in_store(reader, store, store.run(best.user_attrs[RUN_ID_ATTR]).tuned_model)
+            )
         return OptunaSearchModel(model, study, trials)
 
     # -- persistence (NestedStagesReadWrite) ------------------------------------------------

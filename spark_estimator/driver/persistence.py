@@ -107,6 +107,15 @@ class _FsspecOptions:
         return fsspec.core.url_to_fs(spark_url(path, "path"), **self.storage_options)
 
 
+def in_store(io, store, path: str) -> str:
+    """The URL of ``path`` in ``store`` (a ``Store``) for ``io``, a writer or reader of
+    ours, on which the store's storage options are set."""
+    url, options = store.fsspec_target(path)
+    for key, value in options.items():
+        io.option(key, value)
+    return url
+
+
 class ObjectParamsWriter(_FsspecOptions, MLWriter):
     """Writes ``instance``: JSON params to metadata, ``instance._objects()`` to a pickle,
     the tensors of ``instance._weights()`` (when it has that method) to a weights file."""

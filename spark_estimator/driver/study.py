@@ -40,6 +40,7 @@ from ..store import Store
 from . import mlflow_log
 from .launch import available_slots, cancel_jobs, labelled_jobs
 from .monitor import logging_configured
+from .persistence import in_store
 from .stage_profile import task_profile
 from .trial_watch import TrialWatch
 from .trials import (
@@ -121,7 +122,7 @@ class StudyRun:
         self.free = self.slots
         self.procs = min(est.getNumProc() or self.slots, self.slots)
         running = optuna.trial.TrialState.RUNNING
-        stale = [t for t in self.study.get_trials(deepcopy=False, states=(running,))]
+        stale = self.study.get_trials(deepcopy=False, states=(running,))
         # taken up again (a FrozenTrial's storage id makes the Trial that reports to it),
         # with the epochs it reported
         pending = [
@@ -297,11 +298,8 @@ class StudyRun:
             self.models = {plan.number: model}
         if self.kept:
             store = plan.estimator.getStore()
-            url, options = store.fsspec_target(store.run(plan.run_id).tuned_model)
             writer = model.write().overwrite()
-            for key, value in options.items():
-                writer.option(key, value)
-            writer.save(url)
+            writer.save(in_store(writer, store, store.run(plan.run_id).tuned_model))
         return True
 
     def _note_dataset(self, plan: TrialPlan) -> None:

@@ -23,8 +23,7 @@ from pyspark.sql import functions as F
 
 from ..shared.packages import lightning_package
 from ..shared.pruning import TrialPruning, history_value, lightning_trial_pruning
-from ..shared.spec import SPLITS, metric_keys
-from . import validate_lightning
+from . import validate_lightning, validate_training
 
 RUN_ID_ATTR = "run_id"  # the trial's user attribute naming its run in the store
 EPOCHS_ATTR = "epochs_trained"
@@ -124,10 +123,9 @@ def check_metric(estimator, metric: str) -> None:
                 "value logged in training"
             )
         return
-    metrics = estimator.getMetrics()
-    names = ["loss", *metric_keys(list(metrics or {}), estimator.getLabelCols())]
-    splits = SPLITS if has_validation else ("train",)
-    recorded = [f"{split}.{name}" for split in splits for name in names]
+    recorded = validate_training.recorded_metrics(
+        list(estimator.getMetrics() or {}), estimator.getLabelCols(), has_validation
+    )
     if metric not in recorded:
         why = ""
         if metric.startswith("validation.") and not has_validation:

@@ -25,7 +25,9 @@ from ..shared.spec import (
     PARALLELISMS,
     PRECISIONS,
     SCHEDULER_INTERVALS,
+    SPLITS,
     LoopSpec,
+    metric_keys,
 )
 from . import run_manifest
 
@@ -146,6 +148,17 @@ def check_loss_weights(loss_weights, label_cols: list[str]) -> None:
         )
     if any(w < 0 for w in loss_weights) or not any(w > 0 for w in loss_weights):
         raise ValueError(f"loss_weights: must be >= 0 with at least one > 0, got {loss_weights}")
+
+
+def recorded_metrics(
+    metric_names: list[str], label_cols: list[str], has_validation: bool
+) -> list[str]:
+    """What a fit records each epoch, as ``split.name``: the loss and each of the metrics
+    ``metric_names`` (per label column where there are several), for the training split
+    and, with validation data, the validation split."""
+    names = ["loss", *metric_keys(metric_names, label_cols)]
+    splits = SPLITS if has_validation else ("train",)
+    return [f"{split}.{name}" for split in splits for name in names]
 
 
 def check_callbacks(callbacks, monitorable: set[str]) -> None:
