@@ -20,7 +20,7 @@ from typing import Any
 from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame
 
-from .driver import mlflow_log
+from .driver import mlflow_log, validate
 from .driver.constructors import OptunaSearchConstructor
 from .driver.fit import StoreEstimator
 from .driver.params import OBJECT_PARAMS, SearchParams
@@ -128,16 +128,11 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
         n_trials, timeout = self.getNTrials(), self.getTimeout()
         if n_trials is None and timeout is None:
             raise ValueError("n_trials, timeout: give at least one, else the study never ends")
-        if n_trials is not None and n_trials < 1:
-            raise ValueError(f"n_trials: must be >= 1, got {n_trials}")
+        validate.check_positive("n_trials", n_trials, optional=True)
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
-        if self.getParallelism() < 1:
-            raise ValueError(f"parallelism: must be >= 1, got {self.getParallelism()}")
-        if self.getDirection() not in DIRECTIONS:
-            raise ValueError(
-                f"direction: must be one of {list(DIRECTIONS)}, got {self.getDirection()!r}"
-            )
+        validate.check_positive("parallelism", self.getParallelism())
+        validate.check_choice("direction", self.getDirection(), DIRECTIONS)
         metric = self.getMetric()
         if estimator._TRAINER != "lightning":
             split, dot, name = metric.partition(".")

@@ -216,6 +216,12 @@ def test_bad_searches_are_refused_on_the_driver_naming_the_param(
     assert refused(space=lr_space, storage="store", study_name="x", n_trials=None).startswith(
         "n_trials, timeout: give at least one"
     )
+    assert refused(space=lr_space, n_trials=0) == "n_trials: must be >= 1, got 0"
+    assert refused(space=lr_space, timeout=0) == "timeout: must be > 0 seconds, got 0.0"
+    assert refused(space=lr_space, parallelism=0) == "parallelism: must be >= 1, got 0"
+    assert refused(space=lr_space, direction="up") == (
+        "direction: must be one of ['minimize', 'maximize'], got 'up'"
+    )
     assert not store.exists(store.runs) and not store.exists(store.datasets)  # no fit ran
     monkeypatch.setitem(__import__("sys").modules, "optuna", None)
     assert "pip install 'spark-estimator[tune]'" in refused(space=lr_space)
