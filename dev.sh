@@ -55,6 +55,7 @@ legacy_stack() {
 test_default() {
   install .venv default_stack setup.py requirements-dev.txt
   .venv/bin/ruff check spark_estimator tests examples
+  .venv/bin/python -m tests.jvm_archive  # once a venv: the test JVMs' class-data archive
   .venv/bin/python -m pytest "$@"
 }
 

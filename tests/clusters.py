@@ -74,12 +74,14 @@ import pyspark
 import pytest
 
 from tests.conftest import spark_session, stop_session
+from tests.jvm_archive import java_options
 
 SPARK_HOME = Path(pyspark.__file__).parent
 MARKER = "SPARK_ESTIMATOR_TEST_CLUSTER"  # environment variable of every cluster process
 START_S = 120.0  # the most a Master, a Worker or the executors may take to come up
-# short-lived JVMs: C1 only and the serial collector spend less CPU starting
-JVM_OPTS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+# short-lived JVMs: C1 only, the serial collector and Spark's classes from the tests'
+# class-data archive (where built) spend less CPU starting
+JVM_OPTS = java_options()
 
 
 def _proc_state(pid: int) -> str:

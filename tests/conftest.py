@@ -17,13 +17,16 @@ from pyspark.ml.linalg import Vectors
 from pyspark.sql import SparkSession
 
 from spark_estimator import Store, TorchEstimator
+from tests.jvm_archive import java_options
 
 # Executors must run this interpreter (the test venv), not whatever python3 is on PATH.
 os.environ["PYSPARK_PYTHON"] = sys.executable
 # Every JVM the tests start through spark-submit (this process's Spark, and the spark-submit
 # jobs, notebooks and scripts run as subprocesses) lives for seconds to minutes: compiling
-# with C1 only, and the serial collector, spend about a third less CPU starting it.
-os.environ.setdefault("SPARK_SUBMIT_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+# with C1 only, and the serial collector, spend about a third less CPU starting it, and the
+# class-data archive that the README's test command builds (``tests.jvm_archive``) about
+# as much again.
+os.environ.setdefault("SPARK_SUBMIT_OPTS", java_options())
 # Inherited by every process this pytest process starts (its Spark's executors and their
 # Python workers, ranks, decode workers): ``tests.processes`` tells them from another
 # pytest worker's, which runs beside this one in the suite.
@@ -54,6 +57,8 @@ def spark_session(master: str, **conf: str) -> SparkSession:
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.driver.memory", "2g")
     )
+    if master.startswith("local-cluster"):  # executors of their own, started as ours
+        builder = builder.config("spark.executor.extraJavaOptions", java_options())
     for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()

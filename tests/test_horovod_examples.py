@@ -222,7 +222,9 @@ SHRINK_AND_GROW = """
 
     def after_step(optimizer, args, kwargs):
         steps[0] += 1
-        if size == 2:
+        # the launch's size now: Spark reuses this Python process for the next launch,
+        # whose hook is added to this one
+        if os.environ["WORLD_SIZE"] == "2":
             time.sleep({pause})
         if rank == 1 and steps[0] == {step} and not os.path.exists(marker):
             open(marker, "w").close()
