@@ -61,6 +61,7 @@ test_default() {
 
 test_legacy() {
   install .venv-legacy legacy_stack setup.py requirements-legacy.txt
+  .venv-legacy/bin/python -m tests.jvm_archive
   .venv-legacy/bin/python -m pytest -m legacy "$@"
 }
 

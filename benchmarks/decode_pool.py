@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -270,9 +271,17 @@ def main() -> int:
     shm = os.environ.get(SHM_ENV)
     images, repeats = bc.pass_sizes(args, FULL_IMAGES)
     env = bc.machine(("PIL", "simplejpeg"))
-    work = Path(tempfile.mkdtemp(prefix="decode-pool-"))
-    store = Store.create(str(work / "store"))
-    data, blobs = dataset(images, work / "data")
+    scratch = Path(tempfile.mkdtemp(prefix="decode-pool-"))  # the data and the store
+    try:
+        return measure(args, only, shm, images, repeats, env, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure(args, only: list[str], shm, images: int, repeats: int, env: dict, scratch: Path):
+    """The whole benchmark, with its data and store in ``scratch``; its results recorded."""
+    store = Store.create(str(scratch / "store"))
+    data, blobs = dataset(images, scratch / "data")
     spec = bc.loader_only_spec(data, store, args.batch, decode=DecodeSpec())
     print(f"{images:,} JPEGs, batch {args.batch}, {os.cpu_count()} cores", flush=True)
     decode_limit = image_fit.DecodeLimit(blobs, os.cpu_count() or 1)  # forked before any thread
