@@ -8,14 +8,17 @@ maps them instead: measured here, a local session with a Parquet write and read 
 CPU seconds instead of 11.1.
 
 ``python -m tests.jvm_archive`` builds it once per virtual environment (the README's test
-command does, about a minute), into ``.venv/spark-cds/`` under a name of the Java version
-and the jars; ``tests.conftest`` hands ``java_options()`` to every driver JVM through
-``SPARK_SUBMIT_OPTS`` when it exists. A JVM whose class path does not match the archive
-(the executors of a standalone cluster) starts as it would without it, silently.
+command does, about a minute, for each of its two), into the environment's ``spark-cds/``
+under a name of the Java version, the jars and this recipe. Where it exists,
+``java_options()`` names it: ``tests.conftest`` hands them to every driver JVM through
+``SPARK_SUBMIT_OPTS`` and to its local-cluster executors, ``tests.clusters`` to its
+Masters, Workers and their executors (all of them started with the driver's class path).
+A JVM whose class path did not match would start as it does without it, silently.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import subprocess
@@ -67,6 +70,7 @@ def archive_path() -> Path:
     return FOLDER / f"driver-{key.hexdigest()[:16]}.jsa"
 
 
+@functools.cache
 def java_options() -> str:
     """The options of every test JVM started through spark-submit: with the archive where
     it was built."""
