@@ -79,8 +79,8 @@ from tests.jvm_archive import java_options
 SPARK_HOME = Path(pyspark.__file__).parent
 MARKER = "SPARK_ESTIMATOR_TEST_CLUSTER"  # environment variable of every cluster process
 START_S = 120.0  # the most a Master, a Worker or the executors may take to come up
-# short-lived JVMs: C1 only, the serial collector and Spark's classes from the tests'
-# class-data archive (where built) spend less CPU starting
+# the Masters' and Workers' JVMs as the tests' others (``spark_session`` gives the executors
+# the same): short-lived, they spend less CPU starting so
 JVM_OPTS = java_options()
 
 
@@ -266,7 +266,6 @@ class StandaloneCluster:
             "spark.executor.cores": "1",
             "spark.task.cpus": "1",
             "spark.executor.memory": "512m",
-            "spark.executor.extraJavaOptions": JVM_OPTS,
             "spark.driver.host": self.host,
             "spark.driver.bindAddress": self.host,
             **conf,

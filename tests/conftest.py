@@ -57,7 +57,7 @@ def spark_session(master: str, **conf: str) -> SparkSession:
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.driver.memory", "2g")
     )
-    if master.startswith("local-cluster"):  # executors of their own, started as ours
+    if not master.startswith("local["):  # executors of their own, started as ours
         builder = builder.config("spark.executor.extraJavaOptions", java_options())
     for key, value in conf.items():
         builder = builder.config(key, value)
