@@ -163,8 +163,9 @@ def join() -> int:
 def _count(store, key: str) -> int:
     """Add 1 to ``key``'s counter in the job's store. In a fit or ``run(fn)`` the counters
     are sealed (``SealedStore``: one a stranger wrote raises ``ForgedValue``); a script's
-    group has torch's plain store, whose server drops the connection of an add to a value
-    that is not a number: its error then says so."""
+    group has torch's plain store, whose error (its server went away, or a stranger wrote
+    a value that is not a number: the server then drops the connection, though a few such
+    adds in a hundred return 1 instead) is told what the counter was."""
     try:
         return store.add(key, 1)
     except dist.DistError as e:

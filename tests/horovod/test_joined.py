@@ -140,11 +140,8 @@ def test_a_joined_rank_contributes_zeros_until_every_rank_has_joined(spark):
     assert [t.tolist() for t in zero["trained"]] != [t.tolist() for t in one["trained"]]
 
 
-def _poisoned_join(monkeypatch, wrap):
-    """hvd.join() on rank 0 of 2 whose job store (``wrap`` of a client of a real TCPStore)
-    holds, under join's call counter, a value that a stranger on the port wrote."""
-    from datetime import timedelta
-
+def _join_on(monkeypatch, store):
+    """hvd.join() on rank 0 of 2 whose job store is ``store``; the error it raises."""
     import pytest
     import torch
     import torch.distributed as dist
@@ -152,10 +149,6 @@ def _poisoned_join(monkeypatch, wrap):
     from spark_estimator.horovod import joined
     from spark_estimator.worker.comm.ranks import RankInfo
 
-    timeout = timedelta(seconds=5)
-    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
-    store = wrap(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout))
-    server.set("spark_estimator.horovod/join/calls/0", b"not-a-number")
     monkeypatch.setattr(joined, "rank_info", lambda: RankInfo(0, 2, 0, 2, torch.device("cpu")))
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
     with pytest.raises(Exception) as e:
@@ -163,21 +156,40 @@ def _poisoned_join(monkeypatch, wrap):
     return e.value
 
 
+def _server_and_client():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    return server, dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timeout)
+
+
 def test_join_refuses_a_sealed_counter_that_a_stranger_overwrote(monkeypatch):
     from spark_estimator.worker.comm.sealed_store import ForgedValue, SealedStore
 
-    error = _poisoned_join(monkeypatch, lambda client: SealedStore(client, "a" * 32))
+    server, client = _server_and_client()
+    server.set("spark_estimator.horovod/join/calls/0", b"not-a-number")
+    error = _join_on(monkeypatch, SealedStore(client, "a" * 32))
     assert isinstance(error, ForgedValue)
     assert "'spark_estimator.horovod/join/calls/0'" in str(error)
 
 
-def test_join_says_what_a_plain_counter_that_is_no_number_does(monkeypatch):
-    # a script's group: torch's own, unsealed client (env://); its server drops the
-    # connection of an add to a value that is not a number
+def test_join_says_what_a_plain_store_that_went_away_does(monkeypatch):
+    # a script's group: torch's own, unsealed client (env://) of rank 0's server, gone.
+    # (Not a stranger's b"not-a-number" under the counter, though the note names it too:
+    # torch's client then raises most times, but a few adds in a hundred return 1 and
+    # leave the value as it was - measured on torch 2.13 - so such a test cannot hold.)
+    import gc
+
     import torch.distributed as dist
 
-    error = _poisoned_join(monkeypatch, lambda client: client)
+    server, client = _server_and_client()
+    del server
+    gc.collect()
+    error = _join_on(monkeypatch, client)
     assert isinstance(error, dist.DistError)  # still a lost store, which starts a run again
     note = "\n".join(getattr(error, "__notes__", []))
     assert "hvd.join()" in note and "'spark_estimator.horovod/join/calls/0'" in note
-    assert "not a number" in note
+    assert "went away" in note and "not a number" in note
