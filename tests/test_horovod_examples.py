@@ -117,63 +117,7 @@ def test_the_elastic_script_resumes_from_its_last_commit_when_a_rank_is_killed(t
     assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0
 
 
-KILL_WORKER = """
-    # Runs the example; rank 1, at its {step}th optimizer step, SIGKILLs the standalone
-    # Worker that started its executor, then the executor: that slot is gone for good.
-    # Every launch says its size first.
-    import os, runpy, signal, sys
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    marker, script = sys.argv[1], sys.argv[2]
-    print("size", os.environ["WORLD_SIZE"], flush=True)
-    steps = [0]
-
-    def parent(pid):
-        with open(f"/proc/{{pid}}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-
-    def cmdline(pid):
-        with open(f"/proc/{{pid}}/cmdline", "rb") as f:
-            return f.read()
-
-    def kill_worker_once(optimizer, args, kwargs):
-        steps[0] += 1
-        if os.environ["RANK"] == "1" and steps[0] == {step} and not os.path.exists(marker):
-            open(marker, "w").close()
-            executor = parent(os.getpid())
-            while b"CoarseGrainedExecutorBackend" not in cmdline(executor):
-                executor = parent(executor)
-            os.kill(parent(executor), signal.SIGKILL)
-            os.kill(executor, signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    register_optimizer_step_post_hook(kill_worker_once)
-    sys.argv = sys.argv[2:]
-    runpy.run_path(script, run_name="__main__")
-"""
-
-
-@pytest.mark.cluster
-def test_the_elastic_script_goes_on_with_fewer_ranks_after_losing_a_worker(tmp_path):
-    # 1,437 training images, 3 ranks, batch 64: 7 steps per epoch. The kill comes at
-    # rank 1's 17th step, in epoch 3 after its commit at batch 0 (--batches-per-commit 4).
-    killer = tmp_path / "kill_worker.py"
-    killer.write_text(textwrap.dedent(KILL_WORKER.format(step=17)))
-    marker = tmp_path / "killed"
-    with StandaloneCluster(workers=3) as cluster:
-        argv = [str(LAUNCHER), "-np", "3", "--min-np", "2", "--master", cluster.url]
-        argv += ["--store", str(tmp_path / "store"), str(killer), str(marker), *ELASTIC]
-        done = run(argv, tmp_path, PYSPARK_PYTHON=sys.executable)
-        assert len(cluster.alive_workers()) == 2  # the Worker stayed lost
-    assert marker.exists()
-    sizes = re.findall(r"^\[rank 0\] size (\d+)$", done.stdout, re.M)
-    assert sizes == ["3", "2"], done.stdout[-3000:]
-    epochs = re.findall(r"^\[rank 0\] Epoch (\d+):", done.stdout, re.M)
-    assert epochs == [str(e) for e in range(1, EPOCHS + 1)], done.stdout[-3000:]
-    assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0
-
-
-IMAGENET = [str(EXAMPLES / "pytorch_imagenet_elastic.py")]
+IMAGENET = [str(EXAMPLES / "pytorch_imagenet_elastic.py"), "--epochs", "8"]
 TRAIN_IMAGES = 1437  # the digits' training images (every fifth of 1,797 validates)
 
 SHRINK_AND_GROW = """
@@ -265,7 +209,10 @@ def test_the_imagenet_style_script_shrinks_after_losing_a_worker_and_grows_back(
     # 1,437 training images, 3 ranks, batch 32: 15 steps per epoch. Rank 1's 40th step is in
     # the third epoch, after its commit at batch 0 (--batches-per-commit 10): the run goes on
     # with 2 ranks from there; once it does, a new Worker is started and it grows back to 3
-    # at a host check (every 2 batches) or commit, within the same spark-estimator-run
+    # at a host check (every 2 batches) or commit, within the same spark-estimator-run.
+    # (A run that stays at 2 ranks to its end, its Worker lost for good, is the fit's:
+    # tests/driver/test_elastic.py: a run's launches are restarted by the same
+    # ``driver.elastic`` code as a fit's.)
     harness = tmp_path / "shrink_and_grow.py"
     harness.write_text(
         textwrap.dedent(SHRINK_AND_GROW.format(step=40, pause=0.3, train=TRAIN_IMAGES))
@@ -311,11 +258,11 @@ def test_the_imagenet_style_script_shrinks_after_losing_a_worker_and_grows_back(
     assert re.search(r"ranks were lost .*starting the job again with 2 ranks", stderr)
     assert "starting the job again with 3 ranks (was 2)" in stderr, stderr[-3000:]
     epochs = re.findall(r"^\[rank 0\] Validate Epoch #(\d+):", stdout, re.M)
-    assert epochs == [str(e) for e in range(1, 13)], stdout[-3000:]
+    assert epochs == [str(e) for e in range(1, 9)], stdout[-3000:]
     # ElasticSampler: every image once per epoch, but for the padding that fills the last
     # batch of every rank (fewer than 3 images per launch that ends the epoch)
     by_epoch = sampled(batches)
-    assert sorted(by_epoch) == list(range(12))
+    assert sorted(by_epoch) == list(range(8))
     for epoch, indices in by_epoch.items():
         assert set(indices) == set(range(TRAIN_IMAGES)), epoch
         assert len(indices) - TRAIN_IMAGES < 3, (epoch, len(indices))
