@@ -215,7 +215,7 @@ def test_the_imagenet_style_script_shrinks_after_losing_a_worker_and_grows_back(
     # ``driver.elastic`` code as a fit's.)
     harness = tmp_path / "shrink_and_grow.py"
     harness.write_text(
-        textwrap.dedent(SHRINK_AND_GROW.format(step=40, pause=0.3, train=TRAIN_IMAGES))
+        textwrap.dedent(SHRINK_AND_GROW.format(step=40, pause=0.5, train=TRAIN_IMAGES))
     )
     marker, batches = tmp_path / "killed", tmp_path / "batches"
     batches.mkdir()
