@@ -11,8 +11,9 @@ CPU seconds instead of 11.1.
 command does, about a minute, for each of its two), into the environment's ``spark-cds/``
 under a name of the Java version, the jars and this recipe. Where it exists,
 ``java_options()`` names it: ``tests.conftest`` hands them to every driver JVM through
-``SPARK_SUBMIT_OPTS`` and to its local-cluster executors, ``tests.clusters`` to its
-Masters, Workers and their executors (all of them started with the driver's class path).
+``SPARK_SUBMIT_OPTS`` and to the executors of every session with executors of its own
+(local-cluster, standalone), ``tests.clusters`` to its Masters and Workers (all of them
+started with the driver's class path).
 A JVM whose class path did not match would start as it does without it, silently.
 """
 

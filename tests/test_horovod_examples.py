@@ -117,7 +117,8 @@ def test_the_elastic_script_resumes_from_its_last_commit_when_a_rank_is_killed(t
     assert final(done.stdout) >= alone(ELASTIC, tmp_path) - 2.0
 
 
-IMAGENET = [str(EXAMPLES / "pytorch_imagenet_elastic.py"), "--epochs", "8"]
+IMAGENET_EPOCHS = 8
+IMAGENET = [str(EXAMPLES / "pytorch_imagenet_elastic.py"), "--epochs", str(IMAGENET_EPOCHS)]
 TRAIN_IMAGES = 1437  # the digits' training images (every fifth of 1,797 validates)
 
 SHRINK_AND_GROW = """
@@ -258,11 +259,11 @@ def test_the_imagenet_style_script_shrinks_after_losing_a_worker_and_grows_back(
     assert re.search(r"ranks were lost .*starting the job again with 2 ranks", stderr)
     assert "starting the job again with 3 ranks (was 2)" in stderr, stderr[-3000:]
     epochs = re.findall(r"^\[rank 0\] Validate Epoch #(\d+):", stdout, re.M)
-    assert epochs == [str(e) for e in range(1, 9)], stdout[-3000:]
+    assert epochs == [str(e) for e in range(1, IMAGENET_EPOCHS + 1)], stdout[-3000:]
     # ElasticSampler: every image once per epoch, but for the padding that fills the last
     # batch of every rank (fewer than 3 images per launch that ends the epoch)
     by_epoch = sampled(batches)
-    assert sorted(by_epoch) == list(range(8))
+    assert sorted(by_epoch) == list(range(IMAGENET_EPOCHS))
     for epoch, indices in by_epoch.items():
         assert set(indices) == set(range(TRAIN_IMAGES)), epoch
         assert len(indices) - TRAIN_IMAGES < 3, (epoch, len(indices))
