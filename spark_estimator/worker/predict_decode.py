@@ -27,7 +27,7 @@ import torch
 
 from ..shared.spec import ColumnSpec, DecodeSpec
 from .data.arrow_reader import ROW_ID
-from .data.convert import variable_to_numpy
+from .data.convert import variable_rows
 from .decode.decoded import Decoded
 from .decode.decoder import Decoder
 
@@ -125,7 +125,7 @@ def decoded_batches(
     pending: dict[int, tuple[pa.RecordBatch, int]] = {}  # batch index -> (batch, its parts)
 
     def raws_of(batch: pa.RecordBatch) -> dict:
-        raws = {c.name: variable_to_numpy(c, batch.column(c.name), "transform") for c in variable}
+        raws = {c.name: variable_rows(c, batch.column(c.name), "transform") for c in variable}
         if row_names:
             raws[row_names] = batch.column(row_names).to_numpy(zero_copy_only=False)
         return raws

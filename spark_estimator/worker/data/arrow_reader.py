@@ -2,7 +2,9 @@
 
 ``ArrowReader.chunks(pieces)`` yields one dict of NumPy arrays per piece, in the order given,
 while up to ``num_workers`` further pieces are read and converted in a thread pool, so
-reading overlaps the training step (pyarrow releases the GIL while it decodes); a
+reading overlaps the training step (pyarrow releases the GIL while it decodes; each piece
+is decoded in its thread, not handed on to Arrow's own pool: measured 2.6-3.5 us of CPU a
+7 KB binary row against 3.6-5.1, with the Store's files memory-mapped); a
 ``prepare`` function given to ``chunks`` (the loader's layout) runs on each chunk in those
 threads too. Footers are parsed once per file and shared by the threads.
 """
@@ -27,7 +29,7 @@ from ...shared.row_split import RowSplit
 from ...shared.spec import ColumnSpec, InPlace, column_param
 from ...store import Store
 from . import shards
-from .convert import class_indices, column_to_numpy, numpy_dtype, variable_to_numpy
+from .convert import class_indices, column_to_numpy, numpy_dtype, variable_rows
 from .shards import Piece
 
 Chunk = dict[str, np.ndarray]  # one piece's columns as read (maybe read-only Arrow memory)
@@ -47,10 +49,10 @@ def row_offsets(files: list[tuple[str, list[int]]]) -> dict[tuple[str, int], int
 def table_to_chunk(table, columns: list[ColumnSpec]) -> Chunk:
     """Whole Arrow columns to NumPy, one vectorized conversion per column, zero-copy where
     Arrow allows (the arrays may be read-only; the loader copies them once, into its buffer);
-    ML vectors are decoded into their column's dtype; a variable column's rows become an
-    array of Python objects (``variable_to_numpy``)."""
+    ML vectors are decoded into their column's dtype; a variable column's rows become
+    ``BinaryRows`` (binary) or an array of Python objects (``variable_rows``)."""
     chunk = {
-        c.name: variable_to_numpy(c, table.column(c.name))
+        c.name: variable_rows(c, table.column(c.name))
         if c.variable
         else column_to_numpy(c.name, table.column(c.name), numpy_dtype(c.torch_dtype))
         for c in columns
@@ -100,9 +102,12 @@ class ArrowReader:
         if footer is None and self.in_place is not None:
             self._check_unchanged(path, full)
         with ExitStack() as stack:
-            # local files go to pyarrow's native reader; other filesystems through fsspec
+            # local files go to pyarrow's native reader (the Store's own files memory-mapped:
+            # they never change once written; a table read in place might, and a mapped
+            # file cut short under a reader kills it); other filesystems through fsspec
             if self.store.protocol == "file":
-                parquet = pq.ParquetFile(full, metadata=footer)
+                mapped = self.in_place is None
+                parquet = pq.ParquetFile(full, metadata=footer, memory_map=mapped)
             else:
                 handle = stack.enter_context(self.store.fs.open(full, "rb"))
                 parquet = pq.ParquetFile(handle, metadata=footer)
@@ -136,7 +141,7 @@ class ArrowReader:
             table = self._split_rows(piece)
         else:
             with self._open(piece.path) as parquet:
-                table = parquet.read_row_group(piece.row_group, columns=names)
+                table = parquet.read_row_group(piece.row_group, columns=names, use_threads=False)
         if piece.rows != table.num_rows:
             table = table.slice(piece.start, piece.rows)
         chunk = table_to_chunk(table, self.columns)
@@ -155,7 +160,7 @@ class ArrowReader:
         reader's split (which ``piece``'s start and stop count)."""
         with self._open(piece.path) as parquet:
             groups = range(piece.row_group, piece.row_group + piece.groups)
-            table = parquet.read_row_groups(groups, columns=self._read_names())
+            table = parquet.read_row_groups(groups, columns=self._read_names(), use_threads=False)
         return self.keep_split(table, self._table_offsets[piece.path, piece.row_group], piece.path)
 
     def keep_split(self, table: pa.Table, first: int, path: str) -> pa.Table:

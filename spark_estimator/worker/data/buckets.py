@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .columns import Columns
+from .columns import RAW_TYPES, Columns
 
 BUCKET_BATCHES = 8  # batches of batch_size rows per group of similar lengths
 _TAG = 0x6B75  # keeps the groups' generator apart from other generators of the same seed
@@ -78,7 +78,7 @@ def permute_rows(rows: Columns, order: np.ndarray) -> None:
     """``rows[:] = rows[order]`` for every block, other column and object array (views of
     a pool), copied in NumPy where it has the dtype (``columns.place``'s reasons)."""
     for part in rows.parts():
-        if isinstance(part, np.ndarray):
+        if isinstance(part, RAW_TYPES):  # object arrays, BinaryRows
             part[...] = part[order]
             continue
         try:

@@ -17,6 +17,7 @@ import torch
 
 from ...shared.shapes import batch_shape
 from ...shared.spec import IMAGE_FIELDS, ColumnSpec
+from .binary_rows import BinaryRows
 
 Tensors = dict[str, torch.Tensor]  # a batch's columns as the loaders hand them over
 
@@ -168,8 +169,38 @@ def variable_to_numpy(
     return out
 
 
-def object_bytes(values: np.ndarray) -> int:
-    """About the bytes of a variable column's rows (``variable_to_numpy``'s objects)."""
+def variable_rows(
+    spec: ColumnSpec, column: pa.Array | pa.ChunkedArray, when: str = "fit"
+) -> np.ndarray | BinaryRows:
+    """A variable column's rows for the loader: a binary or string column's as
+    ``BinaryRows`` (its Arrow memory, no object a row), any other as ``variable_to_numpy``
+    makes them."""
+    arr = _combine(column)
+    if spec.kind not in BINARY_ROWS or not _binary_layout(arr.type):
+        return variable_to_numpy(spec, arr, when)
+    _refuse_nulls(spec.name, arr, when)
+    return BinaryRows.from_arrow(arr)
+
+
+BINARY_ROWS = ("binary", "string")  # the kinds whose rows ``variable_rows`` keeps in Arrow
+
+
+def _binary_layout(kind: pa.DataType) -> bool:
+    return any(
+        check(kind)
+        for check in (
+            pa.types.is_binary,
+            pa.types.is_large_binary,
+            pa.types.is_string,
+            pa.types.is_large_string,
+        )
+    )
+
+
+def object_bytes(values: np.ndarray | BinaryRows) -> int:
+    """About the bytes of a variable column's rows (``variable_rows``')."""
+    if isinstance(values, BinaryRows):
+        return values.nbytes
     total = 0
     for value in values:
         if isinstance(value, dict):

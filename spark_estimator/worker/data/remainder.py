@@ -23,6 +23,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .binary_rows import BinaryRows
+from .columns import RAW_TYPES
 from .convert import Tensors, chunk_rows
 from .shards import shard_rows
 
@@ -99,7 +101,7 @@ def remainder_batches(
             held += chunk_rows(piece)
         if size == 0:
             yield {
-                k: v.copy() if isinstance(v, np.ndarray) else v.clone() for k, v in template.items()
+                k: v.copy() if isinstance(v, RAW_TYPES) else v.clone() for k, v in template.items()
             }
             continue
         joined = {k: _cat([p[k] for p in pending]) for k in pending[0]}
@@ -110,7 +112,9 @@ def remainder_batches(
 
 
 def _cat(parts: list):
-    """Rows of tensors, or of a variable column's object arrays, one after the other."""
+    """Rows of tensors, or of a variable column's rows, one after the other."""
+    if isinstance(parts[0], BinaryRows):
+        return BinaryRows.concatenate(parts)
     if isinstance(parts[0], np.ndarray):
         return np.concatenate(parts)
     return torch.cat(parts)

@@ -34,9 +34,9 @@ class Channel:
         with self.sending:
             if fds:
                 socket.send_fds(self.sock, [header], list(fds))
-            else:
-                self.sock.sendall(header)
-            self.sock.sendall(data)
+                self.sock.sendall(data)
+            else:  # one call (a message is small: a batch's bytes go through ``inbox``)
+                self.sock.sendall(header + data)
 
     def recv(self) -> tuple[object, list[int]]:
         """The next message and the descriptors it carried; EOFError when the other end

@@ -40,6 +40,7 @@ import torch
 
 from ...shared.spec import ColumnSpec, DecodeSpec
 from ..data.arrow_reader import ROW_ID
+from ..data.binary_rows import BinaryRows
 from .batch_decoding import BatchDecoding
 from .decoded import BatchResult, Decoded, Recipe
 from .delivery import Delivery, ready
@@ -271,6 +272,7 @@ class Decoder:
 
     def _decode_here(self, batch: Mapping, epoch: int | None) -> BatchResult:
         values, ids, names = self._raw(batch)
+        values = {n: np.asarray(v) if isinstance(v, BinaryRows) else v for n, v in values.items()}
         if not self.recipe.columns:  # all decoded on the GPU (GpuJpegs)
             return BatchResult(Decoded({}, {}, len(ids)))
         if self.spec.timeout is None:
@@ -300,8 +302,10 @@ class Decoder:
         return values, ids, names
 
     def _ids(self, batch: Mapping) -> np.ndarray:
-        if ROW_ID in batch:
+        try:
             return batch[ROW_ID].numpy()
+        except KeyError:
+            pass
         rows = len(batch[self.columns[0].name]) if self.columns else 0
         return np.arange(rows)
 

@@ -3,15 +3,16 @@
 
 ``DecodePool.decode_many`` hands each batch to a worker with a free slot, at most
 ``IN_FLIGHT`` per worker, each whole batch one message (its raw values, row indices and
-names: no Python per row here), and yields the results in the batches' order. The results
-come back through the processes' thread (``WorkerProcesses``), which takes each batch out
-of its slot the rank's way (``Delivery``: views of the slot on a CPU, copies straight to the
-GPU from the slot, pinned copies for transform) as it arrives, so the consuming thread only
-waits for them. A worker has up to ``IN_FLIGHT + VIEWED`` slots: while the rank holds views
-of ``VIEWED`` of its batches (the one training and the next), it still has ``IN_FLIGHT`` to
-decode into; a batch beyond that is copied out, so the workers never wait on a batch the
-rank's code keeps. So the rank's Python per batch does not grow with its rows, and the
-order of rows and each row's augmentation (seeded by its index) are the rank's as before.
+names; its rows of bytes through shared memory: ``inbox``), and yields the results in the
+batches' order. The results come back through the processes' thread (``WorkerProcesses``),
+which takes each batch out of its slot the rank's way (``Delivery``: views of the slot on a
+CPU, copies straight to the GPU from the slot, pinned copies for transform) as it arrives,
+so the consuming thread only waits for them. A worker has up to ``IN_FLIGHT + VIEWED``
+slots: while the rank holds views of ``VIEWED`` of its batches (the one training and the
+next), it still has ``IN_FLIGHT`` to decode into; a batch beyond that is copied out, so the
+workers never wait on a batch the rank's code keeps. So the rank's Python calls per batch
+do not grow with its rows (its one loop over them copies their bytes), and the order of
+rows and each row's augmentation (seeded by its index) are the rank's as before.
 
 Failures: an exception the worker raised is raised here as it is (its traceback as the
 cause); a worker that dies, busy or idle, is ``DecodeWorkerDied`` naming the rank, the
@@ -35,6 +36,7 @@ import numpy as np
 
 from .decoded import BatchResult, Recipe
 from .delivery import Delivery
+from .inbox import Inboxes
 from .processes import START_TIMEOUT_S, DecodeWorkerDied, Worker, WorkerProcesses, remote
 from .shared_memory import Segment
 
@@ -86,6 +88,7 @@ class DecodePool:
         self.inline_reason: str | None = None
         self.seq = 0
         self.closed = False
+        self.inboxes = Inboxes()  # the batches' rows of bytes, in shared memory
         self._rank = rank
         label = f"{'rank' if isinstance(rank, int) else 'for'}-{rank}".replace(" ", "-")
         self.processes = WorkerProcesses(
@@ -225,7 +228,8 @@ class DecodePool:
                 names[0] if names is not None and rows else None,
             )
         try:
-            worker.channel.send(("decode", seq, slot, epoch, values, ids, names))
+            values, names, size, fds = self.inboxes.post((worker.index, slot), values, names)
+            worker.channel.send(("decode", seq, slot, epoch, values, ids, names, size), fds)
         except OSError:  # it died before this batch: the processes' thread finds out how
             with self.changed:
                 self.slots[worker.index].in_flight.pop(seq, None)
@@ -356,6 +360,7 @@ class DecodePool:
         for slots in self.slots.values():
             for segment in slots.segments.values():
                 segment.close()
+        self.inboxes.close()
 
     def __del__(self):
         if not getattr(self, "closed", True):

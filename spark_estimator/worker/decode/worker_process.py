@@ -34,6 +34,7 @@ from . import batch_decoding
 from .batch_decoding import BatchDecoding
 from .batch_format import SlotWriter
 from .channel import Channel
+from .inbox import Inbox
 from .shared_memory import SEGMENT_NAME
 
 SAMPLE_EVERY_S = 5.0  # how often a worker reads its memory (a read costs 5 to 15 ms)
@@ -53,14 +54,15 @@ def serve(channel: Channel, decoding: BatchDecoding) -> int:
     channel.send(("ready", os.getpid(), memory.sample(force=True)))
     requests: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive, args=(channel, requests), daemon=True).start()
-    writer = SlotWriter()
+    writer, inbox = SlotWriter(), Inbox()
     while True:
-        message = requests.get()
+        message, fds = requests.get()
         if message[0] == "close":
             return 0
-        _, seq, slot, epoch, values, ids, names = message
+        _, seq, slot, epoch, values, ids, names, size = message
         result = None  # the last batch's tensors, which may view a replaced segment, gone
         try:
+            values, names = inbox.take(slot, size, fds, values, names)
             decoding.allocate = writer.begin(slot)
             result = decoding.decode(values, ids, names, epoch)
             batch, fds = writer.write(slot, result)
@@ -74,8 +76,7 @@ def _receive(channel: Channel, requests: queue.SimpleQueue) -> None:
     """Hand the rank's messages to the decoding loop as they come; the rank gone, end."""
     try:
         while True:
-            message, _ = channel.recv()
-            requests.put(message)
+            requests.put(channel.recv())
     except (EOFError, OSError):
         os._exit(0)
 
