@@ -103,7 +103,7 @@ class BinaryRows:
         if rows.parts is not self.parts and len(part):
             where = {id(p): i for i, p in enumerate(self.parts)}
             remap = np.zeros(len(rows.parts), dtype=np.int32)
-            for used in np.unique(part).tolist():
+            for used in _used(part, len(rows.parts)):
                 held = rows.parts[used]
                 if id(held) not in where:
                     where[id(held)] = len(self.parts)
@@ -141,7 +141,7 @@ class BinaryRows:
 
     def held_bytes(self) -> int:
         """The bytes of the parts the rows refer to (what they keep in memory)."""
-        return sum(len(self.parts[p]) for p in np.unique(self.part).tolist())
+        return sum([len(self.parts[p]) for p in _used(self.part, len(self.parts))])
 
     def compacted(self) -> BinaryRows:
         """These rows, in one new part of their own where the parts they refer to hold more
@@ -158,6 +158,13 @@ class BinaryRows:
         """Pickled as the NumPy array of ``bytes`` (``str``) it stands for: the rows'
         lengths and their bytes joined (in C)."""
         return _objects, (self.length, b"".join(self.views()), self.text)
+
+
+def _used(part: np.ndarray, parts: int) -> list[int]:
+    """The parts that rows ``part`` refer to (of ``parts``)."""
+    if parts == 1:
+        return [0] if len(part) else []
+    return np.flatnonzero(np.bincount(part, minlength=parts)).tolist()
 
 
 def _objects(lengths: np.ndarray, data: bytes, text: bool) -> np.ndarray:

@@ -51,7 +51,7 @@ class Inboxes:
         rows = [v for v in (*values.values(), names) if isinstance(v, BinaryRows)]
         if not rows:
             return dict(values), names, None, ()
-        need = sum(r.nbytes for r in rows)
+        need = sum([r.nbytes for r in rows])
         segment, new = self.segments.get(key), None
         if segment is None or segment.size < need:
             try:
