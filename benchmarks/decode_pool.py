@@ -164,8 +164,9 @@ def make_decoder(spec, data, fn, pool: str, workers: int) -> Decoder:
 
 
 def one_pass(spec, data, decoder: Decoder, pass_index: int) -> int:
-    """One shuffled pass of the rank's data path: rows made into batches."""
-    loader = open_loader(spec, "train", 1, 0, pin=False)
+    """One shuffled pass of the rank's data path: rows made into batches (the chunks
+    handed to the decoder's ``share`` as a fit's loader does)."""
+    loader = open_loader(spec, "train", 1, 0, pin=False, share=getattr(decoder, "share", None))
     sizes = StepPlan(data.rows("train"), 1, 0, spec.batch_size).batch_sizes
     rows = 0
     for chunk, decoded in decoder.ahead(loader.batches(sizes, pass_index), 1):

@@ -7,10 +7,12 @@ and its sending to a decode worker a pickle that copied them all once more. ``Bi
 holds instead, per row, which of its ``parts`` (the Arrow data buffers of the chunks read)
 it is in, where it starts and how long it is: the shuffle, a batch's cut, bucketing and
 bad-row removal move three integers a row (NumPy, in place where asked), and the bytes stay
-where Parquet decoding put them. A batch's rows go to a worker process through shared
-memory, copied once (``worker.decode.inbox``), or pickled (joined, one copy in C) where
-there is none; either way the worker has them as the NumPy array of ``bytes`` (``str`` for
-a string column) that ``decode_fn`` has always had. Where the rank decodes itself
+where Parquet decoding put them. With decode worker processes a chunk's large binary rows
+are read straight into shared memory (``worker.decode.shared_rows``) and a worker reads a
+batch's rows there; other rows go to it copied once into shared memory
+(``worker.decode.inbox``), or pickled (joined, one copy in C) where there is none; either
+way the worker has them as the NumPy array of ``bytes`` (``str`` for a string column) that
+``decode_fn`` has always had. Where the rank decodes itself
 (threads), the rows become Python objects as they are read.
 
 A part stays in memory while any row refers to it; ``compacted`` copies the rows into one

@@ -283,9 +283,12 @@ def open_loader(
     rank: int,
     pin: bool,
     hold_on: torch.device | None = None,
+    share: Callable[[Columns], Columns] | None = None,
 ) -> ShardLoader | DeviceShard:
     """The loader of this rank's shard of ``split``, reading with ``spec.loader.reader``;
-    with ``hold_on``, the whole shard read once into that device's memory instead."""
+    with ``hold_on``, the whole shard read once into that device's memory instead; with
+    ``share``, each chunk laid out is handed to it in the reader threads (the decode
+    workers' ``SharedRows.share``: its bytes read straight into shared memory)."""
     data, options = spec.data, spec.loader
     files = data.files.get(split, [])
     if options.reader == "petastorm":
@@ -320,8 +323,14 @@ def open_loader(
     if shuffle and options.decode is not None and options.decode.bucket_by_length and measured:
         group = BUCKET_BATCHES * spec.batch_size
         bucket = Bucketing(measured, group, spec.seed, rank)
+    prepare = layout.assemble
+    if share is not None:
+
+        def prepare(chunk: dict) -> Columns:
+            return share(layout.assemble(chunk))
+
     return ShardLoader(
-        partial(reader.chunks, prepare=layout.assemble),
+        partial(reader.chunks, prepare=prepare),
         pieces,
         layout,
         shuffle=shuffle,

@@ -87,10 +87,12 @@ class RankData:
         rows = {s: shard_rows(spec.data.rows(s), world, rank) for s in SPLITS}
         on_device, self.placement = placement(spec, rows, info.device, info.local_size)
         hold_on = info.device if on_device else None
-        self.train = open_loader(spec, "train", world, rank, pin, hold_on)
+        self.decoder = open_decoder(spec, info)  # None without variable columns
+        share = self.decoder.share if self.decoder is not None else None
+        self.train = open_loader(spec, "train", world, rank, pin, hold_on, share)
         self.plan = StepPlan(spec.data.rows("train"), world, rank, batch_size)
         self.steps_per_epoch = spec.loader.train_steps_per_epoch or self.plan.steps
-        self.validation = open_loader(spec, "validation", world, rank, pin, hold_on)
+        self.validation = open_loader(spec, "validation", world, rank, pin, hold_on, share)
         self.has_validation = spec.data.rows("validation") > 0  # on any rank
         most = spec.loader.validation_steps_per_epoch
         if lockstep:
@@ -98,7 +100,6 @@ class RankData:
             self.validation_sizes = [s for s in plan.batch_sizes if s][:most]
         else:
             self.validation_sizes = eval_sizes(self.validation.rows, batch_size, most)
-        self.decoder = open_decoder(spec, info)  # None without variable columns
 
     def close(self) -> None:
         if self.decoder is not None:

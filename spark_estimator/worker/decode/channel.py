@@ -13,7 +13,7 @@ import struct
 import threading
 
 _HEADER = struct.Struct("<QI")  # message bytes, descriptors
-_MAX_FDS = 4
+_MAX_FDS = 253  # the most one message carries (Linux's SCM_MAX_FD)
 _FD = array.array("i")
 
 

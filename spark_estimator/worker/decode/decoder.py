@@ -41,6 +41,7 @@ import torch
 from ...shared.spec import ColumnSpec, DecodeSpec
 from ..data.arrow_reader import ROW_ID
 from ..data.binary_rows import BinaryRows
+from ..data.columns import Columns
 from .batch_decoding import BatchDecoding
 from .decoded import BatchResult, Decoded, Recipe
 from .delivery import Delivery, ready
@@ -212,6 +213,13 @@ class Decoder:
     def skipped(self) -> int:
         """The rows left out (``bad_rows="skip"``), each counted once."""
         return len(self.skipped_rows)
+
+    @property
+    def share(self) -> Callable[[Columns], Columns] | None:
+        """What the loader hands each chunk to as it is read: with worker processes, the
+        pool's ``SharedRows.share`` (the rows' bytes read into shared memory, where the
+        workers read them); None with threads."""
+        return self.processes.shared.share if self.processes is not None else None
 
     def summary(self) -> dict:
         """How this rank decoded, for its summary."""

@@ -1,13 +1,15 @@
 """Executor: a batch's rows of bytes handed to its decode worker through shared memory.
 
-The loader keeps binary and string columns as ``BinaryRows`` (references into the Arrow
-memory Parquet was decoded into). Sent through the worker's socket, a batch's bytes would
-be copied three times on the rank: joined, then into the kernel, then out of it by the
-worker. Posted instead, they are copied once, row by row, into an input segment of the
-slot the batch decodes into (``Inboxes.post``: a segment per worker and slot, made or grown
-as batches need, its descriptor sent with the first batch that uses it), and the message
-carries where each column's rows lie (``Posted``). The worker reads them out of its mapping
-of that segment (``Inbox.take``) as the NumPy arrays of ``bytes`` (``str``) the decoding
+The loader keeps binary and string columns as ``BinaryRows`` (references into the memory
+they were read into). Rows already in the rank's shared chunk segments (``shared_rows``)
+are described where they are (``InShared``), and the worker reads them out of its mapping
+of those segments (``Inbox.map_shared``, ``Inbox.take``). Other rows (strings, a compacted
+shuffle buffer's, transform's) would be copied three times on the rank through the
+worker's socket (joined, into the kernel, out of it); posted instead, they are copied once,
+row by row, into an input segment of the slot the batch decodes into (``Inboxes.post``: a
+segment per worker and slot, made or grown as batches need, its descriptor sent with the
+first batch that uses it), and the message carries where each column's rows lie
+(``Posted``). The worker has them as the NumPy arrays of ``bytes`` (``str``) the decoding
 has always had. A slot's input is only written again when the slot is taken again, after
 its worker answered for the batch before. Where no segment can be made (memory ran out),
 the rows travel in the message (``BinaryRows``' pickling) as they would without it.
@@ -15,6 +17,7 @@ the rows travel in the message (``BinaryRows``' pickling) as they would without 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -22,6 +25,7 @@ import numpy as np
 
 from ..data.binary_rows import BinaryRows
 from .shared_memory import Segment, ShmFull
+from .shared_rows import InShared
 
 SMALLEST = 1 << 20  # an input segment's bytes, at least
 GROWTH = 1.25  # a new segment's size over what the batch that needs it takes
@@ -87,10 +91,26 @@ class Inboxes:
 
 
 class Inbox:
-    """A worker's mappings of its input segments, by slot."""
+    """A worker's mappings of its input segments, by slot, and of its rank's shared chunk
+    segments (``shared_rows``), by key."""
 
     def __init__(self):
         self.segments: dict[int, Segment] = {}
+        self.shared: dict[int, Segment] = {}
+
+    def map_shared(self, key: int, size: int, fd: int) -> None:
+        """Map the rank's shared chunk segment ``key`` (its descriptor closed once mapped)."""
+        segment = Segment(size, fd)
+        os.close(segment.fd)
+        segment.fd = -1
+        self.shared[key] = segment
+
+    def unmap_shared(self, keys: list[int]) -> None:
+        """Unmap the rank's shared chunk segments ``keys`` (which it closed)."""
+        for key in keys:
+            segment = self.shared.pop(key, None)
+            if segment is not None:
+                segment.close()
 
     def take(self, slot: int, size: int | None, fds: list[int], values: dict, names):
         """The batch's ``values`` and ``names`` with each ``Posted`` read out of the slot's
@@ -103,6 +123,8 @@ class Inbox:
         segment = self.segments.get(slot)
 
         def taken(value):
+            if isinstance(value, InShared):
+                return self._shared_rows(value)
             if not isinstance(value, Posted):
                 return value
             memory = memoryview(segment.map)
@@ -117,7 +139,17 @@ class Inbox:
 
         return {name: taken(value) for name, value in values.items()}, taken(names)
 
+    def _shared_rows(self, value: InShared) -> np.ndarray:
+        """Rows described in the rank's chunk segments, as bytes (str)."""
+        memory = {key: memoryview(self.shared[key].map) for key in set(value.segment.tolist())}
+        rows = zip(value.segment.tolist(), value.start.tolist(), value.length.tolist())
+        views = [memory[k][s : s + n] for k, s, n in rows]
+        out = np.empty(len(views), dtype=object)
+        out[:] = [str(v, "utf-8") for v in views] if value.text else [bytes(v) for v in views]
+        return out
+
     def close(self) -> None:
-        for segment in self.segments.values():
+        for segment in (*self.segments.values(), *self.shared.values()):
             segment.close()
         self.segments.clear()
+        self.shared.clear()

@@ -39,6 +39,7 @@ from .delivery import Delivery
 from .inbox import Inboxes
 from .processes import START_TIMEOUT_S, DecodeWorkerDied, Worker, WorkerProcesses, remote
 from .shared_memory import Segment
+from .shared_rows import InShared, SharedRows
 
 T = TypeVar("T")
 IN_FLIGHT = 2  # batches a worker holds at once: one decoded while the rank reads the other
@@ -89,6 +90,9 @@ class DecodePool:
         self.seq = 0
         self.closed = False
         self.inboxes = Inboxes()  # the batches' rows of bytes, in shared memory
+        self.shared = SharedRows(self._announce)  # the loader's chunks' bytes, as read
+        self.gone_seen = dict.fromkeys(range(workers), 0)  # closed segments each was told of
+        self.holding: dict[int, dict] = {}  # seq -> its rows in shared chunks, until done
         self._rank = rank
         label = f"{'rank' if isinstance(rank, int) else 'for'}-{rank}".replace(" ", "-")
         self.processes = WorkerProcesses(
@@ -228,12 +232,34 @@ class DecodePool:
                 names[0] if names is not None and rows else None,
             )
         try:
-            values, names, size, fds = self.inboxes.post((worker.index, slot), values, names)
-            worker.channel.send(("decode", seq, slot, epoch, values, ids, names, size), fds)
+            message, fds = self._message(worker, seq, slot, raw)
+            worker.channel.send(message, fds)
         except OSError:  # it died before this batch: the processes' thread finds out how
             with self.changed:
                 self.slots[worker.index].in_flight.pop(seq, None)
         return seq
+
+    def _message(self, worker: Worker, seq: int, slot: int, raw: tuple) -> tuple[tuple, tuple]:
+        """Batch ``seq``'s message to ``worker`` and the descriptors it carries: its rows of
+        bytes described where they are in shared chunk segments (``shared_rows``; held here
+        until the worker answers), the others copied into the slot's input segment
+        (``inbox``); with the shared segments closed since its last batch."""
+        values, ids, names, epoch = raw
+        sent = self.shared.describe(values)
+        if any(isinstance(v, InShared) for v in sent.values()):
+            with self.changed:
+                self.holding[seq] = values
+        forget, self.gone_seen[worker.index] = self.shared.gone_since(self.gone_seen[worker.index])
+        sent, names, size, fds = self.inboxes.post((worker.index, slot), sent, names)
+        return ("decode", seq, slot, epoch, sent, ids, names, size, forget), fds
+
+    def _announce(self, key: int, size: int, fd: int) -> None:
+        """Tell every worker of a new shared chunk segment (its descriptor along)."""
+        for worker in list(self.processes.workers.values()):
+            try:
+                worker.channel.send(("map", key, size), (fd,))
+            except OSError:  # it died: the processes' thread says how
+                pass
 
     def _wait(self, seq: int) -> tuple[str, Any]:
         """Batch ``seq``'s result, waited for (``timeout`` seconds at most)."""
@@ -279,6 +305,7 @@ class DecodePool:
         slots = self.slots[worker.index]
         with self.changed:
             slot = slots.in_flight.pop(seq)
+            self.holding.pop(seq, None)
             abandoned = seq in self.abandoned
             self.abandoned.discard(seq)
             self.firsts.pop(seq, None)
@@ -361,6 +388,8 @@ class DecodePool:
             for segment in slots.segments.values():
                 segment.close()
         self.inboxes.close()
+        self.holding.clear()
+        self.shared.close()
 
     def __del__(self):
         if not getattr(self, "closed", True):

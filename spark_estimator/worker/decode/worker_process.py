@@ -59,9 +59,13 @@ def serve(channel: Channel, decoding: BatchDecoding) -> int:
         message, fds = requests.get()
         if message[0] == "close":
             return 0
-        _, seq, slot, epoch, values, ids, names, size = message
+        if message[0] == "map":  # a shared chunk segment of the rank's
+            inbox.map_shared(message[1], message[2], fds[0])
+            continue
+        _, seq, slot, epoch, values, ids, names, size, forget = message
         result = None  # the last batch's tensors, which may view a replaced segment, gone
         try:
+            inbox.unmap_shared(forget)
             values, names = inbox.take(slot, size, fds, values, names)
             decoding.allocate = writer.begin(slot)
             result = decoding.decode(values, ids, names, epoch)

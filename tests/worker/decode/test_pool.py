@@ -25,7 +25,7 @@ from spark_estimator.shared.spec import DecodeSpec
 from spark_estimator.worker.data.arrow_reader import ROW_ID
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.shards import StepPlan
-from spark_estimator.worker.decode import shared_memory
+from spark_estimator.worker.decode import shared_memory, shared_rows
 from spark_estimator.worker.decode.decoded import BadRow
 from spark_estimator.worker.decode.decoder import Decoder
 from spark_estimator.worker.decode.pool import IN_FLIGHT, VIEWED, DecodeTimeout
@@ -57,9 +57,10 @@ def decoder(
     return out
 
 
-def decode_pass(spec, decoding: Decoder, epoch=3, batch=5):
-    """Every batch of one shuffled pass, decoded ahead: [(ids, decoded, kept)]."""
-    loader = open_loader(spec, "train", 1, 0, pin=False)
+def decode_pass(spec, decoding: Decoder, epoch=3, batch=5, share=False):
+    """Every batch of one shuffled pass, decoded ahead: [(ids, decoded, kept)]; with
+    ``share``, the chunks handed to the decoder's ``share`` as a fit's loader does."""
+    loader = open_loader(spec, "train", 1, 0, pin=False, share=decoding.share if share else None)
     chunks = loader.batches(StepPlan(ROWS, 1, 0, batch).batch_sizes, 2)
     return [(c[ROW_ID].tolist(), d, k) for c, (d, k) in decoding.ahead(chunks, epoch)]
 
@@ -96,20 +97,26 @@ def _workers() -> set[int]:
     return set(decode_workers())
 
 
-def test_processes_decode_every_batch_as_threads_do_bit_for_bit(tmp_path, store, no_leftovers):
+def test_processes_decode_every_batch_as_threads_do_bit_for_bit(
+    tmp_path, store, no_leftovers, monkeypatch
+):
     data = image_dataset(tmp_path, images={6: b"not an image"})
     spec = train_spec(data, store, shuffle=True, shuffle_buffer_size=7)
+    monkeypatch.setattr(shared_rows, "SHARE_FROM", 1)  # these small PNGs shared too
     results = {}
-    for pool, workers in (("threads", 1), ("threads", 3), ("processes", 1), ("processes", 2)):
+    runs = [("threads", 1), ("threads", 3), ("processes", 1), ("processes", 2)]
+    for pool, workers, share in [(p, w, False) for p, w in runs] + [("processes", 2, True)]:
         decoding = decoder(spec, pool, workers, bad_rows="skip", padding_value=9.0)
         assert decoding.kind == pool and decoding.workers == workers
         try:
-            results[pool, workers] = (
-                decode_pass(spec, decoding),
-                decode_pass(spec, decoding, epoch=None),  # validation: no augmentation
+            results[pool, workers, share] = (
+                decode_pass(spec, decoding, share=share),
+                decode_pass(spec, decoding, epoch=None, share=share),  # validation
                 decoding.skipped_rows,
                 decoding.padding,
             )
+            if share:  # the rows were read into shared chunk segments and read there
+                assert next(decoding.processes.shared.keys) > 0
             summary = decoding.summary()
         finally:
             decoding.close()
@@ -122,7 +129,7 @@ def test_processes_decode_every_batch_as_threads_do_bit_for_bit(tmp_path, store,
             pairs = zip(summary["worker_uss_bytes"], summary["worker_rss_bytes"])
             assert all(uss < rss / 2 for uss, rss in pairs)
             assert len(summary["worker_start_seconds"]) == workers
-    reference = results["threads", 1]
+    reference = results["threads", 1, False]
     assert reference[2] == {(False, 6), (True, 6)} and reference[3][0] > 0
     assert any(k is not None for _, _, k in reference[0])  # the bad row was left out
     for key, (train, validation, skipped, padding) in results.items():
