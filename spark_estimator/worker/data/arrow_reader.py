@@ -50,7 +50,7 @@ def table_to_chunk(table, columns: list[ColumnSpec]) -> Chunk:
     """Whole Arrow columns to NumPy, one vectorized conversion per column, zero-copy where
     Arrow allows (the arrays may be read-only; the loader copies them once, into its buffer);
     ML vectors are decoded into their column's dtype; a variable column's rows become
-    ``BinaryRows`` (binary) or an array of Python objects (``variable_rows``)."""
+    ``BinaryRows`` (binary, string) or an array of Python objects (``variable_rows``)."""
     chunk = {
         c.name: variable_rows(c, table.column(c.name))
         if c.variable

@@ -4,7 +4,7 @@ read into.
 A binary column (encoded images, other bytes) is most of a batch's bytes, and one Python
 ``bytes`` per row cost the loader ~4.4 us a 7 KB row to make (``to_pylist``), more to free,
 and its sending to a decode worker a pickle that copied them all once more. ``BinaryRows``
-holds instead, per row, which of its ``parts`` (the Arrow data buffers of the chunks read)
+holds instead, per row, which of its ``parts`` (the data buffers of the chunks read)
 it is in, where it starts and how long it is: the shuffle, a batch's cut, bucketing and
 bad-row removal move three integers a row (NumPy, in place where asked), and the bytes stay
 where Parquet decoding put them. With decode worker processes a chunk's large binary rows
@@ -12,8 +12,8 @@ are read straight into shared memory (``worker.decode.shared_rows``) and a worke
 batch's rows there; other rows go to it copied once into shared memory
 (``worker.decode.inbox``), or pickled (joined, one copy in C) where there is none; either
 way the worker has them as the NumPy array of ``bytes`` (``str`` for a string column) that
-``decode_fn`` has always had. Where the rank decodes itself
-(threads), the rows become Python objects as they are read.
+``decode_fn`` has always had. Where the rank decodes itself (threads), the rows become
+Python objects as they are read.
 
 A part stays in memory while any row refers to it; ``compacted`` copies the rows into one
 part of their own where the parts they hold are much larger than they are (a shuffle
@@ -45,7 +45,7 @@ class BinaryRows:
 
     def __init__(
         self,
-        parts: list[memoryview],
+        parts: list,  # buffers: memoryviews of Arrow's, arrays of shared segments
         part: np.ndarray,
         start: np.ndarray,
         length: np.ndarray,

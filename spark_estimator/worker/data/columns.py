@@ -30,8 +30,8 @@ class Layout:
     """Which columns of ``template`` (column name -> tensor in its dtype, or an object
     array for a variable column) form blocks: the scalar ``columns`` of one dtype
     (``scalar_groups``); the rest stand alone, the variable columns (``raws``) as
-    ``BinaryRows`` (binary) or NumPy arrays of Python objects (strings, arrays, image
-    tuples), decoded per batch."""
+    ``BinaryRows`` (binary and string columns) or NumPy arrays of Python objects
+    (sequences, image structs), decoded per batch."""
 
     def __init__(self, template: Mapping, columns: list[ColumnSpec]):
         self.template = template

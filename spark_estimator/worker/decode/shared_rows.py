@@ -52,7 +52,7 @@ class SharedRows:
 
     def __init__(self, announce: Callable[[int, int, int], None]):
         self.announce = announce
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entered where a finalizer runs under it
         self.free: list[tuple[int, Segment]] = []  # (key, segment)
         self.keys = itertools.count()
         self.key_of: dict[int, int] = {}  # id(a part's array) -> its segment's key
