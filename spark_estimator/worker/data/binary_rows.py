@@ -124,17 +124,13 @@ class BinaryRows:
 
     def tolist(self) -> list:
         """The rows as ``bytes`` (``str``)."""
-        if self.text:
-            return [str(v, "utf-8") for v in self.views()]
-        return [bytes(v) for v in self.views()]
+        return _values(self.views(), self.text)
 
     def __iter__(self) -> Iterator:
         return iter(self.tolist())
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = np.empty(len(self), dtype=object)
-        out[:] = self.tolist()
-        return out
+        return objects(self.views(), self.text)
 
     @property
     def nbytes(self) -> int:
@@ -159,7 +155,7 @@ class BinaryRows:
     def __reduce__(self):
         """Pickled as the NumPy array of ``bytes`` (``str``) it stands for: the rows'
         lengths and their bytes joined (in C)."""
-        return _objects, (self.length, b"".join(self.views()), self.text)
+        return rows_in, (self.length, b"".join(self.views()), self.text)
 
 
 def _used(part: np.ndarray, parts: int) -> list[int]:
@@ -169,13 +165,20 @@ def _used(part: np.ndarray, parts: int) -> list[int]:
     return np.flatnonzero(np.bincount(part, minlength=parts)).tolist()
 
 
-def _objects(lengths: np.ndarray, data: bytes, text: bool) -> np.ndarray:
-    """Rows of ``lengths`` bytes, one after the other in ``data``, as a NumPy array of
-    ``bytes`` (``text``: ``str``)."""
+def rows_in(lengths: np.ndarray, data, text: bool) -> np.ndarray:
+    """The rows of ``lengths`` bytes lying one after the other from the start of ``data``
+    (a bytes-like), as ``objects`` makes them."""
     data, ends = memoryview(data), np.cumsum(lengths).tolist()
-    out = np.empty(len(ends), dtype=object)
-    if text:
-        out[:] = [str(data[a:b], "utf-8") for a, b in zip([0, *ends], ends)]
-    else:
-        out[:] = [bytes(data[a:b]) for a, b in zip([0, *ends], ends)]
+    return objects([data[a:b] for a, b in zip([0, *ends], ends)], text)
+
+
+def objects(views: list, text: bool) -> np.ndarray:
+    """Rows' bytes (``views``) as the NumPy array of ``bytes`` (``text``: ``str``) that
+    decoding takes."""
+    out = np.empty(len(views), dtype=object)
+    out[:] = _values(views, text)
     return out
+
+
+def _values(views: list, text: bool) -> list:
+    return [str(v, "utf-8") for v in views] if text else [bytes(v) for v in views]

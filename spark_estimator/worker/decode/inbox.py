@@ -17,13 +17,12 @@ the rows travel in the message (``BinaryRows``' pickling) as they would without 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..data.binary_rows import BinaryRows
+from ..data.binary_rows import BinaryRows, objects, rows_in
 from .shared_memory import Segment, ShmFull
 from .shared_rows import InShared
 
@@ -101,8 +100,7 @@ class Inbox:
     def map_shared(self, key: int, size: int, fd: int) -> None:
         """Map the rank's shared chunk segment ``key`` (its descriptor closed once mapped)."""
         segment = Segment(size, fd)
-        os.close(segment.fd)
-        segment.fd = -1
+        segment.close_fd()
         self.shared[key] = segment
 
     def unmap_shared(self, keys: list[int]) -> None:
@@ -127,15 +125,7 @@ class Inbox:
                 return self._shared_rows(value)
             if not isinstance(value, Posted):
                 return value
-            memory = memoryview(segment.map)
-            ends = (value.offset + np.cumsum(value.lengths)).tolist()
-            starts = [value.offset, *ends[:-1]]
-            out = np.empty(len(ends), dtype=object)
-            if value.text:
-                out[:] = [str(memory[a:b], "utf-8") for a, b in zip(starts, ends)]
-            else:
-                out[:] = [bytes(memory[a:b]) for a, b in zip(starts, ends)]
-            return out
+            return rows_in(value.lengths, memoryview(segment.map)[value.offset :], value.text)
 
         return {name: taken(value) for name, value in values.items()}, taken(names)
 
@@ -143,10 +133,7 @@ class Inbox:
         """Rows described in the rank's chunk segments, as bytes (str)."""
         memory = {key: memoryview(self.shared[key].map) for key in set(value.segment.tolist())}
         rows = zip(value.segment.tolist(), value.start.tolist(), value.length.tolist())
-        views = [memory[k][s : s + n] for k, s, n in rows]
-        out = np.empty(len(views), dtype=object)
-        out[:] = [str(v, "utf-8") for v in views] if value.text else [bytes(v) for v in views]
-        return out
+        return objects([memory[k][s : s + n] for k, s, n in rows], value.text)
 
     def close(self) -> None:
         for segment in (*self.segments.values(), *self.shared.values()):

@@ -237,6 +237,7 @@ class DecodePool:
         except OSError:  # it died before this batch: the processes' thread finds out how
             with self.changed:
                 self.slots[worker.index].in_flight.pop(seq, None)
+                self.holding.pop(seq, None)
         return seq
 
     def _message(self, worker: Worker, seq: int, slot: int, raw: tuple) -> tuple[tuple, tuple]:

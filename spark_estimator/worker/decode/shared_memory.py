@@ -117,12 +117,17 @@ class Segment:
         """Where its memory begins in this process."""
         return torch.frombuffer(self.map, dtype=torch.uint8, count=1).data_ptr()
 
-    def close(self) -> None:
-        """Give up this segment's descriptor and reference (its memory is unmapped when no
-        tensor views it any more)."""
+    def close_fd(self) -> None:
+        """Give up its descriptor, keeping the mapping (where another process has its own
+        descriptor, or none needs one)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+    def close(self) -> None:
+        """Give up this segment's descriptor and reference (its memory is unmapped when no
+        tensor views it any more)."""
+        self.close_fd()
         self.map = None
 
 

@@ -20,7 +20,6 @@ compacted shuffle buffer's, strings, transform's) go through the slot's input se
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -90,8 +89,7 @@ class SharedRows:
         try:
             self.announce(key, segment.size, segment.fd)
         finally:  # the workers have their own descriptors now; the mapping stays
-            os.close(segment.fd)
-            segment.fd = -1
+            segment.close_fd()
         return key, segment
 
     def _give_back(self, part_id: int, key: int, segment: Segment) -> None:
