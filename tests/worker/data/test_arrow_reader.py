@@ -195,3 +195,27 @@ def test_the_first_rows_of_a_huge_row_group_in_place_are_read_without_the_rest(
         chunk = reader.read(Piece("t.parquet", g, 0, 3, rows))
         want = [i for i in expected["train"] if 600 * g <= i < 600 * (g + 1)][:3]
         assert chunk["y"].tolist() == want
+
+
+@pytest.mark.parametrize("where", ["local", "fsspec"])
+def test_pieces_are_decoded_into_the_read_pool_not_the_default_one(tmp_path, where):
+    # mimalloc (the default pool) gives freed pages back after 10 ms: each piece's buffers
+    # were faulted in fresh; jemalloc keeps them for the next piece (see arrow_reader)
+    from spark_estimator.shared.spec import ColumnSpec
+    from spark_estimator.worker.data.arrow_reader import read_pool
+
+    pool = read_pool()
+    if pool is None:
+        pytest.skip(f"the default pool is {pa.default_memory_pool().backend_name} already")
+    store = Store.create(str(tmp_path) if where == "local" else "memory://read-pool-test")
+    blobs = [bytes([i]) * 100_000 for i in range(8)]
+    store.fs.makedirs(store.join("train"), exist_ok=True)
+    with store.fs.open(store.join("train", "f.parquet"), "wb") as f:
+        pq.write_table(pa.table({"b": pa.array(blobs, pa.binary())}), f, row_group_size=4)
+    reader = ArrowReader(store, store.root, [ColumnSpec("b", "binary", "float32")], 1)
+    before = pool.bytes_allocated()
+    chunk = reader.read(Piece("train/f.parquet", 1, 0, 4, 4))
+    assert pool.bytes_allocated() - before >= 400_000  # the values, held by the chunk
+    assert [bytes(v) for v in np.asarray(chunk["b"])] == blobs[4:]
+    del chunk
+    assert pool.bytes_allocated() - before < 400_000
