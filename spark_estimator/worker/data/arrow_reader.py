@@ -9,13 +9,13 @@ is decoded in its thread, not handed on to Arrow's own pool: measured 2.6-3.5 us
 threads too. Footers are parsed once per file and shared by the threads.
 
 The pieces are decoded into memory from Arrow's jemalloc pool where pyarrow has one
-(``read_pool``), not its default pool: mimalloc, the default since pyarrow 16, gives freed
-pages back to the system after 10 ms, so each piece's buffers (several MiB: the pages
+(``read_pool``), not its default pool: mimalloc, the default of current pyarrow (25), gives
+freed pages back to the system after 10 ms, so each piece's buffers (several MiB: the pages
 decompressed, then the values) were faulted in fresh, zeroed by the kernel, at every read;
 jemalloc keeps them about a second (its decay) and the next piece reuses them. Measured in
-a rank's pass with 2 decode workers (benchmarks/decode_pool.py's data): the reader threads'
-CPU 20-26% less at 1,024-row batches, 15% at 64. The pool is chosen for these readers only:
-the process's default pool is left as it is.
+a rank's pass with 2 decode workers (the decode pool benchmark's JPEGs): the reader
+threads' CPU 15-26% less at batches of 64 to 1,024 rows. The pool is chosen for these
+readers only: the process's default pool is left as it is.
 """
 
 from __future__ import annotations
