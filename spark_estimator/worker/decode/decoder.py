@@ -12,7 +12,8 @@ are the same, bit for bit:
   ``decode_fn`` does not, and the training thread waits for the same GIL);
 - ``processes``: ``workers`` decode worker processes (``DecodePool``), forked from a fork
   server, each decoding whole batches into shared memory, several batches in flight
-  (``ahead``), taken out of it by the pool's own thread (views on a CPU, copies straight to
+  (``ahead``; small batches sent several a message: ``pool.group_for``), taken out of it by
+  the pool's own thread (views on a CPU, copies straight to
   the GPU on a GPU: ``delivery``).
 
 ``"auto"`` takes processes where the task has more than ``THREADS_UP_TO_CPUS`` CPUs (a
@@ -46,7 +47,7 @@ from .batch_decoding import BatchDecoding
 from .decoded import BatchResult, Decoded, Recipe
 from .delivery import Delivery, ready
 from .gpu_jpeg import GpuJpegs
-from .pool import DecodePool, DecodeTimeout, slots_per_worker
+from .pool import DecodePool, DecodeTimeout, group_for, slots_per_worker
 from .shared_memory import SHM_DIR_ENV, shm_folder, shm_free_bytes, shm_place
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ class Decoder:
     column naming rows in errors, ``fit_labels`` (transform) the fit's label columns,
     ``rank`` names the rank in errors, ``device`` is where its batches go (a GPU: training
     copies them there straight from the workers' slots, transform into pinned memory),
-    ``batch_rows`` the usual rows of a batch and ``local_ranks`` the ranks on this node
-    (to size the workers' slots)."""
+    ``batch_rows`` the usual rows of a batch (how many batches a message to a worker holds)
+    and ``local_ranks`` the ranks on this node (with it, to size the workers' slots)."""
 
     def __init__(
         self,
@@ -158,7 +159,7 @@ class Decoder:
             return
         tensors = decoded.tensors().values()
         row = sum(t.numel() * t.element_size() for t in tensors) / decoded.rows
-        slots = slots_per_worker(self._delivery_mode())
+        slots = slots_per_worker(self._delivery_mode(), group_for(self.batch_rows))
         need = int(row * self.batch_rows * 1.25) * slots * self.workers
         free = shm_free_bytes()
         share = free * SHM_SHARE / max(1, self.local_ranks)
@@ -188,7 +189,12 @@ class Decoder:
     def _start(self) -> None:
         if self.kind == "processes" and self.processes is None:
             self.processes = DecodePool(
-                self.recipe, self.workers, self._rank, self._delivery(), self.spec.timeout
+                self.recipe,
+                self.workers,
+                self._rank,
+                self._delivery(),
+                self.spec.timeout,
+                group_for(self.batch_rows),
             )
         elif self.kind == "threads" and self.threads is None:
             if self.workers > 1:

@@ -1,26 +1,30 @@
 """Executor: a rank's batches scheduled over its decode worker processes
 (``decode_pool="processes"``).
 
-``DecodePool.decode_many`` hands each batch to a worker with a free slot, at most
-``IN_FLIGHT`` per worker, each whole batch one message (its raw values, row indices and
-names; its rows of bytes through shared memory: ``inbox``), and yields the results in the
-batches' order. The results come back through the processes' thread (``WorkerProcesses``),
-which takes each batch out of its slot the rank's way (``Delivery``: views of the slot on a
-CPU, copies straight to the GPU from the slot, pinned copies for transform) as it arrives,
-so the consuming thread only waits for them. A worker has up to ``IN_FLIGHT + VIEWED``
-slots: while the rank holds views of ``VIEWED`` of its batches (the one training and the
-next), it still has ``IN_FLIGHT`` to decode into; a batch beyond that is copied out, so the
-workers never wait on a batch the rank's code keeps. So the rank's Python calls per batch
-do not grow with its rows (its one loop over them copies their bytes), and the order of
-rows and each row's augmentation (seeded by its index) are the rank's as before.
+``DecodePool.decode_many`` hands batches to a worker with free slots, each batch whole (its
+raw values, row indices and names; its rows of bytes through shared memory: ``inbox``),
+``group`` of them a message (``group_for``: small batches travel together, so that what a
+message costs, sent, received, woken for, is paid once for ``GROUP_ROWS`` rows or so), at
+most ``IN_FLIGHT`` messages a worker, and yields the results in the batches' order. A
+worker answers a message once, with all its batches; they come back through the
+processes' thread (``WorkerProcesses``), which takes each batch out of its slot the rank's
+way (``Delivery``: views of the slot on a CPU, copies straight to the GPU from the slot,
+pinned copies for transform) as it arrives, so the consuming thread only waits for them.
+A worker has up to ``(IN_FLIGHT + VIEWED) * group`` slots: while the rank holds views of
+``VIEWED * group`` of its batches (the one training and those arrived with it or after),
+it still has ``IN_FLIGHT * group`` to decode into; a batch beyond that is copied out, so
+the workers never wait on a batch the rank's code keeps. So the rank's Python calls per
+batch do not grow with its rows (its one loop over them copies their bytes), and the order
+of rows and each row's augmentation (seeded by its index) are the rank's as before.
 
 Failures: an exception the worker raised is raised here as it is (its traceback as the
 cause); a worker that dies, busy or idle, is ``DecodeWorkerDied`` naming the rank, the
 worker, the cause (its signal or exit status and its last lines of stderr) and, if it held
-one, the batch's first row and its name; a batch that does not arrive within ``timeout``
-seconds (``decode_timeout``) is ``DecodeTimeout``, naming the same. A pass stopped early
-leaves its batches in flight to be dropped as they come; a pass started meanwhile waits for
-the slots they hold.
+one, the batch's first row and its name (those of every batch of its message: which one it
+died in, it cannot tell); a batch that does not arrive within ``timeout`` seconds
+(``decode_timeout``, times the batches of its message, which arrive together) is
+``DecodeTimeout``, naming the same. A pass stopped early leaves its batches in flight to be
+dropped as they come; a pass started meanwhile waits for the slots they hold.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ from .shared_memory import Segment
 from .shared_rows import InShared, SharedRows
 
 T = TypeVar("T")
-IN_FLIGHT = 2  # batches a worker holds at once: one decoded while the rank reads the other
-VIEWED = 2  # a worker's batches the rank may hold as views of its slots (delivery "view")
-COPYING = 1  # a worker's slots whose batches are still being copied out (other deliveries)
+IN_FLIGHT = 2  # messages a worker holds at once: one decoded while the rank reads the other
+VIEWED = 2  # a worker's messages' batches the rank may hold as views of its slots ("view")
+COPYING = 1  # a worker's messages whose batches are still being copied out (other deliveries)
+GROUP_ROWS = 256  # the rows a message holds at least, where batches are smaller (``group_for``)
+GROUP_MOST = 8  # the most batches a message holds
 
 
 class DecodeTimeout(TimeoutError):
@@ -65,7 +71,8 @@ class _Slots:
 class DecodePool:
     """``workers`` decode worker processes of one rank (see the module). ``recipe``: what
     they decode with; ``rank``: named in errors; ``delivery``: how batches are taken out of
-    their slots; ``timeout``: the seconds a batch may take (None: no limit)."""
+    their slots; ``timeout``: the seconds a batch may take (None: no limit); ``group``: the
+    batches a message holds (``group_for``)."""
 
     def __init__(
         self,
@@ -74,15 +81,19 @@ class DecodePool:
         rank: int | str,
         delivery: Delivery | None = None,
         timeout: float | None = None,
+        group: int = 1,
     ):
-        self.recipe, self.timeout = recipe, timeout
+        if group < 1:
+            raise ValueError(f"group: a message holds one batch or more, got {group}")
+        self.recipe, self.timeout, self.group = recipe, timeout, group
         self.delivery = delivery or Delivery("view")
-        self.most_slots = slots_per_worker(self.delivery.mode)
+        self.most_slots = slots_per_worker(self.delivery.mode, group)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.slots = {i: _Slots() for i in range(workers)}
         self.results: dict[int, tuple[str, Any]] = {}  # seq -> ("done", result) / ("error", e)
         self.firsts: dict[int, tuple[int | None, Any]] = {}  # seq -> its first row and name
+        self.together: dict[int, int] = {}  # seq -> the batches of its message
         self.abandoned: set[int] = set()  # batches in flight whose results nobody reads
         self.released: queue.SimpleQueue = queue.SimpleQueue()  # (worker, slot) given back
         self.failure: BaseException | None = None
@@ -151,17 +162,15 @@ class DecodePool:
         exhausted = False
         try:
             while True:
-                if not exhausted and len(pending) < len(self.slots) * IN_FLIGHT:
+                if not exhausted and len(pending) < len(self.slots) * IN_FLIGHT * self.group:
                     with self.changed:
                         self._check()
-                        taken = self._take_slot()
+                        taken = self._take_slots()
                     if taken is not None:
-                        item = next(items, _END)
-                        if item is _END:
-                            exhausted = True
-                            self._untake(taken)
-                            continue
-                        pending.append((self._submit(taken, raw(item)), item))
+                        drawn, exhausted = self._draw(items, taken)
+                        if drawn:
+                            seqs = self._submit(taken[0], taken[1], [raw(i) for i in drawn])
+                            pending.extend(zip(seqs, drawn))
                         continue
                 if not pending:
                     if exhausted:
@@ -183,14 +192,35 @@ class DecodePool:
                     if self.results.pop(seq, None) is None:
                         self.abandoned.add(seq)
 
-    def _take_slot(self) -> tuple[Worker, int] | None:
-        """A worker with room for a batch and the slot it decodes it into, taken (the
-        lock held); None where no worker has one."""
+    def _draw(self, items: Iterator[T], taken: tuple[Worker, list[int]]) -> tuple[list[T], bool]:
+        """An item for each slot ``taken`` while there are items, the slots left over given
+        back; and whether the items ran out."""
+        worker, slots = taken
+        drawn: list[T] = []
+        try:
+            for _ in slots:
+                item = next(items, _END)
+                if item is _END:
+                    break
+                drawn.append(item)
+        except BaseException:
+            self._untake(worker, slots)
+            raise
+        if len(drawn) < len(slots):
+            self._untake(worker, slots[len(drawn) :])
+            del slots[len(drawn) :]
+            return drawn, True
+        return drawn, False
+
+    def _take_slots(self) -> tuple[Worker, list[int]] | None:
+        """The worker with the fewest batches in flight that has room for more and the slots
+        (up to ``group``) it decodes them into, taken (the lock held); None where no worker
+        has one."""
         self._take_back()
         best = None
         for index, slots in self.slots.items():
             worker = self.processes.workers.get(index)
-            if worker is None or len(slots.in_flight) >= IN_FLIGHT:
+            if worker is None or len(slots.in_flight) >= IN_FLIGHT * self.group:
                 continue
             if not slots.free and slots.made >= self.most_slots:
                 continue
@@ -199,14 +229,16 @@ class DecodePool:
         if best is None:
             return None
         slots = self.slots[best.index]
-        if slots.free:
-            return best, slots.free.pop()
-        slots.made += 1
-        return best, slots.made - 1
+        room = min(self.group, IN_FLIGHT * self.group - len(slots.in_flight))
+        taken = [slots.free.pop() for _ in range(min(room, len(slots.free)))]
+        while len(taken) < room and slots.made < self.most_slots:
+            taken.append(slots.made)
+            slots.made += 1
+        return best, taken
 
-    def _untake(self, taken: tuple[Worker, int]) -> None:
+    def _untake(self, worker: Worker, taken: list[int]) -> None:
         with self.changed:
-            self.slots[taken[0].index].free.append(taken[1])
+            self.slots[worker.index].free.extend(taken)
 
     def _take_back(self) -> None:
         """The slots given back since (the lock held)."""
@@ -219,40 +251,50 @@ class DecodePool:
             slots.viewed.discard(slot)
             slots.free.append(slot)
 
-    def _submit(self, taken: tuple[Worker, int], raw: tuple) -> int:
-        worker, slot = taken
-        values, ids, names, epoch = raw
-        rows = len(ids)
+    def _submit(self, worker: Worker, slots: list[int], raws: list[tuple]) -> list[int]:
+        """The batches of ``raws`` sent to ``worker`` in one message, each to decode into its
+        slot of ``slots``: their seqs."""
+        seqs = []
         with self.changed:
-            self.seq += 1
-            seq = self.seq
-            self.slots[worker.index].in_flight[seq] = slot
-            self.firsts[seq] = (
-                int(ids[0]) if rows else None,
-                names[0] if names is not None and rows else None,
-            )
+            for slot, (_, ids, names, _) in zip(slots, raws):
+                self.seq += 1
+                seqs.append(self.seq)
+                self.slots[worker.index].in_flight[self.seq] = slot
+                self.together[self.seq] = len(raws)
+                self.firsts[self.seq] = (
+                    int(ids[0]) if len(ids) else None,
+                    names[0] if names is not None and len(ids) else None,
+                )
         try:
-            message, fds = self._message(worker, seq, slot, raw)
-            worker.channel.send(message, fds)
-        except OSError:  # it died before this batch: the processes' thread finds out how
+            parts, fds = [], []
+            for seq, slot, raw in zip(seqs, slots, raws):
+                part, new = self._part(worker, seq, slot, raw)
+                parts.append(part)
+                fds.extend(new)
+            forget, self.gone_seen[worker.index] = self.shared.gone_since(
+                self.gone_seen[worker.index]
+            )
+            worker.channel.send(("decode", parts, forget), tuple(fds))
+        except OSError:  # it died before these batches: the processes' thread finds out how
             with self.changed:
-                self.slots[worker.index].in_flight.pop(seq, None)
-                self.holding.pop(seq, None)
-        return seq
+                for seq in seqs:
+                    self.slots[worker.index].in_flight.pop(seq, None)
+                    self.holding.pop(seq, None)
+                    self.together.pop(seq, None)
+        return seqs
 
-    def _message(self, worker: Worker, seq: int, slot: int, raw: tuple) -> tuple[tuple, tuple]:
-        """Batch ``seq``'s message to ``worker`` and the descriptors it carries: its rows of
-        bytes described where they are in shared chunk segments (``shared_rows``; held here
-        until the worker answers), the others copied into the slot's input segment
-        (``inbox``); with the shared segments closed since its last batch."""
+    def _part(self, worker: Worker, seq: int, slot: int, raw: tuple) -> tuple[tuple, tuple]:
+        """Batch ``seq``'s part of a message to ``worker`` and the descriptor it carries, if
+        any: its rows of bytes described where they are in shared chunk segments
+        (``shared_rows``; held here until the worker answers), the others copied into the
+        slot's input segment (``inbox``)."""
         values, ids, names, epoch = raw
         sent = self.shared.describe(values)
         if any(isinstance(v, InShared) for v in sent.values()):
             with self.changed:
                 self.holding[seq] = values
-        forget, self.gone_seen[worker.index] = self.shared.gone_since(self.gone_seen[worker.index])
         sent, names, size, fds = self.inboxes.post((worker.index, slot), sent, names)
-        return ("decode", seq, slot, epoch, sent, ids, names, size, forget), fds
+        return (seq, slot, epoch, sent, ids, names, size), fds
 
     def _announce(self, key: int, size: int, fd: int) -> None:
         """Tell every worker of a new shared chunk segment (its descriptor along)."""
@@ -264,8 +306,11 @@ class DecodePool:
 
     def _wait(self, seq: int) -> tuple[str, Any]:
         """Batch ``seq``'s result, waited for (``timeout`` seconds at most)."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self.changed:
+            together = self.together.get(seq, 1)
+            deadline = None
+            if self.timeout is not None:
+                deadline = time.monotonic() + self.timeout * together
             while seq not in self.results:
                 self._check()
                 left = None if deadline is None else deadline - time.monotonic()
@@ -286,11 +331,17 @@ class DecodePool:
     def _timed_out(self, seq: int) -> DecodeTimeout:
         index = next(i for i, s in self.slots.items() if seq in s.in_flight)
         worker = self.processes.workers[index]
+        together = self.together.get(seq, 1)
+        took = f"more than {self.timeout:g} s on {self._batch_named(seq)}"
+        if together > 1:
+            took = (
+                f"more than {self.timeout * together:g} s on {self._batch_named(seq)} and the "
+                f"{together - 1} sent with it ({self.timeout:g} s a batch)"
+            )
         return DecodeTimeout(
             f"decode_timeout: decode worker {index} (pid {worker.pid}) of {self._who()} took "
-            f"more than {self.timeout:g} s on {self._batch_named(seq)}; the workers are "
-            "stopped. Find what the decoding waits on there (a slow or stuck read, a lock), "
-            "or raise decode_timeout"
+            f"{took}; the workers are stopped. Find what the decoding waits on there (a slow "
+            "or stuck read, a lock), or raise decode_timeout"
         )
 
     def _batch_named(self, seq: int) -> str:
@@ -298,45 +349,59 @@ class DecodePool:
         named = f" ({self.recipe.row_names} {name})" if name is not None else ""
         return f"the batch whose first row is {row} of the split{named}"
 
+    def _row_named(self, seq: int) -> str:
+        row, name = self.firsts.get(seq, (None, None))
+        return f"{row}" + (f" ({self.recipe.row_names} {name})" if name is not None else "")
+
     # -- the processes' thread ------------------------------------------------------------------
-    def _arrived(self, worker: Worker, message: tuple, fds: list[int]) -> None:
-        """A worker's ``done`` or ``error``: the batch taken out of its slot and kept for
-        its pass (or its slot given back, for an abandoned pass)."""
-        kind, seq = message[0], message[1]
+    def _arrived(self, worker: Worker, outcomes: list[tuple], fds: list[int]) -> None:
+        """What a worker ``decoded`` (a message's batches: each done or failed): each batch
+        taken out of its slot and kept for its pass (or its slot given back, for an
+        abandoned pass); the consuming thread woken once."""
+        fds = list(fds)
+        results = [self._outcome(worker, *outcome, fds) for outcome in outcomes]
+        with self.changed:
+            for seq, result in results:
+                if result is not None:
+                    self.results[seq] = result
+            self.changed.notify_all()
+
+    def _outcome(
+        self, worker: Worker, seq: int, kind: str, value: Any, fds: list[int]
+    ) -> tuple[int, tuple[str, Any] | None]:
+        """Batch ``seq`` out of its slot: ("done", its result) or ("error", the exception
+        raised); None for an abandoned pass's (its slot given back). ``fds``: the message's
+        descriptors of new slot segments, this batch's taken first."""
         slots = self.slots[worker.index]
         with self.changed:
             slot = slots.in_flight.pop(seq)
             self.holding.pop(seq, None)
+            self.together.pop(seq, None)
             abandoned = seq in self.abandoned
             self.abandoned.discard(seq)
             self.firsts.pop(seq, None)
-            view = self.delivery.mode == "view" and not abandoned and len(slots.viewed) < VIEWED
+            view = (
+                self.delivery.mode == "view"
+                and not abandoned
+                and len(slots.viewed) < VIEWED * self.group
+            )
             if view:
                 slots.viewed.add(slot)
 
         def release(index: int = worker.index, slot: int = slot) -> None:
             self.released.put((index, slot))
 
-        result: tuple[str, Any]
-        if kind == "done":
-            batch = message[2]
-            if batch.segment_size is not None:
-                self._replace(slots, slot, Segment(batch.segment_size, fds[0]))
-            if batch.inline_reason is not None:
-                self.inline_reason = batch.inline_reason
-            if abandoned:
-                release()
-                result = ("done", None)
-            else:
-                segment = slots.segments.get(slot)
-                result = ("done", self.delivery.take(batch, segment, release, view))
-        else:
+        if kind != "done":
             release()
-            result = ("error", remote(message[2]))
-        with self.changed:
-            if not abandoned:
-                self.results[seq] = result
-            self.changed.notify_all()
+            return seq, None if abandoned else ("error", remote(value))
+        if value.segment_size is not None:
+            self._replace(slots, slot, Segment(value.segment_size, fds.pop(0)))
+        if value.inline_reason is not None:
+            self.inline_reason = value.inline_reason
+        if abandoned:
+            release()
+            return seq, None
+        return seq, ("done", self.delivery.take(value, slots.segments.get(slot), release, view))
 
     def _replace(self, slots: _Slots, slot: int, segment: Segment) -> None:
         old = slots.segments.get(slot)
@@ -350,7 +415,12 @@ class DecodePool:
             in_flight = self.slots[worker.index].in_flight
             what = "before it started"
             if in_flight:
-                what = f"while decoding {self._batch_named(min(in_flight))}"
+                first = min(in_flight)  # its message's batches: the seqs from it on
+                what = f"while decoding {self._batch_named(first)}"
+                sent = range(first + 1, first + self.together.get(first, 1))
+                if sent:
+                    what += f" or one of the {len(sent)} sent with it, whose first rows are "
+                    what += ", ".join(self._row_named(s) for s in sent)
             elif worker.ready:
                 what = "between batches"
             self.failure = self.failure or DecodeWorkerDied(
@@ -400,7 +470,14 @@ class DecodePool:
 _END = object()
 
 
-def slots_per_worker(delivery: str) -> int:
-    """The most slots a worker makes: those it decodes into, and those the rank holds as
-    views (delivery "view") or is still copying out of (the others)."""
-    return IN_FLIGHT + (VIEWED if delivery == "view" else COPYING)
+def slots_per_worker(delivery: str, group: int = 1) -> int:
+    """The most slots a worker makes, with ``group`` batches a message: those it decodes
+    into, and those the rank holds as views (delivery "view") or is still copying out of
+    (the others)."""
+    return (IN_FLIGHT + (VIEWED if delivery == "view" else COPYING)) * group
+
+
+def group_for(batch_rows: int) -> int:
+    """The batches a message to a worker holds, for batches of ``batch_rows`` rows: as many
+    as make ``GROUP_ROWS`` rows (at most ``GROUP_MOST``), one where a batch has as many."""
+    return max(1, min(GROUP_MOST, GROUP_ROWS // max(1, batch_rows)))

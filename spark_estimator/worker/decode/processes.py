@@ -83,10 +83,10 @@ class Worker:
 class WorkerProcesses:
     """A rank's fork server and its ``count`` decode workers (see the module). ``label``
     names them in ``ps``, ``who`` in errors; ``changed`` is the pool's condition, notified
-    whenever a worker starts, fails or dies; ``on_batch(worker, message, fds)`` takes a
-    worker's ``done`` or ``error``, ``on_death(worker)`` a worker that died, ``on_tick()``
-    runs after every wake of the thread (every ``tick`` seconds at least while
-    ``ticking()``)."""
+    whenever a worker starts, fails or dies; ``on_batch(worker, outcomes, fds)`` takes
+    what a worker ``decoded`` (a message's batches), ``on_death(worker)`` a worker that
+    died, ``on_tick()`` runs after every wake of the thread (every ``tick`` seconds at
+    least while ``ticking()``)."""
 
     def __init__(
         self,
@@ -224,10 +224,9 @@ class WorkerProcesses:
                     self.dying[worker] = time.monotonic() + STATUS_WAIT_S
             return
         kind = message[0]
-        if kind in ("done", "error"):
-            if kind == "done":
-                worker.memory = message[3]
-            self.on_batch(worker, message, fds)
+        if kind == "decoded":
+            worker.memory = message[2]
+            self.on_batch(worker, message[1], fds)
             return
         with self.changed:
             if kind == "ready":

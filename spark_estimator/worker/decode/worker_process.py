@@ -3,13 +3,14 @@
 Its rank's fork server (``fork_server``) forks it from itself, with its end of a Unix socket
 pair to the rank (``Channel``) and its stdout and stderr as pipes the rank forwards line by
 line to its own (so a ``decode_fn``'s prints reach the rank's log). ``serve`` runs
-``decode_init_fn`` and answers ``ready`` (or ``failed`` with why); then each message is one
-batch: its raw values, row indices and names, the epoch, and which of the worker's slots to
-decode into. The worker decodes and collates it as the rank's threads would (the same
+``decode_init_fn`` and answers ``ready`` (or ``failed`` with why); then each message holds one
+batch or several (small batches travel together: ``pool.group_for``), each with its raw
+values, row indices and names, the epoch, and which of the worker's slots to decode into.
+The worker decodes and collates each as the rank's threads would (the same
 ``BatchDecoding``), its stacked columns straight into that slot's shared memory
-(``SlotWriter``), and answers with the ``SlotBatch`` saying where each tensor lies and its
-memory (``MemorySampler``); an ``Exception`` is answered as it is (pickled where it can
-be), with its traceback.
+(``SlotWriter``), and answers the message once: each batch's ``SlotBatch`` saying where its
+tensors lie, or the ``Exception`` it raised (pickled where it can be, with its traceback),
+and the worker's memory (``MemorySampler``).
 
 The worker never outlives its rank: a thread reads the rank's messages as they come (so
 the rank's sends never wait on a busy worker) and ends the process at once when the rank's
@@ -62,18 +63,34 @@ def serve(channel: Channel, decoding: BatchDecoding) -> int:
         if message[0] == "map":  # a shared chunk segment of the rank's
             inbox.map_shared(message[1], message[2], fds[0])
             continue
-        _, seq, slot, epoch, values, ids, names, size, forget = message
+        _, parts, forget = message
+        inbox.unmap_shared(forget)
+        outcomes, sent = decode_parts(decoding, writer, inbox, parts, list(fds))
+        channel.send(("decoded", outcomes, memory.sample()), sent)
+
+
+def decode_parts(
+    decoding: BatchDecoding, writer: SlotWriter, inbox: Inbox, parts: list, fds: list[int]
+) -> tuple[list[tuple], tuple[int, ...]]:
+    """A message's batches (``parts``: each its seq, slot, epoch, values, ids, names and
+    its input segment's size where it is new, whose descriptor is next in ``fds``), each
+    decoded into its slot: (seq, "done", its ``SlotBatch``) or (seq, "error", the
+    exception described), and the descriptors of the slots' new segments, in order."""
+    outcomes, sent = [], []
+    for seq, slot, epoch, values, ids, names, size in parts:
+        given = [fds.pop(0)] if size is not None else []
         result = None  # the last batch's tensors, which may view a replaced segment, gone
         try:
-            inbox.unmap_shared(forget)
-            values, names = inbox.take(slot, size, fds, values, names)
+            values, names = inbox.take(slot, size, given, values, names)
             decoding.allocate = writer.begin(slot)
             result = decoding.decode(values, ids, names, epoch)
-            batch, fds = writer.write(slot, result)
+            batch, new = writer.write(slot, result)
         except Exception as e:
-            channel.send(("error", seq, describe(e)))
+            outcomes.append((seq, "error", describe(e)))
             continue
-        channel.send(("done", seq, batch, memory.sample()), fds)
+        outcomes.append((seq, "done", batch))
+        sent.extend(new)
+    return outcomes, tuple(sent)
 
 
 def _receive(channel: Channel, requests: queue.SimpleQueue) -> None:

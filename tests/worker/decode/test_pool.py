@@ -25,10 +25,12 @@ from spark_estimator.shared.spec import DecodeSpec
 from spark_estimator.worker.data.arrow_reader import ROW_ID
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.shards import StepPlan
+from spark_estimator.worker.decode import pool as pool_module
 from spark_estimator.worker.decode import shared_memory, shared_rows
+from spark_estimator.worker.decode.channel import Channel
 from spark_estimator.worker.decode.decoded import BadRow
 from spark_estimator.worker.decode.decoder import Decoder
-from spark_estimator.worker.decode.pool import IN_FLIGHT, VIEWED, DecodeTimeout
+from spark_estimator.worker.decode.pool import GROUP_ROWS, IN_FLIGHT, VIEWED, DecodeTimeout
 from spark_estimator.worker.decode.processes import DecodeWorkerDied
 from tests.processes import decode_workers
 from tests.worker.data.test_loader import train_spec
@@ -136,6 +138,38 @@ def test_processes_decode_every_batch_as_threads_do_bit_for_bit(
         same(train, reference[0])
         same(validation, reference[1])
         assert (skipped, padding) == (reference[2], reference[3]), key
+
+
+def test_small_batches_travel_several_a_message_each_decoded_as_alone(
+    tmp_path, store, no_leftovers, monkeypatch
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=True, shuffle_buffer_size=7)
+    sent, answered = collections.Counter(), collections.Counter()  # batches a message: count
+    send, arrived = Channel.send, pool_module.DecodePool._arrived
+
+    def sending(self, message, fds=()):
+        if message[0] == "decode":
+            sent[len(message[1])] += 1
+        return send(self, message, fds)
+
+    def arriving(self, worker, outcomes, fds):
+        answered[len(outcomes)] += 1
+        return arrived(self, worker, outcomes, fds)
+
+    monkeypatch.setattr(Channel, "send", sending)
+    monkeypatch.setattr(pool_module.DecodePool, "_arrived", arriving)
+    passes = {}
+    for group in (1, 3):
+        decoding = decoder(spec, "processes", 2, batch_rows=GROUP_ROWS // group)
+        sent.clear()
+        answered.clear()
+        try:
+            assert decoding.processes.group == group
+            passes[group] = decode_pass(spec, decoding, batch=2)  # 12 batches: 11 of 2, 1 of 1
+        finally:
+            decoding.close()
+        assert sent == answered == {group: 12 // group}, group
+    same(passes[3], passes[1])
 
 
 def test_decode_batch_fn_gets_each_rows_generator_and_decodes_as_decode_fn_in_any_pool(
@@ -248,12 +282,16 @@ def crash_row(row, augment):
     return augmented(row, augment)
 
 
-@pytest.mark.parametrize("how", ["killed", "crashed"])
+@pytest.mark.parametrize(
+    "how, batch_rows", [("killed", GROUP_ROWS), ("crashed", GROUP_ROWS), ("crashed", 4)]
+)
 def test_a_worker_that_dies_is_named_with_its_batch_and_cause_within_seconds(
-    tmp_path, store, how, no_leftovers
+    tmp_path, store, how, batch_rows, no_leftovers
 ):
     spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
-    decoding = decoder(spec, "processes", 2, decode_fn=slow_row if how == "killed" else crash_row)
+    decode_fn = slow_row if how == "killed" else crash_row
+    # batches of 4 rows travel 8 a message: the four of this pass in one, to one worker
+    decoding = decoder(spec, "processes", 2, decode_fn=decode_fn, batch_rows=batch_rows)
     decoding.rank = 3
     loader = open_loader(spec, "train", 1, 0, pin=False)
     chunks = loader.batches([4, 4, 4, 11], 1)  # row 9 is in the third batch (rows 8-11)
@@ -279,6 +317,12 @@ def test_a_worker_that_dies_is_named_with_its_batch_and_cause_within_seconds(
     assert "of rank 3 died while decoding the batch whose first row is" in message
     if how == "killed":
         assert "killed by SIGKILL (out of memory, or killed from outside)" in message
+    elif batch_rows == 4:  # the worker died in one of them: which, it cannot say
+        assert (
+            "first row is 0 of the split (path file:/data/0.png) or one of the 3 sent with it, "
+            "whose first rows are 4 (path file:/data/4.png), 8 (path file:/data/8.png), 12 "
+            "(path file:/data/12.png): killed by SIGSEGV"
+        ) in message
     else:
         assert "first row is 8 of the split (path file:/data/8.png)" in message
         assert "killed by SIGSEGV (a crash in native code)" in message
@@ -361,7 +405,7 @@ def test_too_little_shared_memory_decodes_in_threads_saying_which_setting(
 
 
 def test_a_batch_that_outgrows_shared_memory_travels_through_the_socket(
-    tmp_path, store, tiny_shm, no_leftovers
+    tmp_path, store, tiny_shm, no_leftovers, monkeypatch
 ):
     images = {i: png(i, size=160) for i in range(ROWS)}  # 25 KiB a row decoded (1 x 160 x 160)
     data = image_dataset(tmp_path, images=images, file_rows=(ROWS,), row_group_size=ROWS)
@@ -373,6 +417,7 @@ def test_a_batch_that_outgrows_shared_memory_travels_through_the_socket(
         return {**augmented(row, None), "img": decode_image(row["img"], mode="L")}
 
     threads = decoder(spec, "threads", 1, decode_fn=whole)
+    monkeypatch.setattr(pool_module, "GROUP_MOST", 1)  # slots for batches of a row, one a message
     processes = decoder(spec, "processes", 1, decode_fn=whole, batch_rows=1)
     try:
         assert processes.kind == "processes"
@@ -500,13 +545,16 @@ def stuck_row(row, augment):
     return augmented(row, augment)
 
 
-@pytest.mark.parametrize("pool", ["threads", "processes"])
+@pytest.mark.parametrize(
+    "pool, batch_rows", [("threads", GROUP_ROWS), ("processes", GROUP_ROWS), ("processes", 128)]
+)
 def test_a_batch_slower_than_decode_timeout_is_named_and_the_workers_stopped_at_once(
-    tmp_path, store, pool, no_leftovers
+    tmp_path, store, pool, batch_rows, no_leftovers
 ):
     spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
     held = len(held_shared_memory())  # other tests' batches, which their failures may keep
-    decoding = decoder(spec, pool, 2, decode_fn=stuck_row, timeout=1.5)
+    # batches of 128 rows travel 2 a message: rows 8-11 with 12-22, waited for 2 x 1.5 s
+    decoding = decoder(spec, pool, 2, decode_fn=stuck_row, timeout=1.5, batch_rows=batch_rows)
     decoding.rank = 3
     loader = open_loader(spec, "train", 1, 0, pin=False)
     started = time.monotonic()
@@ -521,10 +569,15 @@ def test_a_batch_slower_than_decode_timeout_is_named_and_the_workers_stopped_at_
     message = str(info.value)
     del info
     gc.collect()
-    assert message.startswith("decode_timeout: ") and "more than 1.5 s" in message
+    assert message.startswith("decode_timeout: ")
     assert "the batch whose first row is 8 of the split (path file:/data/8.png)" in message
     if pool == "processes":
         assert re.search(r"decode worker \d \(pid \d+\) of rank 3", message)
+    if batch_rows == 128:
+        assert "more than 3 s on the batch whose first row is 8" in message
+        assert "and the 1 sent with it (1.5 s a batch)" in message
+    else:
+        assert "more than 1.5 s" in message
     assert len(held_shared_memory()) <= held
 
 
@@ -552,7 +605,7 @@ def test_workers_ignore_sigint_and_a_user_exit_ends_the_worker_named_with_its_st
     tmp_path, store, no_leftovers
 ):
     spec = train_spec(image_dataset(tmp_path, row_group_size=10), store, shuffle=False)
-    decoding = decoder(spec, "processes", 1, decode_fn=exiting_row)
+    decoding = decoder(spec, "processes", 1, decode_fn=exiting_row, batch_rows=GROUP_ROWS)
     loader = open_loader(spec, "train", 1, 0, pin=False)
     try:
         (worker,) = decoding.processes.processes.workers.values()
@@ -608,7 +661,7 @@ def test_closing_does_not_wait_behind_the_batches_in_flight(tmp_path, store, no_
 
 def test_a_pass_whose_slots_an_abandoned_pass_holds_waits_for_them(tmp_path, store, no_leftovers):
     spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
-    decoding = decoder(spec, "processes", 1, decode_fn=slow_first)
+    decoding = decoder(spec, "processes", 1, decode_fn=slow_first, batch_rows=128)  # 2 a message
     sizes = [3] * 7 + [2]
     try:
         loader = open_loader(spec, "train", 1, 0, pin=False)
@@ -617,13 +670,14 @@ def test_a_pass_whose_slots_an_abandoned_pass_holds_waits_for_them(tmp_path, sto
         taken = []
         while True:  # a pass abandoned with every slot of the worker in flight
             with pool.changed:
-                slot = pool._take_slot()
-            if slot is None:
+                slots = pool._take_slots()
+            if slots is None:
                 break
-            taken.append(pool._submit(slot, (*decoding._raw(next(chunks)), 1)))
+            raws = [(*decoding._raw(next(chunks)), 1) for _ in slots[1]]
+            taken += pool._submit(*slots, raws)
         with pool.changed:
             pool.abandoned.update(taken)
-        assert len(taken) == IN_FLIGHT
+        assert pool.group == 2 and len(taken) == IN_FLIGHT * 2
         again = list(decoding.ahead(loader.batches(sizes, 1), 3))
         assert len(again) == len(sizes)
     finally:
@@ -636,11 +690,12 @@ def slow_first(row, augment):
     return augmented(row, augment)
 
 
+@pytest.mark.parametrize("group", [1, 2])
 def test_a_cpu_rank_takes_views_of_the_slots_given_back_once_the_batch_is_gone(
-    tmp_path, store, no_leftovers
+    tmp_path, store, group, no_leftovers
 ):
     spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
-    decoding = decoder(spec, "processes", 1)
+    decoding = decoder(spec, "processes", 1, batch_rows=GROUP_ROWS // group)
     loader = open_loader(spec, "train", 1, 0, pin=False)
     pool = decoding.processes
     try:
@@ -649,9 +704,11 @@ def test_a_cpu_rank_takes_views_of_the_slots_given_back_once_the_batch_is_gone(
             address = decoded["tokens"].data_ptr()
             segments = pool.slots[0].segments.values()
             viewed = any(s.address() <= address < s.address() + s.size for s in segments)
-            assert viewed == (index < VIEWED)  # beyond what the rank may view: copies
+            assert viewed == (index < VIEWED * group)  # beyond what it may view: copies
             kept.append(decoded)
-        assert pool.slots[0].made == IN_FLIGHT + VIEWED
+        assert pool.group == group
+        messages = -(-5 // group)  # the last one's spare slot made, and given back unused
+        assert pool.slots[0].made == min(messages * group, (IN_FLIGHT + VIEWED) * group)
         kept.clear()
         gc.collect()
         with pool.changed:
