@@ -120,6 +120,7 @@ class Decoder:
         self.padding = [0, 0]  # values of padded sequences: real, in all (with the padding)
         self.empty: Decoded | None = None  # zero rows of each column, as decoded (``prime``)
         self.note: str | None = None  # why processes were asked for and threads decode
+        self.slot_bytes = 0  # a worker's slot for a batch like the first (``prime``)
         self.primed = False
 
     @property
@@ -154,17 +155,26 @@ class Decoder:
     def _check_memory(self, decoded: Decoded) -> None:
         """Worker processes decode into shared memory: where there is too little of it for
         their slots for batches of ``batch_rows`` rows like ``decoded``'s (this rank's share
-        of what is free on the node), threads decode instead."""
+        of what is free on the node), small batches go fewer a message (their slots are
+        counted by it: ``group_for``), and where even one a message does not fit, threads
+        decode instead."""
         if self.processes is None:
             return
         tensors = decoded.tensors().values()
         row = sum(t.numel() * t.element_size() for t in tensors) / decoded.rows
-        slots = slots_per_worker(self._delivery_mode(), group_for(self.batch_rows))
-        need = int(row * self.batch_rows * 1.25) * slots * self.workers
+        self.slot_bytes = int(row * self.batch_rows * 1.25)
+        mode, group = self._delivery_mode(), group_for(self.batch_rows)
         free = shm_free_bytes()
         share = free * SHM_SHARE / max(1, self.local_ranks)
-        if need <= share:
-            return
+        while True:
+            slots = slots_per_worker(mode, group)
+            need = self.slot_bytes * slots * self.workers
+            if need <= share:
+                self.processes.regroup(group)
+                return
+            if group == 1:
+                break
+            group //= 2
         self.processes.close()
         self.processes = None
         folder = shm_folder()

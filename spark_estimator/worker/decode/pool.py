@@ -83,13 +83,11 @@ class DecodePool:
         timeout: float | None = None,
         group: int = 1,
     ):
-        if group < 1:
-            raise ValueError(f"group: a message holds one batch or more, got {group}")
-        self.recipe, self.timeout, self.group = recipe, timeout, group
+        self.recipe, self.timeout = recipe, timeout
         self.delivery = delivery or Delivery("view")
-        self.most_slots = slots_per_worker(self.delivery.mode, group)
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
+        self.regroup(group)  # self.group, self.most_slots
         self.slots = {i: _Slots() for i in range(workers)}
         self.results: dict[int, tuple[str, Any]] = {}  # seq -> ("done", result) / ("error", e)
         self.firsts: dict[int, tuple[int | None, Any]] = {}  # seq -> its first row and name
@@ -117,6 +115,14 @@ class DecodePool:
             self.delivery.poll,
             self.delivery.busy,
         )
+
+    def regroup(self, group: int) -> None:
+        """Send ``group`` batches a message from the next pass on (with as many slots)."""
+        if group < 1:
+            raise ValueError(f"group: a message holds one batch or more, got {group}")
+        with self.changed:
+            self.group = group
+            self.most_slots = slots_per_worker(self.delivery.mode, group)
 
     @property
     def rank(self) -> int | str:

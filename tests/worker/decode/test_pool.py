@@ -25,12 +25,19 @@ from spark_estimator.shared.spec import DecodeSpec
 from spark_estimator.worker.data.arrow_reader import ROW_ID
 from spark_estimator.worker.data.loader import first_rows, open_loader
 from spark_estimator.worker.data.shards import StepPlan
+from spark_estimator.worker.decode import decoder as decoder_module
 from spark_estimator.worker.decode import pool as pool_module
 from spark_estimator.worker.decode import shared_memory, shared_rows
 from spark_estimator.worker.decode.channel import Channel
 from spark_estimator.worker.decode.decoded import BadRow
 from spark_estimator.worker.decode.decoder import Decoder
-from spark_estimator.worker.decode.pool import GROUP_ROWS, IN_FLIGHT, VIEWED, DecodeTimeout
+from spark_estimator.worker.decode.pool import (
+    GROUP_ROWS,
+    IN_FLIGHT,
+    VIEWED,
+    DecodeTimeout,
+    slots_per_worker,
+)
 from spark_estimator.worker.decode.processes import DecodeWorkerDied
 from tests.processes import decode_workers
 from tests.worker.data.test_loader import train_spec
@@ -385,6 +392,29 @@ def tiny_shm(tmp_path, monkeypatch):
     monkeypatch.setenv(shared_memory.SHM_DIR_ENV, str(folder))
     yield folder
     subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_small_batches_go_fewer_a_message_where_memory_is_short(
+    tmp_path, store, no_leftovers, monkeypatch
+):
+    spec = train_spec(image_dataset(tmp_path), store, shuffle=False)
+    roomy = decoder(spec, "processes", 2)  # batches of 4 rows: 8 a message
+    try:
+        assert roomy.processes.group == 8 and roomy.slot_bytes > 0
+    finally:
+        roomy.close()
+    # the two workers' slots fit with one batch a message, not with two
+    free = roomy.slot_bytes * slots_per_worker("view", 1) * 2 * 1.5 / decoder_module.SHM_SHARE
+    monkeypatch.setattr(decoder_module, "shm_free_bytes", lambda: int(free))
+    decoding, threads = decoder(spec, "processes", 2), decoder(spec, "threads", 1)
+    try:
+        assert decoding.kind == "processes" and decoding.note is None
+        assert decoding.processes.group == 1
+        assert decoding.processes.most_slots == slots_per_worker("view", 1)
+        same(decode_pass(spec, decoding), decode_pass(spec, threads))
+    finally:
+        decoding.close()
+        threads.close()
 
 
 def test_too_little_shared_memory_decodes_in_threads_saying_which_setting(
