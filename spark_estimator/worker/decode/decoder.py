@@ -13,8 +13,8 @@ are the same, bit for bit:
 - ``processes``: ``workers`` decode worker processes (``DecodePool``), forked from a fork
   server, each decoding whole batches into shared memory, several batches in flight
   (``ahead``; small batches sent several a message: ``pool.group_for``), taken out of it by
-  the pool's own thread (views on a CPU, copies straight to
-  the GPU on a GPU: ``delivery``).
+  the pool's own thread (views on a CPU, copies straight to the GPU on a GPU:
+  ``delivery``).
 
 ``"auto"`` takes processes where the task has more than ``THREADS_UP_TO_CPUS`` CPUs (a
 worker process costs its own memory and a start, which a task of one or two CPUs does not
