@@ -76,6 +76,23 @@ def _refill(parts: Iterable[Columns], rows: int, perm: torch.Tensor | None, pin:
     return pool
 
 
+class Counted(Iterator):
+    """``items``, ``count`` of them, saying how many are left to come
+    (``operator.length_hint``: the decode pool spreads a pass's last batches over its
+    workers by it)."""
+
+    def __init__(self, items: Iterator, count: int):
+        self.items, self.left = items, count
+
+    def __next__(self):
+        item = next(self.items)
+        self.left -= 1
+        return item
+
+    def __length_hint__(self) -> int:
+        return max(0, self.left)
+
+
 def buffered_batches(
     chunks: Iterable[Columns],
     sizes: list[int],
@@ -237,7 +254,11 @@ class ShardLoader:
         self.rows = sum(p.rows for p in pieces)
 
     def batches(self, sizes: list[int], pass_index: int) -> Iterator[Columns]:
-        """One pass: batches of ``sizes`` rows (summing to the shard's rows)."""
+        """One pass: batches of ``sizes`` rows (summing to the shard's rows), an iterator
+        that knows how many are left (``Counted``)."""
+        return Counted(self._batches(sizes, pass_index), len(sizes))
+
+    def _batches(self, sizes: list[int], pass_index: int) -> Iterator[Columns]:
         if sum(sizes) > self.rows:
             raise ValueError(f"loader: {sum(sizes)} rows asked of a shard of {self.rows}")
         generator = pass_generator(self.seed, pass_index, self.rank) if self.shuffle else None

@@ -4,8 +4,10 @@
 ``DecodePool.decode_many`` hands batches to a worker with free slots, each batch whole (its
 raw values, row indices and names; its rows of bytes through shared memory: ``inbox``),
 ``group`` of them a message (``group_for``: small batches travel together, so that what a
-message costs, sent, received, woken for, is paid once for ``GROUP_ROWS`` rows or so), at
-most ``IN_FLIGHT`` messages a worker, and yields the results in the batches' order. A
+message costs, sent, received, woken for, is paid once for ``GROUP_ROWS`` rows or so;
+fewer at the end of a pass that says how many batches are left, so that its last batches
+are spread over the workers), at most ``IN_FLIGHT`` messages a worker, and yields the
+results in the batches' order. A
 worker answers a message once, with all its batches; they come back through the
 processes' thread (``WorkerProcesses``), which takes each batch out of its slot the rank's
 way (``Delivery``: views of the slot on a CPU, copies straight to the GPU from the slot,
@@ -30,6 +32,7 @@ dropped as they come; a pass started meanwhile waits for the slots they hold.
 from __future__ import annotations
 
 import collections
+import operator
 import queue
 import threading
 import time
@@ -171,7 +174,7 @@ class DecodePool:
                 if not exhausted and len(pending) < len(self.slots) * IN_FLIGHT * self.group:
                     with self.changed:
                         self._check()
-                        taken = self._take_slots()
+                        taken = self._take_slots(self._most(operator.length_hint(items, -1)))
                     if taken is not None:
                         drawn, exhausted = self._draw(items, taken)
                         if drawn:
@@ -218,9 +221,18 @@ class DecodePool:
             return drawn, True
         return drawn, False
 
-    def _take_slots(self) -> tuple[Worker, list[int]] | None:
+    def _most(self, left: int) -> int:
+        """The batches the next message may hold, ``left`` batches of the pass to come (-1:
+        not known): ``group``, and at a pass's end no more than each worker's share of what
+        is left, so that its last batches are spread over the workers rather than sent to
+        one of them together."""
+        if left < 0:
+            return self.group
+        return max(1, min(self.group, left // len(self.slots)))
+
+    def _take_slots(self, most: int) -> tuple[Worker, list[int]] | None:
         """The worker with the fewest batches in flight that has room for more and the slots
-        (up to ``group``) it decodes them into, taken (the lock held); None where no worker
+        (up to ``most``) it decodes them into, taken (the lock held); None where no worker
         has one."""
         self._take_back()
         best = None
@@ -235,7 +247,7 @@ class DecodePool:
         if best is None:
             return None
         slots = self.slots[best.index]
-        room = min(self.group, IN_FLIGHT * self.group - len(slots.in_flight))
+        room = min(most, IN_FLIGHT * self.group - len(slots.in_flight))
         taken = [slots.free.pop() for _ in range(min(room, len(slots.free)))]
         while len(taken) < room and slots.made < self.most_slots:
             taken.append(slots.made)

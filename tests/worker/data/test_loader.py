@@ -1,3 +1,5 @@
+import operator
+
 import numpy as np
 import pytest
 import torch
@@ -64,6 +66,16 @@ def test_without_shuffle_rows_come_in_file_order(tmp_path, store):
     assert [i for b in ranks[0] for i in b] == list(range(7))
     assert [i for b in ranks[1] for i in b] == list(range(7, 14))
     assert ranks == epoch_ids(train_spec(data, store, shuffle=False), 2, 3, 2)
+
+
+def test_a_pass_says_how_many_batches_are_left(tmp_path, store):
+    data = write_id_dataset(tmp_path, [7, 7], row_group_size=3)
+    loader = open_loader(train_spec(data, store), "train", 1, 0, pin=False)
+    batches = loader.batches([4, 4, 4, 2], 1)
+    left = [operator.length_hint(batches)]
+    for _ in batches:
+        left.append(operator.length_hint(batches))
+    assert left == [4, 3, 2, 1, 0]
 
 
 def test_validation_is_read_in_order_even_with_shuffle(tmp_path, store):

@@ -66,12 +66,22 @@ def decoder(
     return out
 
 
-def decode_pass(spec, decoding: Decoder, epoch=3, batch=5, share=False):
+def decode_pass(spec, decoding: Decoder, epoch=3, batch=5, share=False, counted=True):
     """Every batch of one shuffled pass, decoded ahead: [(ids, decoded, kept)]; with
-    ``share``, the chunks handed to the decoder's ``share`` as a fit's loader does."""
+    ``share``, the chunks handed to the decoder's ``share`` as a fit's loader does; without
+    ``counted``, through an iterator that does not say how many are left (as a fit's
+    training steps)."""
     loader = open_loader(spec, "train", 1, 0, pin=False, share=decoding.share if share else None)
     chunks = loader.batches(StepPlan(ROWS, 1, 0, batch).batch_sizes, 2)
+    if not counted:
+        chunks = uncounted(chunks)
     return [(c[ROW_ID].tolist(), d, k) for c, (d, k) in decoding.ahead(chunks, epoch)]
+
+
+def uncounted(chunks):
+    """``chunks`` without saying how many are left (a fit's training steps): a message
+    holds ``group`` batches to the pass's end."""
+    yield from chunks
 
 
 def same(a, b) -> None:
@@ -168,15 +178,21 @@ def test_small_batches_travel_several_a_message_each_decoded_as_alone(
     passes = {}
     for group in (1, 3):
         decoding = decoder(spec, "processes", 2, batch_rows=GROUP_ROWS // group)
-        sent.clear()
-        answered.clear()
         try:
             assert decoding.processes.group == group
-            passes[group] = decode_pass(spec, decoding, batch=2)  # 12 batches: 11 of 2, 1 of 1
+            for counted in (False, True):
+                sent.clear()
+                answered.clear()
+                # 12 batches (11 of 2 rows, 1 of 1)
+                passes[group, counted] = decode_pass(spec, decoding, batch=2, counted=counted)
+                if not counted or group == 1:
+                    assert sent == answered == {group: 12 // group}, (group, counted)
+                else:  # a pass that says how many are left: its last ones spread out
+                    assert sent == answered == {3: 3, 1: 3}
         finally:
             decoding.close()
-        assert sent == answered == {group: 12 // group}, group
-    same(passes[3], passes[1])
+    for found in passes.values():
+        same(found, passes[1, False])
 
 
 def test_decode_batch_fn_gets_each_rows_generator_and_decodes_as_decode_fn_in_any_pool(
@@ -301,7 +317,7 @@ def test_a_worker_that_dies_is_named_with_its_batch_and_cause_within_seconds(
     decoding = decoder(spec, "processes", 2, decode_fn=decode_fn, batch_rows=batch_rows)
     decoding.rank = 3
     loader = open_loader(spec, "train", 1, 0, pin=False)
-    chunks = loader.batches([4, 4, 4, 11], 1)  # row 9 is in the third batch (rows 8-11)
+    chunks = uncounted(loader.batches([4, 4, 4, 11], 1))  # row 9 in the third (rows 8-11)
     if how == "killed":
 
         def kill_when_busy():
@@ -590,7 +606,8 @@ def test_a_batch_slower_than_decode_timeout_is_named_and_the_workers_stopped_at_
     started = time.monotonic()
     try:
         with pytest.raises(DecodeTimeout) as info:
-            collections.deque(decoding.ahead(loader.batches([4, 4, 4, 11], 1), 1), maxlen=0)
+            chunks = uncounted(loader.batches([4, 4, 4, 11], 1))
+            collections.deque(decoding.ahead(chunks, 1), maxlen=0)
         assert time.monotonic() - started < 6
     finally:
         closing = time.monotonic()
@@ -700,7 +717,7 @@ def test_a_pass_whose_slots_an_abandoned_pass_holds_waits_for_them(tmp_path, sto
         taken = []
         while True:  # a pass abandoned with every slot of the worker in flight
             with pool.changed:
-                slots = pool._take_slots()
+                slots = pool._take_slots(pool.group)
             if slots is None:
                 break
             raws = [(*decoding._raw(next(chunks)), 1) for _ in slots[1]]
@@ -730,7 +747,8 @@ def test_a_cpu_rank_takes_views_of_the_slots_given_back_once_the_batch_is_gone(
     pool = decoding.processes
     try:
         kept = []
-        for index, (_, (decoded, _)) in enumerate(decoding.ahead(loader.batches([4] * 5, 1), 1)):
+        chunks = uncounted(loader.batches([4] * 5, 1))
+        for index, (_, (decoded, _)) in enumerate(decoding.ahead(chunks, 1)):
             address = decoded["tokens"].data_ptr()
             segments = pool.slots[0].segments.values()
             viewed = any(s.address() <= address < s.address() + s.size for s in segments)
