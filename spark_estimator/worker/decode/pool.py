@@ -7,11 +7,11 @@ raw values, row indices and names; its rows of bytes through shared memory: ``in
 message costs, sent, received, woken for, is paid once for ``GROUP_ROWS`` rows or so;
 fewer at the end of a pass that says how many batches are left, so that its last batches
 are spread over the workers), at most ``IN_FLIGHT`` messages a worker, and yields the
-results in the batches' order. A
-worker answers a message once, with all its batches; they come back through the
-processes' thread (``WorkerProcesses``), which takes each batch out of its slot the rank's
-way (``Delivery``: views of the slot on a CPU, copies straight to the GPU from the slot,
-pinned copies for transform) as it arrives, so the consuming thread only waits for them.
+results in the batches' order. A worker answers a message once, with all its batches; they
+come back through the processes' thread (``WorkerProcesses``), which takes each batch out
+of its slot the rank's way (``Delivery``: views of the slot on a CPU, copies straight to
+the GPU from the slot, pinned copies for transform) as it arrives, so the consuming thread
+only waits for them.
 A worker has up to ``(IN_FLIGHT + VIEWED) * group`` slots: while the rank holds views of
 ``VIEWED * group`` of its batches (the one training and those arrived with it or after),
 it still has ``IN_FLIGHT * group`` to decode into; a batch beyond that is copied out, so
