@@ -176,9 +176,11 @@ class DecodePool:
                         self._check()
                         taken = self._take_slots(self._most(operator.length_hint(items, -1)))
                     if taken is not None:
-                        drawn, exhausted = self._draw(items, taken)
+                        worker, slots = taken
+                        drawn, exhausted = self._draw(items, worker, slots)
                         if drawn:
-                            seqs = self._submit(taken[0], taken[1], [raw(i) for i in drawn])
+                            raws = [raw(i) for i in drawn]
+                            seqs = self._submit(worker, slots[: len(drawn)], raws)
                             pending.extend(zip(seqs, drawn))
                         continue
                 if not pending:
@@ -201,10 +203,9 @@ class DecodePool:
                     if self.results.pop(seq, None) is None:
                         self.abandoned.add(seq)
 
-    def _draw(self, items: Iterator[T], taken: tuple[Worker, list[int]]) -> tuple[list[T], bool]:
-        """An item for each slot ``taken`` while there are items, the slots left over given
-        back; and whether the items ran out."""
-        worker, slots = taken
+    def _draw(self, items: Iterator[T], worker: Worker, slots: list[int]) -> tuple[list[T], bool]:
+        """An item for each of ``worker``'s ``slots`` taken, while there are items (the
+        first ones' slots; those left over given back); and whether the items ran out."""
         drawn: list[T] = []
         try:
             for _ in slots:
@@ -217,7 +218,6 @@ class DecodePool:
             raise
         if len(drawn) < len(slots):
             self._untake(worker, slots[len(drawn) :])
-            del slots[len(drawn) :]
             return drawn, True
         return drawn, False
 
