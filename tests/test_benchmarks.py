@@ -222,3 +222,33 @@ def test_text_fit_tokenizes_pickles_without_its_tokenizer_and_pads_with_a_mask(t
     assert (padded[~mask] == 0).all() and y.tolist() == [int(v) for v in labels[:3]]
     assert tuple(module.build()(padded, mask).shape) == (3, module.CLASSES)
     assert np.isfinite(module.build()(padded, mask).detach().numpy()).all()
+
+
+# -- benchmarks/decode_pool.py: the decode_fn that times itself ---------------------------------
+def _busy(row: dict, augment) -> dict:
+    """A decode_fn taking 5 ms of its thread's CPU time."""
+    import time
+
+    start = time.thread_time()
+    while time.thread_time() - start < 0.005:
+        pass
+    return {"content": row["content"] + 1}
+
+
+def test_a_self_timed_decode_fn_sums_its_own_cpu_time_over_the_processes_it_ran_in(tmp_path):
+    import multiprocessing
+
+    import cloudpickle
+
+    module = benchmark("decode_pool")
+    timed = module.SelfTimed(_busy, tmp_path)
+    copy = cloudpickle.loads(cloudpickle.dumps(timed))  # as a decode worker gets it
+    assert timed({"content": 1}, None) == {"content": 2}  # the decode_fn's own result
+    child = multiprocessing.get_context("fork").Process(
+        target=lambda: [copy({"content": i}, None) for i in range(3)]
+    )
+    child.start()
+    child.join()
+    assert child.exitcode == 0
+    assert len(list(tmp_path.iterdir())) == 2  # a total for each process
+    assert 4 * 0.005 <= timed.seconds() < 4 * 0.005 + 0.05
