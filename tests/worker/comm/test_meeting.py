@@ -50,7 +50,9 @@ def test_rank_0_leaving_after_a_failure_waits_for_the_others_to_count_theirs():
     counting.start()
     began = time.monotonic()
     await_failures(zero, 2, timeout_s=10)
-    assert time.monotonic() - began < 5 and not counting.is_alive()
+    assert time.monotonic() - began < 5  # returned on the count, long before its timeout
+    assert zero.add(_FAILURES_KEY, 0) == 2  # rank 1's counted (its thread may still be ending)
+    counting.join()
 
 
 def test_a_rank_failing_after_rank_0_left_asks_its_store_nothing(capfd):
