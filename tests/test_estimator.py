@@ -294,6 +294,40 @@ def test_a_loss_that_cannot_work_is_refused_before_the_training_job(
     assert launched == []
 
 
+def test_a_model_that_does_not_fit_assembled_features_is_refused_before_any_job(spark, store):
+    """A Pipeline's vector column records its length (VectorAssembler's ML attributes), so
+    ``Linear(5, 16)`` on 4 assembled features is refused before any Spark job."""
+    from pyspark.ml.feature import VectorAssembler
+
+    rows = [(float(i), 1.0, 2.0, 3.0, i % 3) for i in range(12)]
+    df = spark.createDataFrame(rows, "a double, b double, c double, d double, label long")
+    assembled = VectorAssembler(inputCols=list("abcd"), outputCol="features").transform(df)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    est = make_estimator(
+        net,
+        store,
+        num_proc=1,
+        feature_cols=["features"],
+        label_cols=["label"],
+        loss=torch.nn.CrossEntropyLoss(),
+    )
+    group = f"layer-{uuid.uuid4().hex}"
+    spark.sparkContext.setJobGroup(group, "a model that does not fit")
+    try:
+        with pytest.raises(ValueError) as e:
+            est.fit(assembled)
+    finally:
+        spark.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+    assert list(spark.sparkContext.statusTracker().getJobIdsForGroup(group)) == []
+    assert str(e.value) == (
+        "model: layer '0' (Linear(in_features=5, out_features=16, bias=True)) does not fit the "
+        "feature columns 'features' [B, 4] (no input_shapes): RuntimeError: mat1 and mat2 "
+        "shapes cannot be multiplied (2x4 and 5x16); tried on the driver on 2 rows; make the "
+        "layer fit the columns, or the columns the layer (input_shapes reshapes a column's rows)"
+    )
+    assert not store.exists(store.runs)  # no run started
+
+
 # errors only the executors can see (docs/bad-input.md, second list); the exception type the
 # driver raises for a failed training job may change, so only the message is matched
 def test_a_loss_not_per_row_is_reported_from_the_first_batch_where_not_probed(store):
@@ -731,6 +765,12 @@ def _bad_inputs():
             dict(net=linear_net(3, 3), input_shapes=[[-1, 3]]),
             ValueError,
             "torch's MSELoss fails the same way in training: the model returns 3 values per row",
+        ),
+        "model layer that does not fit the columns": (
+            dict(net=linear_net(5, 1), input_shapes=[[3]]),
+            ValueError,
+            "model: Linear(in_features=5, out_features=1, bias=True) does not fit the feature "
+            "columns 'x' [B, 3] (input_shapes=[[3]]): RuntimeError: mat1 and mat2 shapes",
         ),
         "transformation_fn written for Horovod": (
             dict(transformation_fn=pandas_transformation, input_shapes=[[3]]),

@@ -97,6 +97,17 @@ def check_bucketing_data(data: DatasetInfo, shuffle: bool) -> None:
         )
 
 
+def vector_sizes(schema) -> dict[str, int]:
+    """The length of each vector column whose ML attributes record it (the output of
+    ``VectorAssembler``, ``StandardScaler``, ``OneHotEncoder``...): known without a job."""
+    sizes = {}
+    for field in schema.fields:
+        size = (field.metadata or {}).get("ml_attr", {}).get("num_attrs")
+        if isinstance(size, int) and size > 0:
+            sizes[field.name] = size
+    return sizes
+
+
 class FitChecks:
     """The estimators' checks before any job (a mixin of ``StoreEstimator``: its params,
     ``_training`` and ``_REQUIRED``)."""
@@ -204,7 +215,11 @@ class FitChecks:
         probed = training.probe_loss is None or (
             features is not None
             and training.probe_loss(
-                features, labels, sample_weight, row_lengths={}, transformation_fn=transformation_fn
+                features,
+                labels,
+                sample_weight,
+                row_lengths=vector_sizes(dataset.schema),
+                transformation_fn=transformation_fn,
             )
         )
         return Checked(

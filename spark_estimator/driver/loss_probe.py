@@ -19,8 +19,13 @@ column's length comes from ``input_shapes`` or from the row lengths a
 dataset records; variable columns (images, text, sequences), decoded on the executors, are
 not probed. Before any Spark job only the first are known, so where an array column's
 length is not, the probe runs once the dataset is (materialized or found), before the
-training job. A model or ``transformation_fn`` that fails on zeros is no fault of the
-loss: the probe then stops, and the executors report what fails on the real rows. With
+training job. The model not fitting the columns is refused too: one of torch's own
+layers (``Linear``, ``Conv2d``...) raising a shape mismatch on the probe batch, and again on
+rows of other values (``worker.loop.probe``), with the feature columns, their shapes,
+``input_shapes`` and the layer (``layer_message``). A model failing otherwise (its own code,
+a GPU-only or ``meta``-built model, a model function) or a ``transformation_fn`` that fails
+on zeros is no fault of the loss: the probe then stops, and the executors report what fails
+on the real rows. With
 ``train_minibatch_fn`` the user's step decides what reaches the loss, so it is not probed.
 """
 
@@ -34,7 +39,7 @@ from ..shared.serialization import loads
 from ..shared.shapes import row_length
 from ..shared.spec import ColumnSpec
 from ..worker.loop.loss import LossFailed
-from ..worker.loop.probe import probe_loss
+from ..worker.loop.probe import LayerFailed, probe_loss
 
 _log = logging.getLogger(__name__)
 ROWS = 2  # more than one, for models that need it (batch norm is in eval mode anyway)
@@ -108,6 +113,8 @@ def check_loss(
             loads(transformation_fn) if transformation_fn is not None else None,
             label_ranges,
         )
+    except LayerFailed as e:
+        raise ValueError(layer_message(e, features, feature_shapes)) from None
     except LossFailed as e:
         _log.warning(
             "%s; tried on the driver, on %d rows of zeros: training goes on, and the "
@@ -116,3 +123,20 @@ def check_loss(
             ROWS,
         )
     return True
+
+
+def layer_message(failed: LayerFailed, features: list[ColumnSpec], input_shapes: list) -> str:
+    """One short message for a layer of torch that does not fit the feature columns."""
+    shown = ", ".join(
+        f"'{c.name}' [{', '.join(['B', *map(str, shape[1:])])}]"
+        for c, shape in zip(features, failed.shapes)
+    )
+    given = [s for s in input_shapes if s is not None]
+    shapes = f"input_shapes={input_shapes}" if given else "no input_shapes"
+    layer = f"layer '{failed.name}' ({failed.layer})" if failed.name else str(failed.layer)
+    return (
+        f"model: {layer} does not fit the feature columns "
+        f"{shown} ({shapes}): {type(failed.error).__name__}: {failed.error}; tried on the "
+        f"driver on {ROWS} rows; make the layer fit the columns, or the columns the layer "
+        "(input_shapes reshapes a column's rows)"
+    )

@@ -176,3 +176,67 @@ def test_a_transformation_fn_returning_no_dict_is_refused_on_the_driver():
     as_list = dumps(lambda batch: list(batch.values()), "transformation_fn")
     with pytest.raises(TypeError, match="transformation_fn: must return a dict of tensors"):
         probe(bundle(loss=mean_loss), transformation_fn=as_list)
+
+
+def test_a_torch_layer_that_does_not_fit_the_columns_is_refused_naming_columns_and_layer():
+    net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    with pytest.raises(ValueError) as e:
+        probe(bundle(net=net, loss=torch.nn.MSELoss()), row_lengths={"x": 4})
+    message = str(e.value)
+    assert message.startswith(
+        "model: layer '0' (Linear(in_features=5, out_features=16, bias=True)) does not fit "
+        "the feature columns 'x' [B, 4] (no input_shapes): RuntimeError: mat1 and mat2 "
+        "shapes cannot be multiplied (2x4 and 5x16)"
+    )
+    assert "\n" not in message
+
+
+def test_a_layer_deep_in_the_model_is_named_by_its_path_with_the_input_shapes():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())
+
+        def forward(self, x):
+            return self.encoder(x).sum(dim=1, keepdim=True)
+
+    with pytest.raises(ValueError) as e:
+        probe(
+            bundle(net=Net(), loss=torch.nn.MSELoss()),
+            row_lengths={"x": 64},
+            input_shapes=[[1, 8, 8]],
+        )
+    message = str(e.value)
+    assert message.startswith("model: layer 'encoder.0' (Conv2d(3, 4, kernel_size=(3, 3)")
+    assert "'x' [B, 1, 8, 8] (input_shapes=[[1, 8, 8]])" in message
+    assert "to have 3 channels, but got 1 channels" in message
+
+
+def test_what_may_need_a_rank_stays_a_warning_for_the_executors():
+    class OwnCheck(torch.nn.Linear):  # the model's own code raising: not a layer of torch
+        def forward(self, x):
+            raise RuntimeError(f"expected size 5, got {x.shape}")
+
+    class ZerosOnly(torch.nn.Module):  # a layer failing only on zeros (rows picked by value)
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.fc(x if x.any() else x[:, :2])
+
+    def a_function(x):  # a function of torch.nn.functional, not a layer
+        return torch.nn.functional.linear(x, torch.zeros(1, 5))
+
+    class Function(torch.nn.Linear):
+        def forward(self, x):
+            return a_function(x)
+
+    for net in (OwnCheck(3, 1), ZerosOnly(), Function(3, 1)):
+        assert probe(bundle(net=net, loss=mean_loss)) is True
+
+
+def test_a_model_built_on_the_meta_device_is_left_to_the_executors():
+    with torch.device("meta"):
+        net = torch.nn.Linear(5, 1)
+    assert probe(bundle(net=net, loss=mean_loss)) is True

@@ -4,6 +4,7 @@ builds the batch and decides when), exactly as a rank computes it on its first b
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import torch
@@ -33,11 +34,13 @@ def probe_loss(
     ValueError saying what to change when that loss is torch's own (``torch_loss``), which
     fails only on the shapes, dtypes or values of the model's output and the labels, as
     when torch warns that a target size differs from the input size (it would broadcast
-    them: silently wrong). Also a TypeError or
+    them: silently wrong). ``LayerFailed`` when one of torch's own layers of the model
+    raises a shape mismatch on the chunk (``_forward``). Also a TypeError or
     ValueError for a ``transformation_fn`` that returns no batch or was written for Horovod's
-    batches (``check_not_written_for_horovod``); a model or ``transformation_fn`` failing
-    otherwise, or a ``train_minibatch_fn`` (whose step decides what reaches the loss), ends it
-    quietly: the executors decide on the real rows."""
+    batches (``check_not_written_for_horovod``); a model (its own code, a GPU-only or
+    ``meta``-built model) or ``transformation_fn`` failing otherwise, or a
+    ``train_minibatch_fn`` (whose step decides what reaches the loss), ends it quietly: the
+    executors decide on the real rows."""
     if objects.get("train_minibatch_fn") is not None:
         return
     rows = len(next(iter(chunk.values())))
@@ -57,8 +60,9 @@ def probe_loss(
         inputs = [reshape_input(c.name, chunk[c.name], s) for c, s in zip(features, feature_shapes)]
         losses = build_losses(objects["loss"], objects.get("loss_constructors"), len(labels))
         model = objects["model"].cpu().eval()
-        with torch.no_grad():
-            outputs = as_outputs(model(*inputs))
+        outputs = as_outputs(_forward(model, inputs))
+    except LayerFailed:
+        raise
     except Exception:
         return  # not the loss's doing: the executors report it on the real rows
     for loss_fn in losses:
@@ -86,6 +90,85 @@ def probe_loss(
                 f"{e}, tried on the driver on {rows} rows ({_rows_tried(labels[i], ranges)}); "
                 f"torch's {_name(losses[i])} fails the same way in training: {hint}"
             ) from None
+
+
+class LayerFailed(Exception):
+    """One of torch's own layers of the model (``name``: its path in the model, e.g.
+    ``'0'`` or ``'encoder.fc'``) raised a shape mismatch on the probe batch's ``inputs``:
+    it needs nothing a rank has, so it fails the same way on every rank."""
+
+    def __init__(self, name: str, layer: torch.nn.Module, error: Exception, inputs: list):
+        super().__init__(f"{name or 'model'}: {type(error).__name__}: {error}")
+        self.name, self.layer, self.error = name, layer, error
+        self.shapes = [tuple(t.shape) for t in inputs]
+
+
+# words of the errors torch's layers raise on input of the wrong shape ("mat1 and mat2
+# shapes cannot be multiplied", "expected input[2, 1, 8, 8] to have 3 channels", "Expected
+# 3D (unbatched) or 4D (batched) input", "running_mean should contain 4 elements not 5",
+# "input.size(-1) must be equal to input_size", "was expecting embedding dimension of 5")
+_SHAPE_WORDS = re.compile(r"shape|size|channel|dimension|elements|\b\dD\b", re.I)
+
+
+def _torch_layer(module: torch.nn.Module) -> bool:
+    """A layer of ``torch.nn`` itself (``Linear``, ``Conv2d``, ``LSTM``...), not a container,
+    which runs only its own code."""
+    containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+    return type(module).__module__.startswith("torch.nn.modules.") and not isinstance(
+        module, containers
+    )
+
+
+def _forward(model: torch.nn.Module, inputs: list[torch.Tensor]):
+    """``model(*inputs)`` without gradients; ``LayerFailed`` where one of torch's own
+    layers raises a shape mismatch and does again on inputs of other values (a model may
+    pick its rows by their values, which zeros would not show)."""
+    running: list[tuple[str, torch.nn.Module]] = []
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def enter(module, args):
+        running.append((names.get(id(module), "?"), module))
+
+    def leave(module, args, output):
+        while running and running.pop()[1] is not module:
+            pass  # a child whose error the module caught
+
+    hooks = []
+    try:
+        for module in model.modules():
+            hooks.append(module.register_forward_pre_hook(enter))
+            hooks.append(module.register_forward_hook(leave))
+        with torch.no_grad():
+            try:
+                return model(*inputs)
+            except Exception as e:
+                failed, error = running[-1] if running else None, e
+                if failed is None or not _shape_mismatch(failed[1], e):
+                    raise
+            running.clear()
+            other = torch.Generator().manual_seed(0)
+            others = [
+                torch.randn(t.shape, generator=other, dtype=t.dtype) if t.is_floating_point() else t
+                for t in inputs
+            ]
+            try:
+                model(*others)
+            except Exception as again:
+                if running and running[-1][1] is failed[1] and _shape_mismatch(failed[1], again):
+                    raise LayerFailed(failed[0], failed[1], error, inputs) from None
+            raise error
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _shape_mismatch(module: torch.nn.Module, error: Exception) -> bool:
+    return (
+        _torch_layer(module)
+        and isinstance(error, (RuntimeError, ValueError, IndexError, AssertionError))
+        and not _on_a_device(error)
+        and bool(_SHAPE_WORDS.search(str(error)))
+    )
 
 
 def torch_loss(fn) -> bool:
