@@ -281,8 +281,10 @@ def test_bad_input_to_predict_is_refused_naming_the_column(models, tmp_path):
     with pytest.raises(MlflowException, match=missing) as raised:
         TorchPyfunc(model).predict(pd.DataFrame({"path": ["x"]}))
     assert raised.value.error_code == "INVALID_PARAMETER_VALUE"  # a server's 400
-    with pytest.raises(MlflowException, match="column 'content' must hold bytes"):
+    with pytest.raises(MlflowException, match="column 'content': row 0 is text that is not base"):
         TorchPyfunc(model).predict(pd.DataFrame({"content": ["a string"]}))
+    with pytest.raises(MlflowException, match="column 'content' must hold bytes"):
+        TorchPyfunc(model).predict(pd.DataFrame({"content": [1.5]}))
 
 
 def test_a_model_of_arrays_has_a_tensor_signature_checked_at_once_also_over_rest(models):

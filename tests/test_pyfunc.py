@@ -4,6 +4,7 @@ image structs, batching, empty input, what it refuses."""
 from __future__ import annotations
 
 import base64
+import logging
 
 import numpy as np
 import pandas as pd
@@ -15,7 +16,7 @@ from pyspark.sql.types import StructField, StructType
 from spark_estimator import TorchModel
 from tests.conftest import linear_net
 
-pytest.importorskip("mlflow")
+mlflow = pytest.importorskip("mlflow")
 from mlflow.exceptions import MlflowException  # noqa: E402
 
 from spark_estimator import mlflow as se_mlflow  # noqa: E402
@@ -139,3 +140,98 @@ def test_gpu_decoding_where_predict_runs_on_the_cpu_is_refused_naming_decode_dev
 def test_a_model_config_is_refused_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"model_config: .* takes none \(given: \['device'\]\)"):
         se_mlflow._load_pyfunc(str(tmp_path), {"device": "cpu"})
+
+
+# -- NaN and infinite features: prediction NaN, a warning naming the column ------------------
+
+
+class Pair(torch.nn.Module):
+    """Two scalar columns a, b -> the class logits [a, b]."""
+
+    def forward(self, a, b):
+        return torch.stack([a, b], 1)
+
+
+class Scaled(torch.nn.Module):
+    """An array column x [B, 2] and a scalar a -> the class logits x * a."""
+
+    def forward(self, x, a):
+        return x * a.unsqueeze(1)
+
+
+def scalar_classifier() -> TorchModel:
+    kinds = {"a": ["scalar", "float32"], "b": ["scalar", "float32"]}
+    return TorchModel(
+        model=Pair(),
+        feature_cols=["a", "b"],
+        classification=True,
+        output_shapes=[[2]],
+        feature_kinds=kinds,
+    )
+
+
+def mixed_classifier() -> TorchModel:
+    kinds = {"x": ["array", "float32"], "a": ["scalar", "float32"]}
+    return TorchModel(
+        model=Scaled(),
+        feature_cols=["x", "a"],
+        classification=True,
+        output_shapes=[[2]],
+        feature_kinds=kinds,
+        feature_lengths={"x": 2},
+    )
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def non_finite_rows(kind: str) -> pd.DataFrame:
+    """Rows of finite features and of NaN, +inf and -inf in each feature column."""
+    if kind == "scalars":
+        return pd.DataFrame({"a": [2.0, NAN, 1.0, -INF, 0.5], "b": [1.0, 1.0, INF, 0.0, 3.0]})
+    x = [[1.0, 2.0], [NAN, 1.0], [3.0, 1.0], [1.0, -INF], [2.0, 1.0], [1.0, 0.5]]
+    return pd.DataFrame({"x": x, "a": [1.0, 1.0, INF, 1.0, NAN, -INF]})
+
+
+def class_frame(scored) -> pd.DataFrame:
+    """transform's classifier columns as pandas, ML vectors as arrays."""
+    pdf = scored.select("rawPrediction", "probability", "prediction").toPandas()
+    for name in ("rawPrediction", "probability"):
+        pdf[name] = [v.toArray() for v in pdf[name]]
+    return pdf
+
+
+def assert_same_classes(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    """The same columns and values, NaN where the other has NaN."""
+    assert list(got.columns) == list(want.columns) and len(got) == len(want)
+    for name in want.columns:
+        expect = np.stack([np.asarray(v, dtype=np.float64) for v in want[name]])
+        found = np.stack([np.asarray(v, dtype=np.float64) for v in got[name]])
+        np.testing.assert_allclose(found, expect, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["scalars", "mixed"])
+def test_non_finite_features_give_prediction_nan_in_transform_and_predict_alike(
+    spark, kind, tmp_path, caplog
+):
+    """A row whose logits are not finite gets prediction NaN, not a class, in transform
+    and in predict (a scalar column's NaN is a NaN there too, not a refused null), for a
+    column signature (numbers alone) and a tensor signature (an array beside them); a
+    warning names the column."""
+    model = scalar_classifier() if kind == "scalars" else mixed_classifier()
+    rows = non_finite_rows(kind)
+    schema = "a double, b double" if kind == "scalars" else "x array<double>, a double"
+    df = spark.createDataFrame(list(rows.itertuples(index=False)), schema)  # NaN, not null
+    want = class_frame(model.transform(df))
+    bad = [1, 2, 3] if kind == "scalars" else [1, 2, 3, 4, 5]
+    assert want["prediction"].isna().tolist() == [i in bad for i in range(len(rows))]
+    se_mlflow.save_model(model, str(tmp_path / "model"), input_example=rows.head(1))
+    loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))
+    signature = loaded.metadata.get_input_schema()
+    assert signature.is_tensor_spec() == (kind == "mixed")
+    with caplog.at_level(logging.WARNING, logger="spark_estimator"):
+        assert_same_classes(loaded.predict(rows), want)
+    named = [r.getMessage() for r in caplog.records if "NaN or infinite" in r.getMessage()]
+    column = "a" if kind == "scalars" else "x"
+    assert len(named) == 1 and f"column '{column}' holds NaN or infinite values in" in named[0]
+    assert "of 5 rows (predict)" in named[0] or "of 6 rows (predict)" in named[0]

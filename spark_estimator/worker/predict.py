@@ -7,10 +7,16 @@ assigned the task if any, else on CPU. Input columns pass through untouched.
 With ``classification`` the model's one output is read as class logits and becomes three
 columns, as Spark ML classifiers write them: the logits (``rawPrediction``), the class
 probabilities and the class index, see ``class_columns``.
+
+NaN and infinite feature values are not refused (transform's rows are the caller's): the
+model computes what it computes for them, a classifier's row whose logits are not all
+finite gets ``prediction`` NaN rather than a class, and each batch holding such values logs
+a warning naming the columns (``warn_non_finite``; docs/bad-input.md).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -23,6 +29,8 @@ from .comm.device import task_device
 from .data.convert import column_to_tensor, reshape_input, tensor_to_arrow
 from .loop.loss import as_outputs
 from .predict_decode import decoded_batches, decoder_for, release
+
+_log = logging.getLogger(__name__)
 
 
 def predict_batches(
@@ -108,7 +116,7 @@ def predict_with(
             prepared = decoded_batches(batches, features, row_names, decoder)
         with torch.no_grad():
             for batch, decoded in prepared:
-                inputs = _inputs(batch, features, input_shapes, decoder, decoded, device)
+                inputs = _inputs(batch, features, input_shapes, decoder, decoded, device, task)
                 yield _predicted(
                     model,
                     inputs,
@@ -125,15 +133,17 @@ def predict_with(
             release(decoder, finished)
 
 
-def _inputs(batch, features, input_shapes, decoder, decoded, device) -> list:
+def _inputs(batch, features, input_shapes, decoder, decoded, device, task) -> list:
     """forward()'s arguments for an Arrow batch: each feature column as a tensor (a
-    variable one as ``decoded``, a sequence's mask after it), on ``device``."""
+    variable one as ``decoded``, a sequence's mask after it), on ``device``; non-finite
+    values of the fixed columns warned of (``warn_non_finite``)."""
     shapes = input_shapes or [None] * len(features)
     fixed = {
         c.name: column_to_tensor(c.name, batch.column(c.name), c.torch_dtype, "transform")
         for c in features
         if not c.variable
     }
+    warn_non_finite(fixed, batch.num_rows, task)
     masks = {}
     if decoded is not None:
         decoder.on_device(decoded, device)
@@ -148,6 +158,30 @@ def _inputs(batch, features, input_shapes, decoder, decoded, device) -> list:
         if c.name in masks:
             inputs.append(masks[c.name].to(device))
     return inputs
+
+
+def warn_non_finite(columns: dict[str, torch.Tensor], rows: int, task: str) -> None:
+    """Log a warning naming each floating-point column of ``columns`` (a batch's feature
+    tensors, rows first) that holds NaN or infinite values, with how many of the ``rows``
+    hold them: their outputs are what the model computes for them (NaN, mostly), and a
+    classifier gives such a row a class only where its logits are finite."""
+    counts = {}
+    for name, values in columns.items():
+        if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+            bad = ~torch.isfinite(values.reshape(len(values), -1)).all(1)
+            counts[name] = int(bad.sum())
+    if counts:
+        named = ", ".join(
+            f"column '{n}' holds NaN or infinite values in {c}" for n, c in counts.items()
+        )
+        _log.warning(
+            "feature_cols: %s of %d rows (%s); their outputs are what the model computes for "
+            "them (classification: prediction NaN where the logits are not finite); filter "
+            "or fill them first",
+            named,
+            rows,
+            task,
+        )
 
 
 def _predicted(
@@ -194,7 +228,9 @@ def class_columns(logits: torch.Tensor) -> list[pa.Array]:
     mean (softmax and argmax unchanged; with two classes raw[1] is half the log-odds, so
     BinaryClassificationEvaluator ranks rows correctly). One logit z: probability =
     [1 - sigmoid(z), sigmoid(z)], raw = [-z, z] and prediction = 1 where z > 0, as Spark's
-    LogisticRegression writes them.
+    LogisticRegression writes them. A row whose logits are not all finite (NaN or infinite:
+    from NaN or infinite features, or an overflow) gets prediction NaN, not a class; its raw
+    and probability values are as computed.
     """
     z = logits.detach().to("cpu", torch.float64)
     if z.dim() == 2 and z.shape[1] == 1:
@@ -209,7 +245,9 @@ def class_columns(logits: torch.Tensor) -> list[pa.Array]:
             f"classification: the model's output has shape {list(logits.shape)}; class "
             "logits must be [B, C] with C >= 2 classes, or [B] or [B, 1] for one binary logit"
         )
-    return [_double_rows(raw), _double_rows(prob), pa.array(pred.to(torch.float64).numpy())]
+    finite = torch.isfinite(z) if z.dim() == 1 else torch.isfinite(z).all(1)
+    pred = torch.where(finite, pred.to(torch.float64), torch.nan)
+    return [_double_rows(raw), _double_rows(prob), pa.array(pred.numpy())]
 
 
 def _double_rows(values: torch.Tensor) -> pa.Array:

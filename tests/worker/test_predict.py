@@ -1,5 +1,8 @@
 """Batched inference on Arrow batches, without Spark: the regression and class outputs."""
 
+import logging
+import math
+
 import pyarrow as pa
 import pytest
 import torch
@@ -122,3 +125,65 @@ def test_nulls_in_transform_are_refused_saying_to_drop_them_before_transform():
         ValueError, match=r"column 'x': 1 null values; drop or fill them before transform"
     ):
         outputs([ColumnSpec("x", "scalar", "float32")])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("logits", ["classes", "one"])
+def test_rows_of_logits_that_are_not_finite_get_no_class(bad, logits):
+    """A row whose logits are not all finite gets prediction NaN, not a class chosen by
+    argmax over NaN (class 0) or by the sign of an infinite logit; its raw and
+    probability columns are as computed."""
+    z = torch.tensor([[2.0, 1.0], [bad, 0.0], [-1.0, 3.0]])
+    if logits == "one":
+        z = z[:, 0]
+    raw, prob, pred = class_columns(z)
+    got = rows(pred)
+    assert got[0] == (0.0 if logits == "classes" else 1.0) and math.isnan(got[1])
+    assert got[2] == (1.0 if logits == "classes" else 0.0)
+    assert len(rows(prob)[1]) == 2 and len(rows(raw)[1]) == 2
+
+
+class Scale(torch.nn.Module):
+    """[B, 2] (x) and [B] (a) -> two class logits, x * a; finite where both are."""
+
+    def forward(self, x, a):
+        return x * a.unsqueeze(1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("column", ["x", "a"])
+def test_non_finite_features_give_prediction_nan_and_a_warning_naming_the_column(
+    bad, column, caplog
+):
+    x = [[1.0, 2.0], [3.0, 1.0], [1.0, 1.0]]
+    a = [1.0, 1.0, 2.0]
+    if column == "x":
+        x[1][0] = bad
+    else:
+        a[1] = bad
+    record = pa.RecordBatch.from_arrays(
+        [pa.array(x, pa.list_(pa.float32())), pa.array(a, pa.float64())], names=["x", "a"]
+    )
+    with caplog.at_level(logging.WARNING, logger="spark_estimator"):
+        (out,) = predict_batches(
+            iter([record]),
+            model_bytes=dumps(Scale(), "model"),
+            features=[ColumnSpec("x", "array", "float32"), ColumnSpec("a", "scalar", "float32")],
+            input_shapes=None,
+            output_cols=["raw", "prob", "pred"],
+            scalar_outputs=[],
+            classification=True,
+        )
+    pred = rows(out.column("pred"))
+    assert pred[0] == 1.0 and math.isnan(pred[1]) and pred[2] == 0.0
+    (record,) = [r for r in caplog.records if "NaN or infinite" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert f"feature_cols: column '{column}' holds NaN or infinite values in 1 of 3 rows" in (
+        record.getMessage()
+    )
+
+
+def test_finite_features_log_nothing(caplog):
+    with caplog.at_level(logging.WARNING, logger="spark_estimator"):
+        predict(torch.nn.Linear(2, 3))
+    assert not [r for r in caplog.records if "NaN or infinite" in r.getMessage()]
