@@ -63,6 +63,9 @@ setup(
             "simplejpeg>=1.8",
             "tokenizers>=0.13.3",
             "transformers>=4.40",
+            # lake tables built by the tests (Delta by delta-rs, Iceberg in a sqlite catalog)
+            "deltalake>=1.0",
+            "pyiceberg[sql-sqlite,pyarrow]>=0.9",
         ],
     },
 )

@@ -123,6 +123,20 @@ def tuning(store: Store, df) -> dict:
     }
 
 
+def delta_folder_error(spark, store: Store, scratch: Path) -> str | None:
+    """The error of a fit on a Delta table's folder read as plain Parquet (written by
+    delta-rs, where it is installed)."""
+    if find_spec("deltalake") is None:
+        return None
+    import deltalake
+    import pyarrow as pa
+
+    root = str(scratch / "delta")
+    deltalake.write_deltalake(root, pa.table({"x": [[1.0, 2.0, 3.0]] * 8, "y": [1.0] * 8}))
+    df = spark.read.parquet(root)
+    return error_of(lambda: make_estimator(store=store, num_proc=1, epochs=1).fit(df))
+
+
 def main(scratch: Path) -> dict:
     spark = SparkSession.builder.remote("local[2]").getOrCreate()
     out: dict = {"is_connect": is_connect(spark), "slots": available_slots(spark)}
@@ -131,6 +145,7 @@ def main(scratch: Path) -> dict:
 
     # errors raised on the driver before any Spark job: nothing reaches the store
     out["too_many_procs"] = error_of(lambda: make_estimator(store=store, num_proc=3).fit(df))
+    out["delta_folder"] = delta_folder_error(spark, store, scratch)
     out["datasets_after_error"] = store.exists(store.datasets)
 
     model = make_estimator(store=store, epochs=15).fit(df)

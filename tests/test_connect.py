@@ -60,6 +60,14 @@ def test_too_many_processes_fail_on_the_driver_before_any_job(result):
     assert result["datasets_after_error"] is False
 
 
+def test_a_delta_tables_folder_read_as_parquet_is_refused_before_any_job(result):
+    if result["delta_folder"] is None:
+        pytest.skip("deltalake is not installed")
+    assert result["delta_folder"].startswith("ValueError: ")
+    assert "Delta table" in result["delta_folder"] and "at version 0" in result["delta_folder"]
+    assert not result["datasets_after_error"]
+
+
 def test_materialized_data_is_reused_for_the_same_plan_only(result):
     assert result["reused"] is True
     assert result["reuse_wrote_nothing"] is True  # no file or folder written or touched

@@ -85,6 +85,23 @@ def sources(message) -> list[str]:
     return found
 
 
+def parquet_read_paths(message) -> list[str]:
+    """The paths of every plain Parquet read by paths in a plan (``spark.read.parquet``,
+    ``format("parquet").load``; Spark's default source when no format is given)."""
+    found: list[str] = []
+
+    def visit(msg) -> None:
+        if msg.DESCRIPTOR.full_name == "spark.connect.Read.DataSource":
+            if (msg.format or "parquet").lower() == "parquet":
+                found.extend(msg.paths)
+        for field, value in msg.ListFields():
+            for item in _messages(field, value):
+                visit(item)
+
+    visit(message)
+    return found
+
+
 def _read_kind(read) -> str:
     """``read.files`` for a data source read by paths, else ``read.<type>``."""
     kind = read.WhichOneof("read_type")

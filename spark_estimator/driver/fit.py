@@ -42,6 +42,7 @@ from .materialize import WriteOptions, materialize
 from .params import DECODE_PARAMS
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
+from .table_folders import check_not_table_folder
 from .training_job import run_training_job
 
 logger = logging.getLogger(__name__)
@@ -206,7 +207,9 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
 
     def _materialize(self, dataset: DataFrame, checked: Checked) -> DatasetInfo:
         """The dataset the fit trains on: the DataFrame's own Parquet files, read in place
-        (``data_copy``, ``in_place``), or its columns materialized to the store."""
+        (``data_copy``, ``in_place``), or its columns materialized to the store. A lake
+        table's folder read as plain Parquet is neither (``check_not_table_folder``)."""
+        check_not_table_folder(dataset, checked.store)
         if self.getDataCopy() != "always":
             data = self._in_place(dataset, checked)
             if data is not None:
