@@ -20,6 +20,14 @@ commit on rank 0, broadcasts it to every rank and calls the reset callbacks, so 
 repeats at most the work since the last commit. Outside any task (a script run with
 plain ``python``) commits stay in memory.
 
+A commit in the store is loaded as checkpoints are, without running code
+(``torch.load(weights_only=True)``): tensors, numbers, strings and plain containers, and
+the classes the script allowed with ``torch.serialization.add_safe_globals``. So rank 0's
+first ``commit()`` of a state holding any other object (a class instance the script
+defined, a NumPy array) fails naming the attribute, instead of writing a commit that the
+next launch could not load; and a commit that holds such objects anyway (written by
+someone else) is refused, never unpickled.
+
 Growing back: while a launch that entered ``hvd.elastic.run`` has fewer ranks than the
 run's largest size and the cluster offers more task slots, the driver writes a growth
 request to the run's ``elastic/grow.json`` (its ``request_growth``).
@@ -39,12 +47,14 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
+import pickle
+import re
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ..shared.serialization import state_from_bytes, state_to_bytes
 from ..worker.comm import rendezvous
 from ..worker.comm.ranks import RankInfo
 from ..worker.run_task import EndLaunchToGrow, current_run
@@ -79,6 +89,7 @@ class State:
 
     def __init__(self):
         self._reset_callbacks: list[Callable[[], None]] = []
+        self._loadable: set[frozenset] = set()  # the kinds of commits found loadable
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions (no arguments) called after the state was reset to a commit of an
@@ -111,10 +122,24 @@ class State:
         """Rank 0, in a ``run`` task: the last ``save()`` to the run's store, atomically."""
         spec = current_run()
         if spec is not None and _rank_info().rank == 0:
-            buf = io.BytesIO()
-            torch.save(self.state_dict(), buf)
+            saved = self.state_dict()
+            data = state_to_bytes(saved)
+            self._check_loadable(saved, data)
             with spec.store.open_atomic(spec.store.run(spec.run_id).commit) as f:
-                f.write(buf.getvalue())
+                f.write(data)
+
+    def _check_loadable(self, saved: dict, data: bytes) -> None:
+        """A TypeError naming the attributes of ``saved`` (written as ``data``) that a
+        weights-only load refuses; tried once for each kind of commit (the types it holds),
+        not at every commit."""
+        kinds = frozenset(_types(saved, set()))
+        if kinds in self._loadable:
+            return
+        try:
+            state_from_bytes(data)
+        except pickle.UnpicklingError as e:
+            raise _unloadable(saved, e) from None
+        self._loadable.add(kinds)
 
     def sync(self) -> None:
         """Make every rank's state rank 0's; then save it in memory."""
@@ -187,7 +212,8 @@ class ObjectState(State):
 
 
 class TorchState(ObjectState):
-    """The state of a ``model`` and an ``optimizer`` with any picklable attributes.
+    """The state of a ``model`` and an ``optimizer`` with attributes (see the module for
+    what a commit in the store can hold).
 
     What ``hvd.elastic.run`` restores after a lost rank: ``commit()`` keeps a copy in
     memory and, in a task of ``run`` (or of the launcher), rank 0 writes it to the run's
@@ -203,7 +229,9 @@ class TorchState(ObjectState):
     optimizer : torch.optim.Optimizer, optional
         Its ``state_dict()`` likewise.
     **attributes
-        Any picklable values (``epoch=1, batch=0``), or objects with ``state_dict()`` and
+        Tensors, numbers, strings and plain containers of them (``epoch=1, batch=0``;
+        classes allowed with ``torch.serialization.add_safe_globals`` too: a commit in the
+        store loads weights-only), or objects with ``state_dict()`` and
         ``load_state_dict()``.
 
     Examples
@@ -263,6 +291,55 @@ def _stateful(value) -> bool:
     )
 
 
+def _types(value, found: set) -> set:
+    """The types of ``value`` and of everything in its plain containers."""
+    found.add(type(value))
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _types(key, found)
+            _types(item, found)
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            _types(item, found)
+    return found
+
+
+def _refused(value) -> str | None:
+    """What a weights-only load refuses in ``value`` (torch's name of it), or None."""
+    try:
+        state_from_bytes(state_to_bytes(value))
+    except pickle.UnpicklingError as e:
+        if isinstance(value, (dict, list, tuple, set, frozenset)):  # what is inside it
+            return _global_refused(e) or type(value).__qualname__
+        return f"a {type(value).__module__}.{type(value).__qualname__}"
+    return None
+
+
+def _global_refused(error: Exception) -> str | None:
+    """The global (module.name) a weights-only load refused, as torch's error names it."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    return found.group(1) if found else None
+
+
+def _unloadable(saved: dict, error: Exception) -> TypeError:
+    parts = {f"attribute '{k}'": v for k, v in saved.get("attributes", {}).items()}
+    parts.update({name: saved[name] for name in ("model", "optimizer") if name in saved})
+    refused = {part: what for part, value in parts.items() if (what := _refused(value))}
+    if not refused:  # no part alone: the whole state's
+        refused = {"the state": _global_refused(error) or "objects of other types"}
+    classes = sorted({w.rsplit(".", 1)[-1] for w in refused.values() if "numpy" not in w})
+    allow = f"[{', '.join(classes)}]" if classes else "[YourClass]"
+    return TypeError(
+        "hvd.elastic: cannot commit "
+        + ", ".join(f"{part} (it holds {what})" for part, what in refused.items())
+        + ": commits are loaded without running code (torch.load(weights_only=True)), "
+        "which takes tensors, numbers, strings and plain containers. Keep such values in "
+        "the state (a NumPy array as a tensor), give the object state_dict() and "
+        "load_state_dict() returning them, or allow its class where the script starts: "
+        f"torch.serialization.add_safe_globals({allow})"
+    )
+
+
 def _growth_requested() -> bool:
     """Whether this launch should end for the job to grow: rank 0 reads the run's request
     (one for this launch's size) and broadcasts it. Outside a ``run`` task, never."""
@@ -289,7 +366,18 @@ def _restore_commit(state: State) -> bool:
         spec.store.write_bytes(run.elastic_launch(spec.launch_id), b"")
         if spec.store.exists(run.commit):
             data = spec.store.read_bytes(run.commit)
-            saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            try:
+                saved = state_from_bytes(data)
+            except pickle.UnpicklingError as e:
+                raise pickle.UnpicklingError(
+                    f"hvd.elastic: refused to load the run's last commit {run.commit}: it "
+                    "holds objects other than tensors and plain containers, and loading "
+                    "those could run any code (it is loaded with "
+                    "torch.load(weights_only=True); this library's commit() writes no "
+                    "such file). Classes your own state holds: allow them with "
+                    "torch.serialization.add_safe_globals([...]) before hvd.elastic.run; "
+                    f"a file you did not write: remove it. (refused: {_global_refused(e)})"
+                ) from e
             state.load_state_dict(saved)
     return bool(_broadcast_object(saved is not None))
 

@@ -7,8 +7,9 @@ Two kinds of loading, kept apart on purpose:
   bundle the driver ships to its executors, and a saved stage's ``objects.pkl``, which the
   user chooses to load (``TorchModel.load`` and ``TorchEstimator.load`` trust their source,
   as ``torch.load(weights_only=False)`` does).
-- ``state_from_bytes`` loads checkpoints, ``result.pt`` and a saved model's ``weights.pt``
-  with ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
+- ``state_from_bytes`` loads every torch file of the store (checkpoints, ``result.pt``,
+  ``hvd.elastic``'s commits) and a saved model's ``weights.pt`` with
+  ``torch.load(weights_only=True)``: tensors and plain containers only, no code.
 
 Model and optimizer are pickled together, in one call, so that the optimizer's parameter
 references still point at the model's parameters after unpickling on an executor: param
@@ -65,7 +66,8 @@ def state_to_bytes(state: Any) -> bytes:
 
 
 def state_from_bytes(data: bytes, *, weights_only: bool = True) -> Any:
-    """Load a torch state file (checkpoint, ``result.pt``, ``weights.pt``) on CPU.
+    """Load a torch state file (checkpoint, ``result.pt``, ``weights.pt``, an elastic
+    commit) on CPU.
 
     Weights-only: tensors and plain containers load, anything else that was pickled into it
     (a class instance, a function) is refused with a ``pickle.UnpicklingError`` and never

@@ -5,6 +5,7 @@ the cluster offers more slots; a user's exception fails at once."""
 import io
 import logging
 import os
+import pickle
 import signal
 import threading
 import time
@@ -14,13 +15,17 @@ import torch
 
 from spark_estimator import Store, TrainingError, run
 from spark_estimator.horovod import elastic
+from spark_estimator.shared.serialization import state_to_bytes
+from spark_estimator.worker import run_task
 from tests.test_runner import Recorder
+from tests.test_security import RunsCode
 
 ELASTIC_SCRIPT = """
 import os, sys, time
 import torch
 import torch.distributed as dist
 from spark_estimator.horovod import elastic
+from spark_estimator.shared.serialization import state_to_bytes
 from spark_estimator.worker.comm.rendezvous import init_default_group
 
 init_default_group()
@@ -63,7 +68,7 @@ def commit_epoch(store: Store, run_id: str) -> int:
     if not store.exists(path):
         return 0
     data = io.BytesIO(store.read_bytes(path))
-    saved = torch.load(data, map_location="cpu", weights_only=False)
+    saved = torch.load(data, map_location="cpu", weights_only=True)  # as hvd.elastic.run does
     return saved["attributes"]["epoch"]
 
 
@@ -117,6 +122,7 @@ import time
 import torch
 import torch.distributed as dist
 from spark_estimator.horovod import elastic
+from spark_estimator.shared.serialization import state_to_bytes
 from spark_estimator.worker.comm.rendezvous import init_default_group
 
 init_default_group()
@@ -249,3 +255,106 @@ def test_state_commit_restore_and_sync_on_one_process(group_of_one):
     state.register_reset_callbacks([lambda: calls.append("reset")])
     state.on_reset()
     assert calls == ["reset"]
+
+
+RESTORING_SCRIPT = """
+from spark_estimator.horovod import elastic
+from spark_estimator.shared.serialization import state_to_bytes
+from spark_estimator.worker.comm.rendezvous import init_default_group
+
+init_default_group()
+state = elastic.ObjectState(epoch=1)
+
+
+@elastic.run
+def train(state):
+    print(f"trained from epoch {state.epoch}")
+
+
+train(state)
+"""
+
+
+def test_a_commit_that_would_run_code_is_refused_not_loaded(spark, store, tmp_path):
+    """A commit file planted in the run's store whose unpickling calls open(): the
+    launch's hvd.elastic.run refuses it (weights-only, as checkpoints) with an error that
+    says what to do, and nothing of it runs."""
+    canary = tmp_path / "canary"
+    run_folder = store.run("planted")
+    planted = {"attributes": {"epoch": RunsCode(str(canary))}}
+    store.write_bytes(run_folder.commit, state_to_bytes(planted))
+    script = tmp_path / "restoring.py"
+    script.write_text(RESTORING_SCRIPT)
+    out = Recorder()
+    with pytest.raises(TrainingError) as failure:
+        run(
+            str(script), num_proc=1, use_gpu=False, spark=spark, stdout=out, store=store,
+            run_id="planted", verbose=0, max_restarts=0,
+        )  # fmt: skip
+    message = str(failure.value)
+    assert "hvd.elastic: refused to load the run's last commit" in message
+    assert run_folder.commit in message and "could run any code" in message
+    assert "refused: builtins.open" in message or "refused: io.open" in message
+    assert not canary.exists()
+    assert not any("trained from" in line for line in out.lines)
+
+
+class Point:
+    """A class of the script's own: a commit holds it only where the script allows it."""
+
+    def __init__(self, x: float):
+        self.x = x
+
+
+@pytest.fixture
+def in_a_run(group_of_one, store, monkeypatch):
+    """Rank 0 of a ``run`` task's launch (its RunSpec) on a real store: commits go there."""
+    spec = run_task.RunSpec(
+        payload=None, script=None, env={}, use_gpu=False, rank0_only=False,
+        collective_timeout=30.0, store=store, run_id="own", launch_id="launch-0", verbose=0,
+        echo=False,
+    )  # fmt: skip
+    monkeypatch.setattr(run_task, "_current", spec)
+    return store.run("own")
+
+
+def test_a_state_a_commit_could_not_load_fails_at_its_first_commit(in_a_run, store):
+    """An attribute that a weights-only load refuses (a class instance, a NumPy array) fails
+    the commit that would write it, naming it and the ways out; the commit before stays."""
+    import numpy as np
+
+    model = torch.nn.Linear(2, 1)
+    state = elastic.TorchState(model, epoch=1, point=None, scale=1.0)
+    state.commit()
+    state.epoch, state.point = 2, Point(3.0)
+    with pytest.raises(TypeError) as refused:
+        state.commit()
+    message = str(refused.value)
+    assert message.startswith("hvd.elastic: cannot commit attribute 'point' (it holds ")
+    assert "a tests.horovod.test_elastic.Point" in message and "weights_only=True" in message
+    assert "torch.serialization.add_safe_globals([Point])" in message
+    assert "state_dict()" in message  # the other way out
+    saved = torch.load(io.BytesIO(store.read_bytes(in_a_run.commit)), weights_only=True)
+    assert saved["attributes"] == {"epoch": 1, "point": None, "scale": 1.0}
+
+    state.point, state.scale = None, np.ones(2)
+    with pytest.raises(
+        TypeError, match=r"attribute 'scale' \(it holds a numpy.ndarray\).*as a tensor"
+    ):
+        state.commit()
+
+
+def test_classes_the_script_allows_are_committed_and_restored(in_a_run, store):
+    model = torch.nn.Linear(2, 1)
+    state = elastic.TorchState(model, epoch=1, point=Point(1.0))
+    with torch.serialization.safe_globals([Point]):  # add_safe_globals, undone afterwards
+        state.epoch, state.point = 4, Point(2.5)
+        state.commit()
+        with torch.no_grad():
+            model.weight.zero_()
+        fresh = elastic.TorchState(torch.nn.Linear(2, 1), epoch=1, point=None)
+        assert elastic._restore_commit(fresh)
+    assert (fresh.epoch, fresh.point.x) == (4, 2.5)
+    assert torch.equal(fresh.model.weight, state._saved_model["weight"])
+    with pytest.raises(pickle.UnpicklingError, match="refused: tests.horovod.test_elastic.Point"):
+        elastic._restore_commit(elastic.TorchState(torch.nn.Linear(2, 1), epoch=1, point=None))
