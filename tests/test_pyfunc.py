@@ -1,10 +1,23 @@
 """TorchPyfunc, the MLflow model's python_function, on its own (no tracking store): Spark's
-image structs, batching, empty input, what it refuses."""
+image structs, batching, empty input, what it refuses; NaN and infinite features and binary
+columns in transform, predict and a real ``mlflow models serve`` of a saved model folder, in
+each of MLflow's four JSON forms."""
 
 from __future__ import annotations
 
 import base64
+import io
+import json
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -14,7 +27,7 @@ from pyspark.sql import Row
 from pyspark.sql.types import StructField, StructType
 
 from spark_estimator import TorchModel
-from tests.conftest import linear_net
+from tests.conftest import LOCAL, linear_net, spark_session
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.exceptions import MlflowException  # noqa: E402
@@ -235,3 +248,232 @@ def test_non_finite_features_give_prediction_nan_in_transform_and_predict_alike(
     column = "a" if kind == "scalars" else "x"
     assert len(named) == 1 and f"column '{column}' holds NaN or infinite values in" in named[0]
     assert "of 5 rows (predict)" in named[0] or "of 6 rows (predict)" in named[0]
+
+
+# -- over REST: a real `mlflow models serve`, every JSON form ----------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMS = ["dataframe_split", "dataframe_records", "inputs", "instances"]
+
+
+class MeanClassifier(torch.nn.Module):
+    """uint8 RGB images [B, 3, H, W] -> 2 class logits of their channel means."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.out = torch.nn.Linear(3, 2)
+
+    def forward(self, images):
+        return self.out(images.float().mean((2, 3)) / 255)
+
+
+def read_image(row, augment):
+    """decode_fn of the binary column ``content``: the image, 8x8 RGB."""
+    from spark_estimator.decoding import decode_image
+
+    return {"content": decode_image(row["content"], mode="RGB", size=(8, 8))}
+
+
+def image_classifier(decode_fn=None) -> TorchModel:
+    return TorchModel(
+        model=MeanClassifier(),
+        feature_cols=["content"],
+        classification=True,
+        output_shapes=[[2]],
+        feature_kinds={"content": ["binary", "float32"]},
+        decode_fn=decode_fn,
+    )
+
+
+def encoded_images() -> list[bytes]:
+    """8x8 RGB pictures, PNG and JPEG."""
+    Image = pytest.importorskip("PIL.Image", reason="needs Pillow (the vision extra)")
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(4):
+        pixels = (rng.integers(0, 100, (8, 8, 3)) + 100 * (i % 2)).astype(np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(pixels).save(buffer, format="PNG" if i % 2 else "JPEG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def request_body(frame: pd.DataFrame, form: str) -> bytes:
+    """``frame`` as a request of MLflow's JSON ``form`` (NaN and infinity as Python's json
+    writes them, bytes as base64 text)."""
+
+    def value(v):
+        if isinstance(v, bytes):
+            return base64.b64encode(v).decode()
+        return v.tolist() if isinstance(v, np.ndarray) else v
+
+    columns = list(frame.columns)
+    rows = [[value(v) for v in row] for row in frame.itertuples(index=False)]
+    records = [dict(zip(columns, row)) for row in rows]
+    body = {
+        "dataframe_split": {"columns": columns, "data": rows},
+        "dataframe_records": records,
+        "inputs": {c: [row[i] for row in rows] for i, c in enumerate(columns)},
+        "instances": records,
+    }[form]
+    return json.dumps({form: body}).encode()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """``mlflow models serve`` of a model folder on 127.0.0.1 (started by ``start``, ready
+    once ``wait`` returns), its output in ``log``."""
+
+    def __init__(self, folder: Path):
+        self.port, self.log = free_port(), folder.parent / f"{folder.name}.log"
+        env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": str(ROOT),
+        }
+        command = [sys.executable, "-m", "mlflow", "models", "serve", "-m", str(folder)]
+        command += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ping", timeout=5):
+                    return
+            except OSError:
+                assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+                time.sleep(0.5)
+
+    def post(self, body: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/invocations",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """name -> (Served, the rows it is asked about, what transform appends to them): a
+    classifier of two scalar columns (a column signature), of an array and a scalar (a
+    tensor signature), of images by the default decoding and by a decode_fn."""
+    pytest.importorskip("flask", reason="needs full mlflow (the serving extra)")
+    images = pd.DataFrame({"content": encoded_images()})
+    models = {
+        "scalars": (scalar_classifier(), non_finite_rows("scalars")),
+        "mixed": (mixed_classifier(), non_finite_rows("mixed")),
+        "images": (image_classifier(), images),
+        "images_fn": (image_classifier(read_image), images),
+    }
+    folder = tmp_path_factory.mktemp("served")
+    servers = {}
+    try:
+        for name, (model, rows) in models.items():
+            se_mlflow.save_model(model, str(folder / name), input_example=rows.head(2))
+            servers[name] = Served(folder / name)
+        spark = spark_session(LOCAL)
+        schemas = {
+            "scalars": "a double, b double",
+            "mixed": "x array<double>, a double",
+            "images": "content binary",
+            "images_fn": "content binary",
+        }
+        found = {}
+        for name, (model, rows) in models.items():
+            df = spark.createDataFrame(list(rows.itertuples(index=False)), schemas[name])
+            found[name] = (servers[name], rows, class_frame(model.transform(df)))
+        for server in servers.values():
+            server.wait()
+        yield found
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def predictions(answer: dict) -> pd.DataFrame:
+    return pd.DataFrame(answer["predictions"])
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", ["scalars", "mixed"])
+def test_non_finite_features_over_rest_give_prediction_nan_as_transform(served, kind, form):
+    server, rows, want = served[kind]
+    assert want["prediction"].isna().any() and want["prediction"].notna().any()
+    status, answer = server.post(request_body(rows, form))
+    assert status == 200, answer
+    assert_same_classes(predictions(answer), want)
+    assert "NaN or infinite values in" in server.log.read_text()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", ["images", "images_fn"])
+def test_images_over_rest_in_every_form_predict_what_transform_appends(served, kind, form):
+    """Base64 text in a binary column is decoded in every JSON form (MLflow decodes it in
+    the dataframe_* forms only), for the default image decoding and a decode_fn."""
+    server, rows, want = served[kind]
+    status, answer = server.post(request_body(rows, form))
+    assert status == 200, answer
+    assert_same_classes(predictions(answer), want)
+    status, answer = server.post(request_body(rows.head(1), form))
+    assert status == 200, answer
+    assert_same_classes(predictions(answer), want.head(1))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("kind", ["images", "images_fn"])
+def test_bytes_that_are_not_an_image_are_refused_saying_what_to_send(served, kind, form):
+    server, rows, _ = served[kind]
+    expects = "an image file's bytes" if kind == "images" else "the bytes its decode_fn reads"
+    status, answer = server.post(request_body(pd.DataFrame({"content": [b"no image"]}), form))
+    assert status == 400, answer
+    message = answer["message"]
+    assert "column 'content'" in message and "row 0" in message, message
+    assert f"column 'content' expects {expects}, as bytes in Python and base64" in message
+    # text that is not base64: MLflow's own decoding refuses it in the dataframe_* forms
+    text = {"dataframe_split": {"columns": ["content"], "data": [["not base64!"]]}}
+    if form in ("inputs", "instances"):
+        text = {
+            form: {"content": ["not base64!"]} if form == "inputs" else [{"content": "not base64!"}]
+        }
+    status, answer = server.post(json.dumps(text).encode())
+    assert status == 400, answer
+    if form in ("inputs", "instances"):
+        assert f"column 'content' expects {expects}" in answer["message"], answer
+    status, answer = server.post(request_body(rows.head(1), form))
+    assert status == 200, answer  # still answering
+
+
+def test_a_frame_without_index_label_0_predicts_as_with_a_default_index(tmp_path):
+    """MLflow 3's check of a tensor signature reads a column's first value by position: a
+    filtered frame (no label 0) needs no reset_index."""
+    rows = pd.DataFrame({"x": [[1.0, 2.0], [3.0, 1.0], [2.0, 2.5]], "a": [1.0, 0.5, 2.0]})
+    se_mlflow.save_model(mixed_classifier(), str(tmp_path / "model"), input_example=rows)
+    loaded = mlflow.pyfunc.load_model(str(tmp_path / "model"))
+    assert loaded.metadata.get_input_schema().is_tensor_spec()
+    want = loaded.predict(rows.iloc[1:].reset_index(drop=True))
+    got = loaded.predict(rows.iloc[1:])  # index [1, 2]
+    assert_same_classes(got.reset_index(drop=True), want)

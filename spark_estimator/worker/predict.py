@@ -172,14 +172,14 @@ def warn_non_finite(columns: dict[str, torch.Tensor], rows: int, task: str) -> N
             counts[name] = int(bad.sum())
     if counts:
         named = ", ".join(
-            f"column '{n}' holds NaN or infinite values in {c}" for n, c in counts.items()
+            f"column '{n}' holds NaN or infinite values in {c} of {rows} rows"
+            for n, c in counts.items()
         )
         _log.warning(
-            "feature_cols: %s of %d rows (%s); their outputs are what the model computes for "
-            "them (classification: prediction NaN where the logits are not finite); filter "
-            "or fill them first",
+            "feature_cols: %s (%s); their outputs are what the model computes for them "
+            "(classification: prediction NaN where the logits are not finite); filter or "
+            "fill them first",
             named,
-            rows,
             task,
         )
 
