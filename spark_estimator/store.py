@@ -7,6 +7,10 @@ Layout under the store's root (see docs/store.md); every path is named by ``Stor
     datasets/<key>/<write-id>/validation/part-00000.parquet  materialized validation rows
     datasets/<key>/_meta.json                                written last: names the complete write;
                                                              its files, rows, row lengths
+    datasets/_index/rows-<digest>.json                       the first dataset written of these
+                                                             rows (its key): equal rows reuse it
+    datasets/_index/key-<key>.json                           a key whose write was dropped for an
+                                                             equal dataset: that dataset's key
     tables/<key>.json                                        a table trained on in place: its
                                                              files, row groups, splits, checks
     runs/<run_id>/run.json                                   what the checkpoints were made with
@@ -204,6 +208,8 @@ def layout() -> list[str]:
         data.part("<write-id>", "train", 0),
         data.part("<write-id>", "validation", 0),
         data.meta,
+        store.rows_index("<digest>"),
+        store.key_alias("<key>"),
         store.table("<key>"),
         run.manifest,
         run.checkpoint(1),
@@ -336,6 +342,17 @@ class Store:
 
     def dataset(self, key: str) -> DatasetFolder:
         return DatasetFolder(posixpath.join(self.datasets, key))
+
+    def rows_index(self, digest: str) -> str:
+        """The key of the first dataset written of the rows whose content digest (with the
+        columns, split and write options) is ``digest``: ``datasets/_index/rows-<digest>.json``
+        (see ``materialize``)."""
+        return posixpath.join(self.datasets, "_index", f"rows-{digest}.json")
+
+    def key_alias(self, key: str) -> str:
+        """The key of the dataset that holds the rows of dataset key ``key``, whose own write
+        was dropped for it: ``datasets/_index/key-<key>.json``."""
+        return posixpath.join(self.datasets, "_index", f"key-{key}.json")
 
     def table(self, key: str) -> str:
         """What fits learned of a table they read in place (its files, row groups, the

@@ -9,7 +9,14 @@ import torch
 
 from spark_estimator import TrainingError
 from spark_estimator.callbacks import Callback, EarlyStopping
-from tests.conftest import linear_net, make_estimator
+from tests.conftest import (
+    LOCAL,
+    linear_net,
+    make_estimator,
+    regression_rows,
+    spark_session,
+    stop_session,
+)
 from tests.faults import Fault
 
 
@@ -84,6 +91,41 @@ def test_a_fit_with_the_run_id_of_a_failed_run_resumes_it_exactly(
     # the rates it trained with: the checkpoint's (StepLR: 0.05 x 0.7^2), not the fit's 0.05
     assert resumed.getTrainingSummary()["learning_rates"] == pytest.approx([0.05 * 0.7**2])
     assert resumed.getHistory()[2]["lr"] == pytest.approx([0.05 * 0.7**2])
+
+
+def test_a_new_driver_on_equal_rows_resumes_the_run_with_its_split_and_other_rows_are_refused(
+    spark, store, tmp_path
+):
+    """Rows from a Python list have no identity beyond their Spark application: a new
+    driver's equal rows (here in another order) are known by their content, so the run
+    resumes on the first copy, its validation split included; other rows are refused,
+    naming what differs."""
+    rows, schema = regression_rows(), "x array<double>, y double, id long"
+    df = spark.createDataFrame(rows, schema)
+    params = dict(validation=0.25)
+    clean = momentum_estimator(store, run_id="clean", **params).fit(df)
+    fault = Fault("raise", rank=0, epoch=3, marker=tmp_path / "m", after_batches=1)
+    with pytest.raises(TrainingError, match="injected fault on rank 0 at epoch 3"):
+        momentum_estimator(store, callbacks=[fault], run_id="moved", **params).fit(df)
+    assert store.checkpoint_epochs("moved") == [1, 2]
+
+    before = spark.sparkContext.applicationId
+    stop_session(LOCAL)
+    spark = spark_session(LOCAL)  # a new driver's application
+    assert spark.sparkContext.applicationId != before
+    again = spark.createDataFrame(rows[::-1], schema)
+    resumed = momentum_estimator(store, run_id="moved", **params).fit(again)
+    assert resumed.getTrainingSummary()["resumed_from_epoch"] == 2  # epochs 1-2 not trained
+    assert_same_training(resumed, clean)  # the same training and validation rows
+    for got, want in zip(resumed.getHistory(), clean.getHistory()):
+        assert got["validation"]["loss"] == pytest.approx(want["validation"]["loss"], abs=1e-6)
+
+    changed = spark.createDataFrame([(rows[0][0], rows[0][1] + 1.0, 0)] + rows[1:], schema)
+    with pytest.raises(ValueError) as refused:
+        momentum_estimator(store, run_id="moved", epochs=5, **params).fit(changed)
+    message = str(refused.value)
+    assert "run_id: run 'moved' has checkpoints up to epoch 4 made with another data: " in message
+    assert "the rows' content (digest " in message and "of 200 rows" in message
 
 
 def test_a_finished_run_fit_again_with_more_epochs_trains_on_from_its_last_checkpoint(

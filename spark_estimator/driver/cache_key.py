@@ -12,7 +12,9 @@ leaves out the files. So the key is built from
 - for in-memory leaves whose content is part of the plan (local data, ``range``): their
   semantic hash, which is computed from the rows and is stable across sessions,
 - for any other leaf (an RDD, a JDBC relation, ...): an identity that holds only inside
-  this Spark application, so such data is reused within a session and never across,
+  this Spark application, so such a key is found within a session and never across (a
+  new driver's write of equal rows finds their first copy by the digest of its rows'
+  content instead: ``materialize``),
 - the selected columns, their dtypes, the validation split and the write options.
 
 On Spark Connect the JVM's plan is not reachable from Python; ``connect_fingerprint`` builds

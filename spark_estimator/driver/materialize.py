@@ -30,6 +30,18 @@ the same key at once write it once (``one_writer``); two drivers writing the sam
 at once both end with a complete dataset: the one that finds ``_meta.json`` already there
 drops its own write and uses the published one; if both publish, the last ``_meta.json``
 wins and the other write stays, unnamed but intact, for the fit that is reading it.
+
+A key holds only where the rows have an identity that outlives the Spark application
+(files, local rows: ``cache_key``); rows from a Python list or an RDD are keyed with the
+application's id. So the write also takes a digest of its rows' content (``row_digest``:
+each row's hash of its written values, summed; no other pass), kept in ``_meta.json``'s
+``source``. The first dataset written of some rows is indexed by that digest with the
+columns, split and write options (``Store.rows_index``); a later write of equal rows under
+another key (a new driver's) drops its own files and uses that first copy, its split
+included (a fraction's per-row draws depend on the partitioning, so a second copy could
+split otherwise), and records its key as an alias of it (``Store.key_alias``), so the next
+fit of that key reads it without writing. A new driver on the same rows thus trains on the
+same dataset, under the same key, and resumes its runs (``run_manifest``).
 """
 
 from __future__ import annotations
@@ -46,6 +58,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import IntegralType, StringType
 
 from ..shared.column_stats import check_observed, merge_stats
+from ..shared.row_digest import HASH_COL, content_digest
 from ..shared.spec import SPLITS, ColumnSpec, DatasetInfo, row_names_column
 from ..store import DatasetFolder, Store
 from ..worker.data.parquet_writer import WRITTEN_SCHEMA, ParquetTarget, write_partition
@@ -157,10 +170,9 @@ def _find_or_write(
 ) -> DatasetInfo:
     """``materialize`` for the dataset of ``key``: the one in the store, or written."""
     dataset = store.dataset(key)
-    if store.exists(dataset.meta):
-        data = DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
-        check_dataset(data, input_shapes, check)
-        return data
+    if (found := _published(store, key)) is not None:
+        check_dataset(found, input_shapes, check)
+        return found
 
     write_id = f"write-{uuid.uuid4().hex}"
     columns = checked_columns(features, labels, sample_weight)
@@ -173,12 +185,14 @@ def _find_or_write(
     )
     integers = {c.name for c in features + labels if sequence_element_integral(df.schema, c.name)}
     names = [F.col(row_names)] if row_names else []
+    requested = features + labels  # as the key has them (before ragged arrays are sequences)
     try:
         selected = df.select(
             *[_select_expr(c, from_floats, c.name in integers) for _, c in columns],
             *names,
             _split_expr(validation, seed).alias(SPLIT_COL),
         )
+        selected = selected.withColumn(HASH_COL, _row_hash(selected.columns, validation))
         target = ParquetTarget(
             store,
             dataset,
@@ -187,6 +201,7 @@ def _find_or_write(
             options.row_group_bytes,
             options.compression,
             counted_columns(columns, from_floats),
+            hashed=True,
         )
         written = (
             selected.repartition(options.num_files)
@@ -206,7 +221,12 @@ def _find_or_write(
             features=features,
             labels=labels,
             files=_files_by_split(written),
-            source={**source, "files": len(source.get("files", [])), "key": key},
+            source={
+                **source,
+                "files": len(source.get("files", [])),
+                "key": key,
+                "content": content_digest(metrics),
+            },
             sample_weight=sample_weight,
             row_lengths=row_lengths,
             write_id=write_id,
@@ -214,16 +234,63 @@ def _find_or_write(
             row_names=row_names,
         )
         check_not_empty(data, validation)
-        check_dataset(data, input_shapes, check)
-        published = store.exists(dataset.meta)  # another fit finished the same dataset first
+        rows_key = cache_key(
+            {"content": data.source["content"]},
+            requested,
+            validation,
+            seed,
+            asdict(options),
+            sample_weight,
+            row_names,
+        )
+        # another fit finished the same dataset first, or these rows were written before
+        found = _published(store, key) or _first_copy(store, rows_key)
+        check_dataset(found or data, input_shapes, check)
     except BaseException:
         _discard(store, dataset, write_id)
         raise
-    if published:
+    if found is not None:
         _discard(store, dataset, write_id)  # never read by anyone: this call has not published it
-        return DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
+        if found.source.get("key", key) != key:  # the same rows under another key: found again
+            store.write_json(store.key_alias(key), {"key": found.source["key"]})
+        return found
     store.write_json(dataset.meta, data.to_json())  # atomic; the last of two racing fits wins
+    store.write_json(store.rows_index(rows_key), {"key": key})
     return data
+
+
+def _row_hash(names: list[str], validation) -> Column:
+    """Each row's 64-bit hash of its written values (``row_digest``): the columns in
+    order, and the split only where a validation column decides it (a fraction's split is
+    a draw, which the first copy of the rows keeps: see the module)."""
+    hashed = [n for n in names if n != SPLIT_COL or isinstance(validation, str)]
+    return F.xxhash64(*[F.col(n) for n in hashed])
+
+
+def _published(store: Store, key: str) -> DatasetInfo | None:
+    """The complete dataset of ``key`` (its ``_meta.json``), or of the key whose rows the
+    write of ``key`` turned out to hold (``Store.key_alias``); None when neither is."""
+    dataset = store.dataset(key)
+    if store.exists(dataset.meta):
+        return DatasetInfo.from_json(dataset.path, store.read_json(dataset.meta), reused=True)
+    alias = store.key_alias(key)
+    if store.exists(alias):
+        other = store.dataset(store.read_json(alias)["key"])
+        if store.exists(other.meta):
+            return DatasetInfo.from_json(other.path, store.read_json(other.meta), reused=True)
+    return None
+
+
+def _first_copy(store: Store, rows_key: str) -> DatasetInfo | None:
+    """The complete dataset first written of the rows of ``rows_key`` (their content
+    digest, columns, split and write options: ``Store.rows_index``), if still there."""
+    index = store.rows_index(rows_key)
+    if not store.exists(index):
+        return None
+    first = store.dataset(store.read_json(index)["key"])
+    if not store.exists(first.meta):  # removed since: the new write takes its place
+        return None
+    return DatasetInfo.from_json(first.path, store.read_json(first.meta), reused=True)
 
 
 def _row_names(df: DataFrame, columns: list[ColumnSpec]) -> str | None:

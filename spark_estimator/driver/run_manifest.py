@@ -13,7 +13,11 @@ or another position in the data; and the loss, ``metrics``, ``loss_weights`` and
 ``sample_weight_col``, because they change what the history's numbers mean (a history of
 two losses, and callbacks restored from the checkpoint comparing values of both). A later
 fit with the same ``run_id`` resumes from the run's newest checkpoint only when all of these
-are the same; a refusal names each one that changed, with its old and new value.
+are the same; a refusal names each one that changed, with its old and new value. The
+data is the same when its dataset is (``data_fields``): equal rows, however the DataFrame
+was built, are one dataset (``materialize`` reuses the first copy of them, its split
+included); for other data the refusal says what differs: the rows per split, the rows'
+content (a digest of their values), the columns, or the dataset alone.
 
 Anything else may change between the two fits (epochs, callbacks, ...). The learning rates
 too: the optimizer's hyper-parameters come back from the checkpoint, but rates other than
@@ -105,18 +109,54 @@ def described(value) -> Any:
 
 
 def data_fields(data: DatasetInfo) -> dict:
-    """The manifest's entry for the training data."""
-    return {
-        "data": {
-            "dataset": data.source.get("key", data.path),
-            "rows": {split: data.rows(split) for split in SPLITS},
-        }
+    """The manifest's entry for the training data: its dataset's key, rows per split,
+    columns, and the digest of its rows' content where the write took one (a materialized
+    dataset's: ``row_digest``)."""
+    fields = {
+        "dataset": data.source.get("key", data.path),
+        "rows": {split: data.rows(split) for split in SPLITS},
+        "columns": [f"{c.name} ({c.kind} {c.dtype})" for c in data.columns],
     }
+    if (content := data.source.get("content")) is not None:
+        fields["content"] = content
+    return {"data": fields}
 
 
 def _differences(saved: dict, manifest: dict) -> list[str]:
     keys = [k for k in manifest if k in saved]
-    return [k for k in keys if _normal(saved[k]) != _normal(manifest[k])]
+    differ = {"data": _data_changes}
+    return [k for k in keys if differ.get(k, _changed)(saved[k], manifest[k])]
+
+
+def _changed(saved, now) -> bool:
+    return _normal(saved) != _normal(now)
+
+
+def _data_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between two runs' data, as a refusal names it: of the entries both
+    manifests hold (a run.json written before an entry existed lacks it), the rows per
+    split, the rows' content, the columns; the dataset's key only where none of those
+    differ (the same rows written with another split or write options)."""
+    now = _normal(now)
+    common = [k for k in ("rows", "content", "columns", "dataset") if k in saved and k in now]
+    changed = [k for k in common if _changed(saved[k], now[k])]
+    named = []
+    if "rows" in changed:
+        named.append(f"rows per split (was {saved['rows']}, now {now['rows']})")
+    if "content" in changed:
+        was, new = saved["content"], now["content"]
+        named.append(
+            f"the rows' content (digest {was['digest']} of {was['rows']} rows, now "
+            f"{new['digest']} of {new['rows']} rows: some values differ)"
+        )
+    if "columns" in changed:
+        named.append(f"columns (was {saved['columns']}, now {now['columns']})")
+    if "dataset" in changed and not named:
+        named.append(
+            f"dataset (was {saved['dataset']}, now {now['dataset']}: other input files, or "
+            "rows written with another split or write options)"
+        )
+    return named
 
 
 def _normal(value):
@@ -179,11 +219,13 @@ def check_resume_data(store: Store, run_id: str, data: DatasetInfo) -> None:
 
 
 # fields whose values are too long to show in a refusal: named only
-_NAMED_ONLY = ("model", "data")
+_NAMED_ONLY = ("model",)
 
 
 def _change(key: str, saved, now) -> str:
     """A changed field as a refusal names it: with its old and new value where short."""
+    if key == "data":
+        return f"data: {'; '.join(_data_changes(saved, now))}"
     if key in _NAMED_ONLY:
         return key
 

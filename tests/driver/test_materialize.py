@@ -14,11 +14,13 @@ import pytest
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import functions as F
 
+from spark_estimator.driver import materialize as materialize_module
 from spark_estimator.driver.cache_key import cache_key, source_fingerprint
 from spark_estimator.driver.materialize import WriteOptions
 from spark_estimator.driver.materialize import materialize as _materialize
 from spark_estimator.driver.validate import check_columns, check_sample_weight_col
 from spark_estimator.store import DatasetFolder
+from tests.conftest import LOCAL, spark_session, stop_session
 
 pytestmark = pytest.mark.legacy  # materialization also runs on pyspark 3.5
 
@@ -90,7 +92,83 @@ def test_same_plan_and_columns_reuse_the_parquet(spark, store, tmp_path):
     assert not first.reused
     again = materialize(spark.read.parquet(path), store, *cols, validation=None, seed=0)
     assert again.reused and again.path == first.path and again.files == first.files
-    assert len(store.fs.ls(store.datasets)) == 1
+    assert dataset_folders(store) == [first.path]
+
+
+def dataset_folders(store):
+    """The datasets' folders under ``datasets/`` (not its index)."""
+    return sorted(p for p in store.fs.ls(store.datasets, detail=False) if not p.endswith("_index"))
+
+
+def content(rows, spark, store, partitions=2, validation=None, schema="x array<double>, y long"):
+    df = spark.createDataFrame(rows, schema).repartition(partitions)
+    data = materialize(df, store, *specs(df, ["x"], ["y"]), validation, 0)
+    return data.source["content"]
+
+
+def test_the_content_digest_ignores_order_and_partitioning_and_changes_with_any_value(spark, store):
+    rows = [([float(i), -float(i)], i % 3) for i in range(40)]
+    base = content(rows, spark, store)
+    assert base["rows"] == 40 and len(base["digest"]) == 16
+    assert content(list(reversed(rows)), spark, store, partitions=5) == base
+    assert content(rows[20:] + rows[:20], spark, store, partitions=1) == base
+    for i, changed in [(7, ([7.0, -7.5], 1)), (7, ([-7.0, 7.0], 1)), (39, ([39.0, -39.0], 1))]:
+        other = rows.copy()
+        other[i] = changed  # one element, the elements' order, the label
+        assert content(other, spark, store)["digest"] != base["digest"], changed
+    assert content(rows + rows[:1], spark, store)["rows"] == 41  # a row twice is two rows
+
+
+def test_the_content_digest_holds_the_rows_of_a_validation_column(spark, store):
+    rows = [([float(i)], i % 2, i % 4 == 0) for i in range(40)]
+    schema = "x array<double>, y long, v boolean"
+    base = content(rows, spark, store, validation="v", schema=schema)
+    assert content(rows[::-1], spark, store, 3, validation="v", schema=schema) == base
+    moved = [(x, y, not v) if i == 5 else (x, y, v) for i, (x, y, v) in enumerate(rows)]
+    assert content(moved, spark, store, validation="v", schema=schema) != base
+
+
+def new_application(spark):
+    """A new Spark application in this process, as a new driver has: another application
+    id, so the keys of rows with no identity of their own differ."""
+    before = spark.sparkContext.applicationId
+    stop_session(LOCAL)
+    spark = spark_session(LOCAL)
+    assert spark.sparkContext.applicationId != before
+    return spark
+
+
+def test_equal_rows_of_a_new_application_reuse_the_first_copy_and_its_split(spark, store, spy):
+    rows = [([float(i), i / 7], i % 3) for i in range(80)]
+    schema = "x array<double>, y long"
+    df = spark.createDataFrame(rows, schema)  # from a list: keyed with the application's id
+    first = materialize(df, store, *specs(df, ["x"], ["y"]), 0.25, 0)
+    assert not first.reused
+    spark = new_application(spark)
+    # the same rows in another order and partitioning, whose own draws would split otherwise
+    again_df = spark.createDataFrame(rows[::-1], schema).repartition(3)
+    assert key(again_df, ["x"], ["y"], 0.25) != first.source["key"]
+    again = materialize(again_df, store, *specs(again_df, ["x"], ["y"]), 0.25, 0)
+    assert again.reused and again.path == first.path and again.files == first.files
+    assert again.source["key"] == first.source["key"]
+    for split in ("train", "validation"):
+        assert read_split(again, split) == read_split(first, split)
+    assert dataset_folders(store) == [first.path]  # the second copy was dropped
+    # the next fit of the new key finds the first copy without a write
+    writes = spy(materialize_module, "ParquetTarget")
+    third = materialize(again_df, store, *specs(again_df, ["x"], ["y"]), 0.25, 0)
+    assert writes == [] and third.reused and third.path == first.path
+    # other rows, other write options or another split: a dataset of their own
+    changed = spark.createDataFrame([([0.5, 0.0], 0)] + rows[1:], schema)
+    for other, split, options in [
+        (changed, 0.25, OPTIONS),
+        (again_df, 0.25, replace(OPTIONS, num_files=3)),
+        (again_df, 0.25, OPTIONS),
+    ]:
+        cols = specs(other, ["x"], ["y"])
+        seed = 1 if other is again_df and options == OPTIONS else 0
+        data = materialize(other, store, *cols, split, seed, options)
+        assert not data.reused and data.path != first.path
 
 
 def test_changed_plan_columns_split_or_options_do_not_reuse(spark):

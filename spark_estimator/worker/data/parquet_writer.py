@@ -17,8 +17,11 @@ partial file; every attempt of a partition writes the same names.
 It yields one row per file written (``WRITTEN_SCHEMA``): the split, the path relative to
 the dataset folder, the rows of each row group, which the driver records in
 ``_meta.json`` without reading any footer back, and the counts of the value checks over
-the file's rows (``column_stats``, as JSON), which the driver merges and checks. Class
-indices that come as floats are written as int64 (``as_written``), once counted.
+the file's rows (``column_stats``, as JSON), which the driver merges and checks; with them,
+where the rows come with their hash (``row_digest.HASH_COL``, not written), the sum of the
+file's row hashes (``row_hashes``), from which the driver makes the dataset's content
+digest. Class indices that come as floats are written as int64 (``as_written``), once
+counted.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import pyarrow.parquet as pq
 from pyspark import TaskContext
 
 from ...shared.column_stats import CheckedColumn, as_written, column_stats, merge_stats
+from ...shared.row_digest import HASH_COL, row_hashes
 from ...shared.spec import SPLITS
 from ...store import DatasetFolder, Store
 
@@ -60,6 +64,7 @@ class ParquetTarget:
     row_group_bytes: int
     compression: str  # uncompressed, snappy, gzip or zstd
     checked: tuple[CheckedColumn, ...] = ()  # the columns whose values are counted
+    hashed: bool = False  # the rows come with their hash (HASH_COL): summed, not written
 
     def path(self, split: str, partition: int) -> str:
         return self.dataset.part(self.write_id, split, partition)
@@ -136,7 +141,11 @@ class PartitionWriter:
             for batch in batches:
                 if batch.num_rows:
                     for split, table in _split_tables(batch, self.target.split_col):
-                        stats[split] = merge_stats(stats[split], column_stats(table, checked))
+                        counts = column_stats(table, checked)
+                        if self.target.hashed:
+                            counts.update(row_hashes(table))
+                            table = table.remove_column(table.column_names.index(HASH_COL))
+                        stats[split] = merge_stats(stats[split], counts)
                         for group in buffers[split].add(as_written(table, checked)):
                             write_group(split, group)
             for split, buffer in buffers.items():
