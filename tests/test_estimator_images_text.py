@@ -236,6 +236,7 @@ def test_bad_images_are_named_with_their_path_or_skipped_and_counted(spark, tmp_
         image_estimator(store, **params).fit(df)
     message = str(info.value).splitlines()[0]
     assert re.match(r"BadRow: decode_fn: row \d+ of the split \(path file:.*/0007\.jpg\)", message)
+    assert "could not be decoded from column 'content' (" in message
     assert "bad_rows='skip'" in message
     model = image_estimator(store, bad_rows="skip", **params).fit(df)
     assert model.getTrainingSummary()["rows_skipped"] == 1

@@ -111,7 +111,9 @@ def test_a_decoder_is_closed_only_when_its_last_user_lets_it_go():
 
 
 def test_a_task_that_fails_or_stops_early_leaves_the_next_a_fresh_decoder(used):
-    with pytest.raises(ValueError, match=r"row 0 of the batch could not be decoded \(OSError"):
+    with pytest.raises(
+        ValueError, match=r"row 0 of the batch could not be decoded from column .text. \(OSError"
+    ):
         rows(transform([["bad", "b"]], picky))  # its decoder closed by the error
     stopped = transform([["a"], ["b"]], picky)
     next(stopped)

@@ -15,12 +15,12 @@ training (``np.random.default_rng([seed, epoch, row])``, made a batch at a time 
 ``row_generators``), None otherwise: a row's transforms are the same whenever, on whichever
 rank and by whichever worker it is decoded, so results do not depend on how many workers
 decode, and an exact resume or an elastic resize sees each row with the transforms it would have
-had. A row whose decoding raises fails the batch naming the column (or ``decode_fn``), the
-row's index and name (binaryFile's ``path``, an image's ``origin``) with
-``bad_rows="fail"``; with ``"skip"`` it is left out and reported (``BatchResult.skipped``).
-In ``transform`` (``fit_labels`` given) a row holds the variable feature columns only: a
-``decode_fn`` that reads one of the fit's label columns is told so, one that returns them
-anyway has them dropped, and a bad row is named with what to filter.
+had. A row whose decoding raises fails the batch naming the column (or ``decode_fn`` and
+the columns it was given), the row's index and name (binaryFile's ``path``, an image's
+``origin``) with ``bad_rows="fail"``; with ``"skip"`` it is left out and reported
+(``BatchResult.skipped``). In ``transform`` (``fit_labels`` given) a row holds the variable
+feature columns only: a ``decode_fn`` that reads one of the fit's label columns is told so,
+one that returns them anyway has them dropped, and a bad row is named with what to filter.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class BatchDecoding:
     def _failed(self, error: Exception, row: dict, row_id: int, name) -> None:
         """A row that failed to decode: raised as a ``BadRow`` (``bad_rows="fail"``) or
         warned of (``"skip"``)."""
-        bad = self._bad_row(error, row_id, name if name is not None else _origin(row))
+        bad = self._bad_row(error, row_id, name if name is not None else _origin(row), row)
         if self.recipe.spec.bad_rows == "fail":
             raise bad from error
         log.warning("%s; skipped (bad_rows='skip')", bad)
@@ -224,7 +224,8 @@ class BatchDecoding:
             _check_cuda(e, "decode_batch_fn")
             first = f" ({self.row_names} {names[0]})" if names is not None and rows else ""
             raise BadRow(
-                f"decode_batch_fn: failed on the batch whose first row is "
+                f"decode_batch_fn: failed on {_given_columns(batch)} of the batch whose first "
+                "row is "
                 f"{int(ids[0]) if rows else '-'} of the split{first} "
                 f"({type(e).__name__}: {e}); bad_rows leaves out rows of decode_fn only"
             ) from e
@@ -276,23 +277,26 @@ class BatchDecoding:
                 f"only where the row has it (if '{name}' in row: ...)"
             ) from error
 
-    def _bad_row(self, error: Exception, row_id: int, name: str | None) -> BadRow:
+    def _bad_row(self, error: Exception, row_id: int, name: str | None, row: Mapping) -> BadRow:
+        """What a row that failed to decode says: the column that failed (default
+        decoding) or the ``decode_fn`` and the columns ``row`` gave it, the row's index
+        and name, the cause and the way out."""
         where = getattr(error, "column", None)
         if where is not None:
             role = "label" if where in self.labels else "feature"
-            param = f"{column_param(role)}: column '{where}'"
+            param, given = f"{column_param(role)}: column '{where}'", ""
         else:
-            param = "decode_fn"
+            param, given = "decode_fn", f" from {_given_columns(row)}"
         named = f" ({self.row_names or 'origin'} {name})" if name else ""
         cause = error.__cause__ if where is not None and error.__cause__ else error
         if self.fit_labels is not None:  # transform: no bad_rows, the rows are the caller's
             return BadRow(
-                f"{param}: row {row_id} of the batch{named} could not be decoded "
+                f"{param}: row {row_id} of the batch{named} could not be decoded{given} "
                 f"({type(cause).__name__}: {cause}); fix it, or filter such rows out of the "
                 "DataFrame before transform"
             )
         return BadRow(
-            f"{param}: row {row_id} of the split{named} could not be decoded "
+            f"{param}: row {row_id} of the split{named} could not be decoded{given} "
             f"({type(cause).__name__}: {cause}); fix or filter it, or set bad_rows='skip' to "
             "leave such rows out (counted in the training summary)"
         )
@@ -345,6 +349,12 @@ def _default(row: dict, kinds: dict[str, str]) -> dict:
         except Exception as e:
             raise _ColumnFailed(name) from e
     return out
+
+
+def _given_columns(row: Mapping) -> str:
+    """The columns a user's decoding function was given, as its errors name them."""
+    names = ", ".join(f"'{name}'" for name in row)
+    return f"column {names}" if len(row) == 1 else f"columns {names}"
 
 
 def _origin(row: dict) -> str | None:

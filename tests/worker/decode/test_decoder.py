@@ -211,13 +211,33 @@ def test_a_row_that_does_not_decode_is_named_or_skipped_and_counted(tmp_path, st
         "feature_cols: column 'img': row 4 of the split (path file:/data/4.png)"
     )
     assert "UnidentifiedImageError" in message and "bad_rows='skip'" in message
-    with pytest.raises(BadRow, match=r"^decode_fn: row 4 .*file:/data/4.png"):
+    with pytest.raises(BadRow) as info:
         decoder_for(spec)(rows, None)
+    assert str(info.value).startswith(
+        "decode_fn: row 4 of the split (path file:/data/4.png) could not be decoded from "
+        "columns 'img', 'tokens', 'text' (UnidentifiedImageError"
+    )
     skipping = decoder_for(spec, bad_rows="skip")
     batch = Batch(rows, spec, torch.device("cpu"), None, skipping, 1)
     assert batch.labels[0].tolist() == [0, 1, 2, 3, 5] and batch.drawn == 6 and batch.size == 5
     assert batch.inputs[0].shape[0] == 5 and len(batch.inputs[3]) == 5
     assert skipping.skipped == 1
+
+
+def test_a_failing_decode_batch_fn_is_named_with_the_columns_it_was_given(tmp_path, store):
+    data = image_dataset(tmp_path, row_group_size=10)
+    spec = train_spec(data, store, shuffle=False)
+
+    def fails(batch, augments):
+        raise OSError("cannot read")
+
+    decode = DecodeSpec(functions=pack_functions(decode_batch_fn=fails))
+    with pytest.raises(BadRow) as info:
+        Decoder(decode, data.columns, {"y"}, 0, data.row_names)(first_rows(spec, "train", 3), None)
+    assert str(info.value).startswith(
+        "decode_batch_fn: failed on columns 'img', 'tokens', 'text' of the batch whose first "
+        "row is 0 of the split (path file:/data/0.png) (OSError: cannot read)"
+    )
 
 
 def test_images_of_different_sizes_are_refused_naming_two_sizes_and_the_fix(tmp_path, store):
@@ -309,6 +329,14 @@ def test_in_transform_a_bad_row_is_named_with_what_to_filter_and_labels_read_are
     )
     assert "filter such rows out of the DataFrame before transform" in message
     assert "bad_rows" not in message
+    with_fn = DecodeSpec(functions=pack_functions(decode_fn=augmented))
+    transform = Decoder(with_fn, features, set(), 0, data.row_names, fit_labels=["y"])
+    with pytest.raises(BadRow) as info:
+        transform(rows, None)
+    assert str(info.value).startswith(
+        "decode_fn: row 1 of the batch (path file:/data/1.png) could not be decoded from "
+        "columns 'img', 'tokens', 'text' (UnidentifiedImageError"
+    )
 
     def reads_label(row, augment):
         return {**augmented(row, augment), "y": torch.tensor(row["y"])}
