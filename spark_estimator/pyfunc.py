@@ -48,7 +48,7 @@ from pyspark.sql.types import ArrayType, BinaryType, DataType, StructType
 
 from .driver.mlflow_model import fit_schema
 from .model import TorchModel
-from .shared.spec import DECODE_FUNCTIONS, ROW_NAMES
+from .shared.spec import ROW_NAMES
 from .worker.decode.decoded import BadRow
 from .worker.predict import predict_device, predict_with
 
@@ -224,8 +224,13 @@ def binary_columns(model: TorchModel) -> list[str]:
 def binary_hint(model: TorchModel) -> str:
     """What a request must hold in each binary feature column of ``model`` (empty where it
     has none)."""
-    if any(model.isDefined(n) for n in DECODE_FUNCTIONS):
-        what = "the bytes its decode_fn reads"
+    given = [
+        n
+        for n in ("decode_fn", "decode_batch_fn")
+        if model.isDefined(n) and model.getOrDefault(n) is not None
+    ]
+    if given:
+        what = f"the bytes its {given[0]} reads"
     else:
         what = "an image file's bytes (PNG, JPEG, ...: binaryFile's content)"
     return "; ".join(

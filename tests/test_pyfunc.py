@@ -477,3 +477,17 @@ def test_a_frame_without_index_label_0_predicts_as_with_a_default_index(tmp_path
     want = loaded.predict(rows.iloc[1:].reset_index(drop=True))
     got = loaded.predict(rows.iloc[1:])  # index [1, 2]
     assert_same_classes(got.reset_index(drop=True), want)
+
+
+def test_a_fitted_model_without_a_decode_fn_asks_for_an_image_file(tmp_path):
+    """A fit sets the decoding params it was given, decode_fn=None among them: the default
+    decoding's message, not a decode_fn's."""
+    model = image_classifier()
+    model._set(decode_fn=None, decode_batch_fn=None)
+    with pytest.raises(MlflowException) as raised:
+        pyfunc.TorchPyfunc(model).predict(pd.DataFrame({"content": [b"no image"]}))
+    assert "column 'content' expects an image file's bytes (PNG, JPEG" in str(raised.value)
+    with pytest.raises(MlflowException, match="column 'content' expects the bytes its decode_fn"):
+        pyfunc.TorchPyfunc(image_classifier(read_image)).predict(
+            pd.DataFrame({"content": [b"no image"]})
+        )
