@@ -169,6 +169,25 @@ def test_regression_with_a_loss_function_and_scalar_prediction(regression_df, st
     assert worst < 0.1
 
 
+def test_a_loss_given_by_name_trains_as_its_torch_module(regression_df, store):
+    """loss='mse' is torch.nn.MSELoss(): the same weights as the module, in a real fit; a
+    name that is none is refused when set, naming the close one and the names taken."""
+    est = make_estimator(linear_net(), store, loss="mse", epochs=2, num_proc=1)
+    assert isinstance(est.getLoss(), torch.nn.MSELoss)
+    by_name = est.fit(regression_df).getModel().weight.detach()
+    module = make_estimator(linear_net(), store, loss=torch.nn.MSELoss(), epochs=2, num_proc=1)
+    assert torch.equal(by_name, module.fit(regression_df).getModel().weight.detach())
+    with pytest.raises(ValueError) as refused:
+        est.setLoss("msee")
+    assert str(refused.value).startswith(
+        "loss: 'msee' is not a loss name (did you mean loss='mse'?); loss takes a loss "
+        "module (loss=torch.nn.MSELoss()), a function (output, label) -> scalar tensor, or "
+        "one of the names 'mse' / 'l2' (MSELoss), 'mae' / 'l1' (L1Loss), 'cross_entropy' "
+        "(CrossEntropyLoss)"
+    )
+    assert isinstance(est.getLoss(), torch.nn.MSELoss)  # left as it was
+
+
 def test_a_finished_run_id_without_more_epochs_is_refused_and_warm_starting_works(
     regression_df, store, tmp_path
 ):
@@ -507,7 +526,9 @@ def _bad_inputs():
         "string feature without decode_fn": (
             dict(feature_cols=["name"]),
             ValueError,
-            "decode_fn: feature column 'name' holds strings",
+            "decode_fn: feature column 'name' holds strings, which would reach forward() as a "
+            "list of Python strings. Categories: index them first with pyspark.ml.feature."
+            "StringIndexer(inputCol='name', outputCol='name_index'), then OneHotEncoder(",
         ),
         "string label without decode_fn": (
             dict(label_cols=["name"]),

@@ -90,7 +90,10 @@ class TorchEstimatorConstructor:
         | Callable[[torch.nn.Module], torch.optim.Optimizer]
         | None = None,
         learning_rate: float | None = None,
-        loss: Callable[..., torch.Tensor] | list[Callable[..., torch.Tensor]] | None = None,
+        loss: str
+        | Callable[..., torch.Tensor]
+        | list[str | Callable[..., torch.Tensor]]
+        | None = None,
         lr_scaling: str = "none",
         backward_passes_per_step: int = 1,
         gradient_compression: str = "none",
@@ -319,9 +322,12 @@ class TorchEstimatorConstructor:
             (before lr_scaling), e.g. to tune it with a ParamGridBuilder; the optimizer object
             itself is left unchanged. A run trained further at another rate goes on at the new
             one. Default: the optimizer's own rates
-        loss : Callable[..., Tensor] | list[Callable[..., Tensor]] | None
-            a loss module or a function (output, label) -> scalar tensor, or a list of them, one
-            per label column; not needed with loss_constructors
+        loss : str | Callable[..., Tensor] | list[str | Callable[..., Tensor]] | None
+            a loss module or a function (output, label) -> scalar tensor, or the name of
+            torch's: 'mse', 'mae' / 'l1', 'cross_entropy', 'nll', 'bce', 'bce_with_logits',
+            'smooth_l1', 'huber', 'kl_div', 'poisson_nll' (that torch.nn module with its
+            defaults, e.g. MSELoss(), which getLoss() then returns); or a list of them, one per
+            label column; not needed with loss_constructors
         lr_scaling : str
             'none' (default: learning rates as given) or 'linear' (multiplied by the number of
             processes, Horovod's recipe for a global batch num_proc x batch_size); the rates

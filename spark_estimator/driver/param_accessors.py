@@ -867,13 +867,19 @@ class EstimatorParamsAccessors(Params):
 
     def getLoss(self) -> Any:
         """Gets the value of `loss`: a loss module or a function (output, label) -> scalar
-        tensor, or a list of them, one per label column; not needed with loss_constructors
+        tensor, or the name of torch's: 'mse', 'mae' / 'l1', 'cross_entropy', 'nll', 'bce',
+        'bce_with_logits', 'smooth_l1', 'huber', 'kl_div', 'poisson_nll' (that torch.nn
+        module with its defaults, e.g. MSELoss(), which getLoss() then returns); or a list of
+        them, one per label column; not needed with loss_constructors
         """
         return self.getOrDefault(self.loss)
 
     def setLoss(self: _P, value: Any) -> _P:
         """Sets the value of `loss`: a loss module or a function (output, label) -> scalar
-        tensor, or a list of them, one per label column; not needed with loss_constructors
+        tensor, or the name of torch's: 'mse', 'mae' / 'l1', 'cross_entropy', 'nll', 'bce',
+        'bce_with_logits', 'smooth_l1', 'huber', 'kl_div', 'poisson_nll' (that torch.nn
+        module with its defaults, e.g. MSELoss(), which getLoss() then returns); or a list of
+        them, one per label column; not needed with loss_constructors
         """
         return self._set(loss=value)
 

@@ -29,12 +29,13 @@ from .elastic import ELASTIC_TIMEOUT_S, MAX_RESTARTS
 from .param_specs import (
     ParamSpec,
     SpecParams,
-    check_spark_ml_names,
+    check_keywords,
     param_specs,
     spark_names,
     to_class_names,
     to_column_names,
     to_input_shapes,
+    to_loss,
     to_optional_float,
     to_optional_int,
     to_optional_list_float,
@@ -68,8 +69,9 @@ class HasClassification(
     def _set(self, **kwargs: Any):
         """Sets params by name, taking the snake_case spellings too (the estimators'
         keywords and ``setParams`` come through here); Spark ML's names of column params
-        are refused naming ours (``SPARK_ML_NAMES``)."""
-        check_spark_ml_names(self, kwargs)
+        are refused naming ours (``SPARK_ML_NAMES``), other unknown names naming the
+        closest params (``check_keywords``)."""
+        check_keywords(self, kwargs)
         return super()._set(**spark_names(kwargs))
 
     def setProbabilityCol(self, value: str):
@@ -502,10 +504,14 @@ class EstimatorParams(accessors.EstimatorParamsAccessors, FitParams):
         ),
         ParamSpec(
             "loss",
-            "a loss module or a function (output, label) -> scalar tensor, or a list of them, "
-            "one per label column; not needed with loss_constructors",
+            "a loss module or a function (output, label) -> scalar tensor, or the name of "
+            "torch's: 'mse', 'mae' / 'l1', 'cross_entropy', 'nll', 'bce', 'bce_with_logits', "
+            "'smooth_l1', 'huber', 'kl_div', 'poisson_nll' (that torch.nn module with its "
+            "defaults, e.g. MSELoss(), which getLoss() then returns); or a list of them, one "
+            "per label column; not needed with loss_constructors",
+            to_loss,
             default=None,
-            hint="Callable[..., torch.Tensor] | list[Callable[..., torch.Tensor]]",
+            hint="str | Callable[..., torch.Tensor] | list[str | Callable[..., torch.Tensor]]",
         ),
         # -- the training loop ----------------------------------------------------------------
         ParamSpec(

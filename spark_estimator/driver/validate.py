@@ -172,11 +172,16 @@ def check_decoding(
     decoded = decode_fn is not None or batch_fn is not None
     strings = [c.name for c in features or [] if c.kind == "string"]
     if strings and not decoded and functions.get("collate_fn") is None:
+        name = strings[0]
         raise ValueError(
-            f"decode_fn: feature column '{strings[0]}' holds strings, which would reach "
-            "forward() as a list of Python strings; give decode_fn that turns each row's text "
-            "into token ids, e.g. lambda row, augment: {'" + strings[0] + "': torch.tensor("
-            "tokenizer.encode(row['" + strings[0] + "']).ids)} (or decode_batch_fn, or a "
+            f"decode_fn: feature column '{name}' holds strings, which would reach forward() "
+            "as a list of Python strings. Categories: index them first with "
+            f"pyspark.ml.feature.StringIndexer(inputCol='{name}', outputCol='{name}_index'), "
+            f"then OneHotEncoder(inputCols=['{name}_index'], outputCols=['{name}_onehot']) "
+            f"for one-hot vectors, and train on feature_cols=['{name}_onehot'] (or the "
+            "index, for an embedding). Text: give decode_fn that turns each row's text into "
+            "token ids, e.g. lambda row, augment: {'" + name + "': torch.tensor("
+            "tokenizer.encode(row['" + name + "']).ids)} (or decode_batch_fn, or a "
             "collate_fn)"
         )
     string_label = [c.name for c in labels or [] if c.kind == "string"]

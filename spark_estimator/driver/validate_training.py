@@ -30,6 +30,7 @@ from ..shared.spec import (
     metric_keys,
 )
 from . import run_manifest
+from .param_specs import loss_names
 
 
 def _check_callable(name: str, value) -> None:
@@ -88,7 +89,8 @@ def check_losses(loss, loss_constructors, label_cols: list[str]) -> None:
             what = (
                 "a function () -> loss"
                 if name == "loss_constructors"
-                else ("a loss module or a function (output, label)")
+                else "a loss module, a function (output, label) -> scalar tensor, or one of "
+                f"the names {loss_names()}"
             )
             raise TypeError(f"{name}: expected {what}, got {item!r}")
 

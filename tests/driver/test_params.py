@@ -266,3 +266,76 @@ def test_a_single_column_name_is_a_one_element_list(stage):
     if stage is not TorchModel:
         assert stage(label_cols="label").getLabelCols() == ["label"]
         assert one.setLabelCols("y").getLabelCols() == ["y"]
+
+
+@pytest.mark.parametrize(
+    "stage,typed,meant",
+    [
+        (TorchEstimator, {"lr": 0.1}, r"lr: not a param of TorchEstimator; did you mean "
+         r"learning_rate=0\.1 \(or lr_scheduler, lr_scaling, lr_scheduler_interval\)\?"),
+        (TorchEstimator, {"num_epochs": 5}, r"num_epochs: .* did you mean epochs=5\?"),
+        (TorchEstimator, {"criterion": None}, r"criterion: .* did you mean loss=None\?"),
+        (TorchEstimator, {"batch_sise": 8}, r"batch_sise: .* did you mean batch_size=8\?"),
+        (TorchEstimator, {"seed": 1}, r"seed: .* did you mean random_seed=1\?"),
+        (LightningEstimator, {"max_epochs": 3}, r"max_epochs: not a param of LightningEstimator; "
+         r"did you mean epochs=3\?"),
+        (TorchModel, {"feature_col": "x"}, r"feature_col: not a param of TorchModel; did you "
+         r"mean feature_cols='x'\?"),
+        (TorchModel, {"epochs": 3}, r"epochs: not a param of TorchModel; TorchModel\(\)"
+         r"\.explainParams\(\) and docs/parameters\.md list them"),
+    ],
+)  # fmt: skip
+def test_an_unknown_keyword_names_the_class_called_and_the_params_meant(stage, typed, meant):
+    """Python's own error named the generated constructor (TorchEstimatorConstructor) and
+    no param; the keyword and setParams now name the class and the closest params."""
+    with pytest.raises(TypeError, match=f"^{meant}$"):
+        stage(**typed)
+    with pytest.raises(TypeError, match=f"^{meant}$"):
+        stage().setParams(**typed) if stage is not TorchModel else stage()._set(**typed)
+
+
+def test_unknown_keywords_are_named_together_and_optuna_search_names_itself():
+    from spark_estimator.tuning import OptunaSearch
+
+    with pytest.raises(TypeError) as info:
+        make(lr=0.1, max_epochs=2)
+    assert str(info.value).startswith("lr: not a param of TorchEstimator; did you mean ")
+    assert "; max_epochs: not a param of TorchEstimator; did you mean epochs=2?" in str(info.value)
+    with pytest.raises(TypeError, match=r"^n_trial: not a param of OptunaSearch; did you mean "):
+        OptunaSearch(n_trial=3)
+
+
+@pytest.mark.parametrize(
+    "typed,module",
+    [
+        ("mse", torch.nn.MSELoss),
+        ("MAE", torch.nn.L1Loss),
+        ("l1", torch.nn.L1Loss),
+        ("cross_entropy", torch.nn.CrossEntropyLoss),
+        ("bce", torch.nn.BCELoss),
+        ("bce-with-logits", torch.nn.BCEWithLogitsLoss),
+        ("nll", torch.nn.NLLLoss),
+        ("smooth_l1", torch.nn.SmoothL1Loss),
+        ("huber", torch.nn.HuberLoss),
+        ("CrossEntropyLoss", torch.nn.CrossEntropyLoss),  # torch's own class name
+    ],
+)
+def test_a_loss_name_is_its_torch_module(typed, module):
+    est = make(loss=typed)
+    assert type(est.getLoss()) is module
+    assert type(make().setLoss(typed).getLoss()) is module
+    assert [type(fn) for fn in make(loss=[typed, "mse"]).getLoss()] == [module, torch.nn.MSELoss]
+
+
+def test_a_loss_name_that_is_none_is_refused_listing_the_names():
+    with pytest.raises(ValueError) as refused:
+        make(loss="categorical_crossentropy")
+    message = str(refused.value)
+    assert message.startswith(
+        "loss: 'categorical_crossentropy' is not a loss name (did you mean "
+        "loss='cross_entropy'?); loss takes a loss module (loss=torch.nn.MSELoss()), a "
+        "function (output, label) -> scalar tensor, or one of the names 'mse' / 'l2' (MSELoss)"
+    )
+    assert "'bce_with_logits' (BCEWithLogitsLoss)" in message
+    with pytest.raises(ValueError, match=r"^loss: 'zzz' is not a loss name; loss takes "):
+        make(loss=["mse", "zzz"])

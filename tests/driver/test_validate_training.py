@@ -87,6 +87,16 @@ def test_exactly_one_of_loss_and_loss_constructors_one_or_one_per_label():
     bundle(loss=None, loss_constructors=[torch.nn.MSELoss, torch.nn.L1Loss], label_cols=["a", "b"])
 
 
+def test_a_loss_that_is_no_function_is_refused_listing_what_loss_takes():
+    with pytest.raises(TypeError) as refused:
+        vt.check_losses(5, None, ["y"])
+    assert str(refused.value).startswith(
+        "loss: expected a loss module, a function (output, label) -> scalar tensor, or one of "
+        "the names 'mse' / 'l2' (MSELoss), 'mae' / 'l1' (L1Loss), 'cross_entropy'"
+    )
+    assert str(refused.value).endswith(", got 5")
+
+
 def test_metrics_need_distinct_usable_names():
     assert vt.check_metrics(None) is None
     with pytest.raises(ValueError, match="metrics: functions in a list"):
