@@ -58,6 +58,7 @@ setup(
             "nbclient",
             "nbformat",
             "ipykernel",
+            "ipywidgets",  # the fit's progress widget in Jupyter (tests/driver/test_monitor.py)
             "matplotlib",
             "Pillow>=9.2",
             "simplejpeg>=1.8",

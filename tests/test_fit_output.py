@@ -159,8 +159,9 @@ def test_a_default_fit_on_a_cluster_without_gpus_shows_no_gpu_warning(tmp_path):
 
 
 # A user's script, run as a user runs it (python script.py in a terminal): a plain fit whose
-# forward() prints once per rank, then a fit whose loss raises in its second epoch on rank 0
-# (whose task serves the job's TCPStore), rank 1 waiting for it in the gradients' allreduce.
+# forward() prints once per rank (its learning rate scaled), then a fit whose loss raises in
+# its second epoch on rank 0 (whose task serves the job's TCPStore), rank 1 waiting for it
+# in the gradients' allreduce; the session stopped at once after it.
 USER_SCRIPT = """
 import sys, tempfile, time, traceback, torch
 from pyspark.sql import SparkSession
@@ -192,22 +193,25 @@ spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "fals
 rows = [([i / 64, 1.0, -1.0], i / 32) for i in range(64)]
 df = spark.createDataFrame(rows, "x array<double>, y double")
 
-def fit(loss):
+def fit(loss, lr_scaling="none"):
     net = Net()
     return TorchEstimator(
         model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.01), loss=loss,
         feature_cols=["x"], label_cols=["y"], batch_size=16, epochs=4, num_proc=2,
-        use_gpu=False, store=Store.create(tempfile.mkdtemp()),
+        use_gpu=False, store=Store.create(tempfile.mkdtemp()), lr_scaling=lr_scaling,
     ).fit(df)
 
-model = fit(Loss())
+model = fit(Loss(), lr_scaling="linear")
+print("=== fitted ===", file=sys.stderr, flush=True)
 print("transformed", len(model.transform(df.limit(10)).collect()), flush=True)
 print("=== the failing fit ===", file=sys.stderr, flush=True)
 try:
     fit(Loss(fail_at=5))  # 2 steps an epoch on each rank
-except Exception:  # shown as Python shows it, then the session goes on (as in a notebook)
+except Exception:  # shown as Python shows it
     traceback.print_exc()
-    time.sleep(12)  # Spark kills the job's other task and says so after the job failed
+    spark.stop()  # at once: the failed job's other task has ended already
+    print("=== stopped ===", file=sys.stderr, flush=True)
+    time.sleep(3)  # anything Spark would still print
     sys.exit(1)
 """
 
@@ -244,6 +248,27 @@ def test_a_failed_fit_shows_our_error_once_and_not_the_executors(user_view):
     # Spark's log lines of the failed barrier tasks and its Java error are not repeated
     for spark_line in ("ERROR Executor", "TaskSetManager", "Py4JJavaError", "PythonException"):
         assert spark_line not in failed, failed
+
+
+def test_a_fit_draws_no_stage_bars_of_spark_and_shows_its_scaled_learning_rate(user_view):
+    """Spark's console progress (on in a Python program) is off while a fit runs; the
+    learning rate lr_scaling changed is printed with Python's default logging."""
+    plain, _ = user_view
+    fitting = plain.partition("=== fitted ===")[0]
+    assert "[Stage" not in fitting, fitting[-3000:]
+    line = (
+        "learning rate 0.02 on each of 2 ranks: the optimizer's 0.01 x 2 (lr_scaling='linear', "
+        "as Horovod's estimator)"
+    )
+    assert fitting.count(line) == 1, fitting[-3000:]
+
+
+def test_spark_stop_right_after_a_failed_fit_prints_no_java_stack_trace(user_view):
+    """The fit raises once the failed job's other tasks have ended, so stopping the session
+    at once tears down no block a task still holds (``Block broadcast_N does not exist``)."""
+    _, failed = user_view
+    assert "=== stopped ===" in failed
+    assert "\tat org.apache" not in failed and "ERROR" not in failed, failed[-3000:]
 
 
 def test_a_failed_fit_shows_no_cpp_frames_of_the_rank_left_waiting(user_view):

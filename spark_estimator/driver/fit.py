@@ -39,6 +39,7 @@ from .fit_report import (
 )
 from .launch import tasks_print_here
 from .materialize import WriteOptions, materialize
+from .monitor import console_progress_off
 from .params import DECODE_PARAMS
 from .parquet_dataset import parquet_dataset
 from .persistence import ObjectParamsReadWrite
@@ -117,11 +118,12 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
 
     def _fit(self, dataset: DataFrame) -> Model:
         clock = FitClock()
-        with clock("validation"):
-            checked = self._validate(dataset.sparkSession, dataset)
-        with clock("dataset"):
-            data = self._materialize(dataset, checked)
-        return self._train(dataset.sparkSession, data, checked, clock)
+        with console_progress_off(dataset.sparkSession):  # its bars would cross ours
+            with clock("validation"):
+                checked = self._validate(dataset.sparkSession, dataset)
+            with clock("dataset"):
+                data = self._materialize(dataset, checked)
+            return self._train(dataset.sparkSession, data, checked, clock)
 
     def materialize(self, dataset: DataFrame) -> str:
         """Write a DataFrame's selected columns to Parquet in the store, as ``fit`` does
@@ -184,7 +186,12 @@ class StoreEstimator(FitChecks, Estimator, ObjectParamsReadWrite):
         """
         if params:
             return self.copy(params).fit_on_parquet(path, validation_path)
-        spark, clock = SparkSession.active(), FitClock()
+        spark = SparkSession.active()
+        with console_progress_off(spark):
+            return self._fit_on_parquet(spark, path, validation_path)
+
+    def _fit_on_parquet(self, spark, path: str, validation_path: str | None) -> Model:
+        clock = FitClock()
         with clock("validation"):
             checked = self._validate(spark, None)
         with clock("dataset"):

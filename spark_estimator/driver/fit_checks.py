@@ -18,6 +18,7 @@ from . import mlflow_log, run_manifest, validate
 from .in_place import DATA_COPIES
 from .launch import available_slots
 from .materialize import COMPRESSIONS
+from .monitor import show_fit_line
 from .stage_profile import TaskProfile, task_profile
 from .task_python import check_task_python, local_python
 
@@ -195,7 +196,9 @@ class FitChecks:
         )
         training = self._training(num_proc)
         if training.first_log and log_first:
-            logger.info(training.first_log)
+            # printed too where lr_scaling changes the rates: the Horovod user's safeguard
+            scaled = training.loop is not None and training.loop.lr_scaling == "linear"
+            show_fit_line(logger, training.first_log, self.getVerbose() and scaled and num_proc > 1)
         if dataset is not None:
             training.check_callbacks(self.getValidation() is not None)
         self._check_run_id(store, training.manifest)

@@ -49,6 +49,7 @@ QUIET_LOGGERS = (
     "org.apache.spark.sql.execution.python",
     "org.apache.spark.api.python",
 )
+TASKS_END_S = 30.0  # how long a failed job's other tasks may take to end (wait_for_job_tasks)
 QUIET_AFTER_FAILURE_S = 10.0  # they stay off this long after a failed job: its killed tasks
 log = logging.getLogger(__name__)
 
@@ -229,6 +230,36 @@ def cancel_jobs(spark: SparkSession, tag: str) -> None:
         spark.interruptTag(job_tag(tag))
     else:
         spark.sparkContext.cancelJobsWithTag(tag)
+
+
+def wait_for_job_tasks(spark: SparkSession, tag: str, timeout_s: float = TASKS_END_S) -> bool:
+    """Wait until no task of the jobs labelled ``tag`` runs any more (at most
+    ``timeout_s``); whether none does. A failed job's other tasks end only after it has
+    failed (Spark kills them, a rank may raise a few seconds later): a fit that raised at
+    once would let ``spark.stop()`` tear down the blocks those tasks still hold, and their
+    completion would print a Java stack trace (``Block broadcast_N does not exist``). On
+    Spark Connect, whose scheduler is not reachable from here, it does not wait."""
+    if is_connect(spark):
+        return True
+    deadline = time.monotonic() + timeout_s
+    try:
+        tracker = spark.sparkContext._jsc.sc().statusTracker()
+        while True:
+            active = 0
+            for job in tracker.getJobIdsForTag(tag):
+                info = tracker.getJobInfo(job)
+                stages = info.get().stageIds() if info.isDefined() else []
+                for stage in stages:
+                    found = tracker.getStageInfo(stage)
+                    active += found.get().numActiveTasks() if found.isDefined() else 0
+            if active == 0:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
+    except Exception as e:  # a JVM without the status tracker's tags: nothing to wait on
+        log.debug("could not follow the tasks of jobs %s: %s", tag, e)
+        return True
 
 
 def run_barrier_job(

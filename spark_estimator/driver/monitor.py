@@ -13,6 +13,11 @@ every ``POLL_S`` seconds:
   epoch's validation loss. The bar starts at the first step the driver sees (``initial``),
   so its rate counts only the steps it saw being done, not those before it appeared.
 
+In Jupyter the bar is a widget whose saved text form is updated to the fit's end
+(``progress_bar``). Spark's own console progress is off while a fit runs
+(``console_progress_off``); a driver line the user must see is printed as the ranks' are
+(``show_fit_line``).
+
 The last lines of every rank are kept for error messages (``tail``). Reading is
 best-effort: a store that fails for a moment delays lines, it never fails the fit.
 
@@ -28,12 +33,14 @@ from there, in ``driver.training_job``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import os
 import posixpath
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tqdm.auto import tqdm
 
@@ -46,6 +53,7 @@ FAILED_JOB_GRACE_S = 30.0  # a failed launch's job still running after this is c
 WATCH_S = 2.0  # how often ``watch`` is called
 logger = logging.getLogger("spark_estimator.worker")
 log = logging.getLogger(__name__)
+CONNECT_PROGRESS = "SPARK_CONNECT_PROGRESS_BAR_ENABLED"  # pyspark.sql.connect.shell reads it
 
 
 def rank_lines(rank: int, lines) -> str:
@@ -60,6 +68,15 @@ def show_line(rank: int, line: str, printed: bool) -> None:
         tqdm.write(f"[rank {rank}] {line}", file=sys.stderr)
 
 
+def show_fit_line(log: logging.Logger, line: str, printed: bool) -> None:
+    """Log one line of the driver's on ``log`` (INFO), and where ``printed`` and no logging
+    is configured for ``log``, print it too (to stderr, above a progress bar), as the
+    ranks' lines are: a line the user must see with Python's default logging."""
+    log.info(line)
+    if printed and not logging_configured(log):
+        tqdm.write(line, file=sys.stderr)
+
+
 def print_lines_by_default() -> bool:
     """Whether ranks' lines are also printed: no logging is configured for them."""
     return not logging_configured(logger)
@@ -72,6 +89,93 @@ def logging_configured(log: logging.Logger) -> bool:
             return True
         log = log.parent if log.propagate else None
     return False
+
+
+def progress_bar(total: int, done: int):
+    """A fit's bar at ``done`` of ``total`` steps, and in Jupyter (where ``tqdm.auto`` is
+    its widget) the display handle it is shown with, else None. Jupyter saves a widget's
+    text form (what GitHub and other static viewers show) as it was when displayed: the
+    handle updates it to the final state when the fit ends (``FitMonitor.__exit__``)."""
+    kind = dict(total=total, initial=done, unit="step", dynamic_ncols=True)
+    if not any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__):
+        return tqdm(**kind), None
+    from IPython.display import display  # there in Jupyter
+
+    bar = tqdm(**kind, display=False)
+    return bar, display(bar.container, display_id=True)
+
+
+class _ConsoleProgress:
+    """Spark's console progress bar taken off while fits of this process run (threads of
+    a CrossValidator share it): the JVM's SparkContext it was taken from, or the Connect
+    client's setting of it (the environment variable it reads), and how many fits run."""
+
+    lock = threading.Lock()
+    fits = 0
+    taken = None  # ("jvm", (the JVM's SparkContext, the gateway)) | ("connect", former value)
+
+
+@contextlib.contextmanager
+def console_progress_off(spark) -> Iterator[None]:
+    """Spark's console progress (``spark.ui.showConsoleProgress``: the ``[Stage N: ...]``
+    bars the JVM draws on stderr, on by default in a Python program) off while the block
+    runs, then as it was: its bars would be drawn over a fit's own progress bar and lines.
+    A classic session's bar is stopped and a new one made after; on Spark Connect the
+    client's bar (``SPARK_CONNECT_PROGRESS_BAR_ENABLED``) is off, as the server's is not
+    drawn here. Best-effort: where Spark's internals differ, the bar stays."""
+    with _ConsoleProgress.lock:
+        if _ConsoleProgress.fits == 0:
+            _ConsoleProgress.taken = _take_console_progress(spark)
+        _ConsoleProgress.fits += 1
+    try:
+        yield
+    finally:
+        with _ConsoleProgress.lock:
+            _ConsoleProgress.fits -= 1
+            if _ConsoleProgress.fits == 0 and _ConsoleProgress.taken is not None:
+                _give_console_progress_back(*_ConsoleProgress.taken)
+                _ConsoleProgress.taken = None
+
+
+def _progress_field(jsc):
+    field = jsc.getClass().getDeclaredField("_progressBar")
+    field.setAccessible(True)
+    return field
+
+
+def _take_console_progress(spark):
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        former = os.environ.get(CONNECT_PROGRESS)
+        os.environ[CONNECT_PROGRESS] = "0"
+        return ("connect", former)
+    try:
+        jsc = spark.sparkContext._jsc.sc()
+        bar = jsc.progressBar()
+        if bar.isEmpty():
+            return None
+        jvm = spark.sparkContext._jvm
+        _progress_field(jsc).set(jsc, jvm.scala.Option.empty())
+        bar.get().stop()
+        return ("jvm", (jsc, jvm))
+    except Exception as e:
+        log.debug("could not stop Spark's console progress: %s", e)
+        return None
+
+
+def _give_console_progress_back(kind: str, held) -> None:
+    if kind == "connect":
+        if held is None:
+            os.environ.pop(CONNECT_PROGRESS, None)
+        else:
+            os.environ[CONNECT_PROGRESS] = held
+        return
+    jsc, jvm = held
+    try:
+        if not jsc.isStopped():
+            bar = jvm.org.apache.spark.ui.ConsoleProgressBar(jsc)
+            _progress_field(jsc).set(jsc, jvm.scala.Option.apply(bar))
+    except Exception as e:
+        log.debug("could not restore Spark's console progress: %s", e)
 
 
 class FitMonitor:
@@ -95,7 +199,7 @@ class FitMonitor:
         self.tails: dict[int, collections.deque] = {}
         print_lines = verbose and print_lines_by_default()
         self.show = show or (lambda rank, stream, line: show_line(rank, line, print_lines))
-        self.bar = None
+        self.bar = self.shown = None
         self.stop = threading.Event()
         self.lock = threading.Lock()
 
@@ -132,8 +236,7 @@ class FitMonitor:
         steps, epoch = progress["steps"], progress["epoch"]
         done = (epoch - 1) * steps + progress["step"]
         if self.bar is None:  # starts where training is: the steps before are not timed
-            total = progress["epochs"] * steps
-            self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True)
+            self.bar, self.shown = progress_bar(progress["epochs"] * steps, done)
         else:
             self.bar.update(done - self.bar.n)
         self.bar.set_description(f"epoch {epoch}/{progress['epochs']}", refresh=False)
@@ -191,7 +294,9 @@ class FitMonitor:
             logger.debug("could not read the run's progress: %s", e)
         if self.bar is not None:
             self.bar.close()
-            self.bar = None
+            if self.shown is not None:  # the notebook's saved text: the final state
+                self.shown.update(self.bar.container)
+            self.bar = self.shown = None
 
     def tail(self, rank: int | None = None) -> str:
         """The last lines of ``rank`` (of every rank when None), for error messages."""

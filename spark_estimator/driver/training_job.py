@@ -16,7 +16,7 @@ from ..shared.spec import TrainSpec, launch_secret
 from ..shared.summary import RankSummary
 from ..worker.task import training_task
 from .elastic import ElasticSize, lost_reason, request_growth
-from .launch import cancel_jobs, run_barrier_job
+from .launch import cancel_jobs, run_barrier_job, wait_for_job_tasks
 from .monitor import FitMonitor
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def _launch_once(
                 profile=profile,
             )
     except Exception as e:
+        wait_for_job_tasks(spark, tag)  # the job's other tasks end before the fit raises
         if (record := read_failure(failure, store)) is not None:
             error = TrainingError(run_id, record, monitor.tail(record["rank"]))
             error.spark_error = e  # not chained: its traceback repeats the error's

@@ -123,3 +123,31 @@ def test_the_bar_starts_at_the_first_step_it_sees_and_rates_only_the_steps_it_sa
     assert counts[0] == 4 and counts[-1] == 9, counts  # no jump from 0
     rates = [float(r) for f in frames for r in re.findall(r"([\d.]+)step/s", f)]
     assert rates and max(rates) < 100, rates  # 5 steps in about half a second
+
+
+def test_in_jupyter_the_saved_text_of_the_bar_is_its_final_state(store, monkeypatch):
+    """Jupyter saves a widget's text form as it was displayed: the fit's end updates it,
+    so a saved notebook shows the bar at its end, not at the first step seen."""
+    pytest.importorskip("ipywidgets")
+    from IPython.core.displaypub import CapturingDisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    shell = InteractiveShell.instance()
+    monkeypatch.setattr(shell, "display_pub", CapturingDisplayPublisher())
+    monkeypatch.setattr(monitor_module, "tqdm", notebook_tqdm)
+
+    def report(step):
+        progress = dict(epoch=2, epochs=2, step=step, steps=6, loss=0.5, last=None)
+        write_rank(store, 0, [], progress=progress)
+
+    report(1)  # 7 of 12 steps when the driver first looks
+    with FitMonitor(store, "r", "L", verbose=True) as monitor:
+        monitor.poll()
+        report(6)  # the last step
+    shown = [o for o in shell.display_pub.outputs if "text/plain" in o["data"]]
+    assert " 58%" in shown[0]["data"]["text/plain"]  # as displayed
+    final = shown[-1]
+    assert final["update"] and final["transient"] == shown[0]["transient"]  # the same output
+    assert "100%" in final["data"]["text/plain"] and "12/12" in final["data"]["text/plain"]
+    assert "application/vnd.jupyter.widget-view+json" in final["data"]
