@@ -25,7 +25,7 @@ from .driver.constructors import OptunaSearchConstructor
 from .driver.fit import StoreEstimator
 from .driver.params import OBJECT_PARAMS, SearchParams
 from .driver.persistence import NestedStagesReadWrite, in_store
-from .driver.study import StudyRun, open_storage, require_optuna
+from .driver.study import StudyRun, open_storage, require_optuna, study_sampler
 from .driver.trials import EPOCHS_ATTR, ERROR_ATTR, FIT_SECONDS_ATTR, RUN_ID_ATTR, check_evaluator
 from .model import TorchModel
 
@@ -43,7 +43,10 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
     the others wait in the tuner. All trials train from one dataset (materialized once). A
     failed trial is recorded with its error and the study goes on. With a ``storage`` the
     study survives its driver: a later fit of the same ``study_name`` takes the trials that
-    were running up again from their runs' last checkpoints and goes on to ``n_trials``.
+    were running up again from their runs' last checkpoints (on the same rows, however the
+    DataFrame was built) and goes on to ``n_trials``, its sampler seeded anew so that no
+    trial repeats an earlier one's params; a trial whose model was lost with its driver is
+    fit again as a new trial.
 
     The constructor's Parameters section (``help(OptunaSearch.__init__)``),
     ``explainParams()`` and docs/parameters.md describe every parameter; docs/tuning.md
@@ -169,14 +172,18 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
                 f"spark-estimator-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             )
             storage = open_storage(self.getStorage(), self.getEstimator().getStore(), name)
+            sampler, seed = self.getSampler(), self.getSeed()
             study = optuna.create_study(
                 storage=storage,
-                sampler=self.getSampler() or optuna.samplers.TPESampler(seed=self.getSeed()),
+                sampler=study_sampler(sampler, seed, 0),
                 pruner=self.getPruner() or optuna.pruners.MedianPruner(),
                 study_name=name,
                 direction=wanted,
                 load_if_exists=True,
             )
+            held = len(study.get_trials(deepcopy=False))
+            if held:  # a later fit of the study: a sampler that does not draw again
+                study.sampler = study_sampler(sampler, seed, held)
         if len(study.directions) != 1:
             raise ValueError("study: has several objectives; OptunaSearch optimizes one value")
         direction = study.direction.name.lower()

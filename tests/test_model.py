@@ -1,6 +1,7 @@
 """TorchModel.transform and save/load on a real local[4] Spark session."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -294,6 +295,22 @@ def test_classification_adds_spark_classifier_columns(spark):
         assert r.rawPrediction.toArray().tolist() == pytest.approx(
             (row_logits - row_logits.mean()).tolist()
         )
+
+
+def test_rows_of_non_finite_vector_features_get_no_class_in_transform(spark):
+    """NaN, +inf and -inf in an ML vector give prediction NaN, not a class; the other rows
+    keep theirs (docs/bad-input.md: the same for scalar and array columns, and in
+    serving: tests/test_pyfunc.py)."""
+
+    nan, inf = float("nan"), float("inf")
+    x = [[2.0, 0.0], [nan, 1.0], [0.0, inf], [-inf, 0.0], [0.0, 3.0]]
+    df = spark.createDataFrame([(Vectors.dense(v), i) for i, v in enumerate(x)], ["x", "id"])
+    model = TorchModel(
+        model=class_net(), feature_cols=["x"], classification=True, output_shapes=[[3]]
+    )
+    got = sorted(model.transform(df).collect(), key=lambda r: r.id)
+    assert [r.prediction for r in got][::4] == [0.0, 1.0]
+    assert all(math.isnan(r.prediction) for r in got[1:4])
 
 
 @pytest.mark.parametrize("shape", [[], [1]])

@@ -4,7 +4,11 @@ the local[4] session), their pruning, admission, failures, resumption and persis
 from __future__ import annotations
 
 import _thread
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ optuna = pytest.importorskip("optuna")
 from spark_estimator.tuning import OptunaSearch, OptunaSearchModel  # noqa: E402
 
 States = optuna.trial.TrialState
+DRIVER = Path(__file__).with_name("tuning_driver.py")
 
 
 def lr_space(trial):
@@ -171,6 +176,143 @@ def test_a_study_left_running_goes_on_from_its_trials_checkpoints_to_n_trials(re
     result = state_from_bytes(store.read_bytes(store.run(run_id).result))
     assert result["summary"]["resumed_from_epoch"] == 1 and len(result["history"]) == 3
     assert model.trials[1].user_attrs["epochs_trained"] == 3
+
+
+def journal(store, name: str):
+    """The study ``name`` as its journal in the store holds it."""
+    backend = optuna.storages.journal.JournalFileBackend(store.study_journal(name))
+    return optuna.load_study(study_name=name, storage=optuna.storages.JournalStorage(backend))
+
+
+def drive(store, *args: str, killed: bool = False) -> str:
+    """Run a driver of a study in the store (tests/tuning_driver.py) in a process group of
+    its own; ``killed``: it SIGKILLs the group where its arguments say. Its stderr (the
+    trials' lines)."""
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), store.url.removeprefix("file://"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=DRIVER.parents[1],
+        start_new_session=True,
+    )
+    assert proc.returncode == (-signal.SIGKILL if killed else 0), proc.stderr[-5000:]
+    return proc.stderr
+
+
+def trial_lines(stderr: str) -> dict[int, str]:
+    return {int(line.split()[1]): line for line in stderr.splitlines() if line.startswith("trial ")}
+
+
+def run_result(store, run_id: str) -> dict:
+    return state_from_bytes(store.read_bytes(store.run(run_id).result))
+
+
+@pytest.mark.parametrize("data", ["parquet", "rows"])
+def test_a_study_whose_driver_was_killed_mid_trial_goes_on_from_its_checkpoints_in_a_new_driver(
+    data, store
+):
+    """The driver (and its Spark) is SIGKILLed while trial 2 waits for the answer to its
+    epoch 3; a new driver of the study, on the same rows (Parquet read in place, or
+    ``createDataFrame`` of the same list), resumes trial 2 from its epoch 2 checkpoint
+    and asks new trials, none with the params of an earlier one."""
+    drive(store, "--data", data, "--kill-at-report", "2:3", killed=True)
+    left = journal(store, "killed").trials
+    assert [t.state for t in left] == [States.COMPLETE, States.COMPLETE, States.RUNNING]
+    run_id = left[2].user_attrs["run_id"]
+    assert store.checkpoint_epochs(run_id) == [1, 2]
+    # seed: an uninterrupted run's trials are those of a TPESampler with that seed
+    same = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0))
+    assert [t.params["lr"] for t in left] == [lr_space(same.ask())["learning_rate"] for _ in left]
+    checkpoints = [Path(store.run(run_id).checkpoint(e)).stat().st_mtime_ns for e in (1, 2)]
+
+    lines = trial_lines(drive(store, "--data", data))
+    trials = journal(store, "killed").trials
+    assert [t.state for t in trials] == [States.COMPLETE] * 4, [t.user_attrs for t in trials]
+    assert trials[2].user_attrs["run_id"] == run_id
+    result = run_result(store, run_id)
+    assert result["summary"]["resumed_from_epoch"] == 2 and len(result["history"]) == 4
+    assert [Path(store.run(run_id).checkpoint(e)).stat().st_mtime_ns for e in (1, 2)] == (
+        checkpoints
+    )  # epochs 1 and 2 were not trained again
+    assert trials[2].user_attrs["epochs_trained"] == 4
+    assert lines[2].startswith("trial 2 complete, 4/4 epochs"), lines
+    assert len({t.params["lr"] for t in trials}) == 4, [t.params for t in trials]
+    assert len(store.fs.ls(store.runs)) == 4  # no trial fit twice
+
+
+def test_a_trial_whose_fit_ended_unrecorded_keeps_its_run_and_is_fit_again_as_a_new_trial(store):
+    """Three drivers of one study, each killed after a trial's fit ended and before the
+    trial was recorded: trial 1 (pruned at epoch 2) is recorded pruned with its own run's
+    value and epochs; trial 2 (complete, its model lost with its driver) is recorded failed
+    with its run and fit again as trial 3, a new trial with its params, whose pruner sees
+    only its own run's reports."""
+    args = ("--study", "refit", "--data", "parquet")
+    drive(store, *args, "--prune", "1:2", "--kill-at-tell", "1", killed=True)
+    pruned_run = journal(store, "refit").trials[1].user_attrs["run_id"]
+    drive(store, *args, "--kill-at-tell", "2", killed=True)
+    lines = trial_lines(drive(store, *args, "--median"))
+
+    trials = journal(store, "refit").trials
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4]
+    pruned, lost, again = trials[1], trials[2], trials[3]
+    assert pruned.state == States.PRUNED and pruned.user_attrs["run_id"] == pruned_run
+    history = run_result(store, pruned_run)["history"]
+    assert pruned.user_attrs["epochs_trained"] == len(history) == 2
+    assert pruned.value == pytest.approx(history[-1]["validation"]["loss"])
+    assert sorted(pruned.intermediate_values) == [1, 2]
+
+    assert lost.state == States.FAIL and lost.user_attrs["epochs_trained"] == 4
+    assert len(run_result(store, lost.user_attrs["run_id"])["history"]) == 4
+    assert "fit again as trial 3" in lost.user_attrs["error"], lost.user_attrs
+    assert again.params == lost.params
+    assert again.user_attrs["run_id"] != lost.user_attrs["run_id"]
+    history = run_result(store, again.user_attrs["run_id"])["history"]
+    epochs = again.user_attrs["epochs_trained"]
+    assert epochs == len(history) >= 2  # MedianPruner(n_warmup_steps=2): never before 2
+    assert again.intermediate_values == pytest.approx(
+        {e: r["validation"]["loss"] for e, r in enumerate(history, 1)}
+    )  # its own run's reports only
+    if again.state == States.COMPLETE:
+        assert again.value == pytest.approx(history[-1]["validation"]["loss"])
+        assert lines[3].startswith("trial 3 complete, 4/4 epochs"), lines
+    else:
+        assert again.state == States.PRUNED
+        assert lines[3].startswith(f"trial 3 pruned at epoch {epochs}/4"), lines
+    assert len({t.params["lr"] for t in trials}) == 4  # trial 3 repeats trial 2 only
+
+
+def test_a_resumed_trial_that_fails_counts_the_epochs_of_its_checkpoints(
+    regression_df, store, monkeypatch, capsys
+):
+    """Trial 1, left running with its epoch 1 checkpoint, is taken up on other rows, which
+    its run refuses: it failed after the 1 epoch it trained, as its line and its row say."""
+    from spark_estimator.driver import study as study_module
+
+    est = make_estimator(store=store, validation=0.25, epochs=3, max_restarts=0)
+    search = OptunaSearch(
+        estimator=est,
+        space=lr_space,
+        n_trials=2,
+        seed=0,
+        storage="store",
+        study_name="other-rows",
+        pruner=PruneAt(1, 2, then=_interrupt_and_wait),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        search.fit(regression_df)
+    run_id = journal(store, "other-rows").trials[1].user_attrs["run_id"]
+    assert store.checkpoint_epochs(run_id) == [1]
+
+    monkeypatch.setattr(study_module, "logging_configured", lambda log: False)
+    capsys.readouterr()
+    again = search.copy({search.pruner: optuna.pruners.NopPruner()})
+    model = again.fit(regression_df.where("id < 150"))
+    failed = model.trials_dataframe().iloc[1]
+    assert failed["state"] == "fail" and failed["epochs"] == 1, failed
+    assert "another data" in failed["error"] or "differ" in failed["error"], failed["error"]
+    line = trial_lines(capsys.readouterr().err)[1]
+    assert line.startswith("trial 1 failed after 1 epoch | lr="), line
 
 
 def _interrupt_and_wait() -> bool:

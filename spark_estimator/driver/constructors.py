@@ -914,7 +914,8 @@ class OptunaSearchConstructor:
             the study's name: a fit finds the study of that name in storage and goes on with it.
             Default: a new name
         sampler : Any
-            the Optuna sampler; default: TPESampler(seed=seed)
+            the Optuna sampler; default: TPESampler(seed=seed). A later fit of a study holding
+            trials uses a copy of it reseeded at random (reseed_rng)
         pruner : Any
             the Optuna pruner that stops a trial at an epoch's end; default: MedianPruner();
             optuna.pruners.NopPruner() to prune nothing
@@ -923,7 +924,9 @@ class OptunaSearchConstructor:
             estimator's store, a local or shared filesystem: studies/<study_name>.journal), an
             Optuna storage URL ('sqlite:///study.db', 'postgresql://...') or storage
         seed : int | None
-            the default sampler's seed: with parallelism=1 the same trials again
+            the default sampler's seed: a new study with parallelism=1 gets the same trials
+            again; a later fit of a study holding N trials seeds it seed + N, so that no trial
+            repeats an earlier one's params
         verbose : bool
             print one line per finished trial (its number, params, epochs, value and state)
             where no logging is configured for spark_estimator.tuning; the lines are logged

@@ -1421,11 +1421,15 @@ class SearchParamsAccessors(Params):
         return self._set(study_name=value)
 
     def getSampler(self) -> Any:
-        """Gets the value of `sampler`: the Optuna sampler; default: TPESampler(seed=seed)"""
+        """Gets the value of `sampler`: the Optuna sampler; default: TPESampler(seed=seed). A
+        later fit of a study holding trials uses a copy of it reseeded at random (reseed_rng)
+        """
         return self.getOrDefault(self.sampler)
 
     def setSampler(self: _P, value: Any) -> _P:
-        """Sets the value of `sampler`: the Optuna sampler; default: TPESampler(seed=seed)"""
+        """Sets the value of `sampler`: the Optuna sampler; default: TPESampler(seed=seed). A
+        later fit of a study holding trials uses a copy of it reseeded at random (reseed_rng)
+        """
         return self._set(sampler=value)
 
     def getPruner(self) -> Any:
@@ -1457,14 +1461,16 @@ class SearchParamsAccessors(Params):
         return self._set(storage=value)
 
     def getSeed(self) -> int | None:
-        """Gets the value of `seed`: the default sampler's seed: with parallelism=1 the same
-        trials again
+        """Gets the value of `seed`: the default sampler's seed: a new study with parallelism=1
+        gets the same trials again; a later fit of a study holding N trials seeds it seed +
+        N, so that no trial repeats an earlier one's params
         """
         return self.getOrDefault(self.seed)
 
     def setSeed(self: _P, value: int | None) -> _P:
-        """Sets the value of `seed`: the default sampler's seed: with parallelism=1 the same
-        trials again
+        """Sets the value of `seed`: the default sampler's seed: a new study with parallelism=1
+        gets the same trials again; a later fit of a study holding N trials seeds it seed +
+        N, so that no trial repeats an earlier one's params
         """
         return self._set(seed=value)
 

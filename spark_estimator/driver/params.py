@@ -837,7 +837,8 @@ class SearchParams(accessors.SearchParamsAccessors, SpecParams):
         ),
         ParamSpec(
             "sampler",
-            "the Optuna sampler; default: TPESampler(seed=seed)",
+            "the Optuna sampler; default: TPESampler(seed=seed). A later fit of a study "
+            "holding trials uses a copy of it reseeded at random (reseed_rng)",
             default=None,
             hint="Any",
         ),
@@ -858,7 +859,9 @@ class SearchParams(accessors.SearchParamsAccessors, SpecParams):
         ),
         ParamSpec(
             "seed",
-            "the default sampler's seed: with parallelism=1 the same trials again",
+            "the default sampler's seed: a new study with parallelism=1 gets the same trials "
+            "again; a later fit of a study holding N trials seeds it seed + N, so that no "
+            "trial repeats an earlier one's params",
             to_optional_int,
             default=None,
         ),

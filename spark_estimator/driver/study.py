@@ -21,10 +21,17 @@ A study kept in a storage survives its driver: a later fit of the same study nam
 the trials that were running (left RUNNING by a driver that was killed, or interrupted)
 and takes each up again with its own params and run, which resumes from the run's last
 checkpoint (``run_id``); it then asks for new trials until the study holds ``n_trials``.
+A trial left running whose run had ended (its driver gone before recording it) is
+recorded as its run ended: pruned with its last reported value, or, where it completed
+(its model went with the driver), failed and fit again as a new trial with its params
+(enqueued, so a driver killed again still finds it), counted in its place. The sampler of
+such a later fit is seeded anew (``study_sampler``), so its trials are not those the
+sampler gave the first fit.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import sys
@@ -46,11 +53,17 @@ from .trial_watch import TrialWatch
 from .trials import (
     EPOCHS_ATTR,
     ERROR_ATTR,
+    FIT_AGAIN_AS_ATTR,
+    FIT_AGAIN_OF_ATTR,
     FIT_SECONDS_ATTR,
+    RUN_ID_ATTR,
     TrialPlan,
     check_metric,
+    ended_run,
     plan_trial,
+    trained_epochs,
     trial_line,
+    trial_params,
     trial_value,
 )
 
@@ -86,6 +99,22 @@ def open_storage(storage, store: Store, study_name: str):
     return optuna.storages.JournalStorage(backend)
 
 
+def study_sampler(sampler, seed: int | None, held: int):
+    """The sampler of a fit of a study that holds ``held`` trials already: the default
+    TPESampler seeded ``seed + held`` (``seed`` itself for a new study, so one uninterrupted
+    fit gives the trials that seed gives), or a copy of the given ``sampler`` with its
+    random state drawn anew (``reseed_rng``) where the study holds trials, so that a later
+    fit does not draw the first fit's params again."""
+    optuna = require_optuna()
+    if sampler is None:
+        return optuna.samplers.TPESampler(seed=None if seed is None else seed + held)
+    if not held:
+        return sampler
+    sampler = copy.deepcopy(sampler)
+    sampler.reseed_rng()
+    return sampler
+
+
 class StudyRun:
     """One ``fit`` of an OptunaSearch: the study's trials run until it holds ``n_trials``
     or ``timeout`` passed."""
@@ -115,19 +144,12 @@ class StudyRun:
 
     # -- the loop -------------------------------------------------------------------------
     def run(self) -> None:
-        optuna = require_optuna()
         est = self.base
         profile = task_profile(self.spark, est.getStageLevelScheduling(), est.getUseGpu()).profile
         self.slots = available_slots(self.spark, est.getNumProc(), profile=profile)
         self.free = self.slots
         self.procs = min(est.getNumProc() or self.slots, self.slots)
-        running = optuna.trial.TrialState.RUNNING
-        stale = self.study.get_trials(deepcopy=False, states=(running,))
-        # taken up again (a FrozenTrial's storage id makes the Trial that reports to it),
-        # with the epochs it reported
-        pending = [
-            (optuna.Trial(self.study, t._trial_id), set(t.intermediate_values)) for t in stale
-        ]
+        pending = self._left_running()
         if pending:
             logger.info(
                 "study %s: taking up %d trial(s) an earlier fit left running: %s",
@@ -147,7 +169,7 @@ class StudyRun:
                     if not self._wait(self._room):
                         break
                     resumed = bool(pending)
-                    if not resumed and not self._more_trials():
+                    if not resumed and not self._fit_again() and not self._more_trials():
                         break
                     trial, reported = pending.pop(0) if resumed else (self.study.ask(), set())
                     plan = self._plan(trial, resumed, check=first)
@@ -163,6 +185,104 @@ class StudyRun:
             finally:
                 for thread in self.threads:
                     thread.join()
+
+    def _left_running(self) -> list[tuple[Any, set[int]]]:
+        """The trials an earlier fit left running, to take up again (a FrozenTrial's
+        storage id makes the Trial that reports to it), each with the epochs it reported;
+        those whose run had ended are recorded here instead (``_record_ended``)."""
+        optuna = require_optuna()
+        store = self.base.getStore()
+        stale = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        pending = []
+        for frozen in stale:
+            run_id = frozen.user_attrs.get(RUN_ID_ATTR)
+            if run_id is not None and store.exists(store.run(run_id).result):
+                self._record_ended(frozen, run_id)
+            else:
+                trial = optuna.Trial(self.study, frozen._trial_id)
+                pending.append((trial, set(frozen.intermediate_values)))
+        return pending
+
+    def _record_ended(self, frozen, run_id: str) -> None:
+        """Record a trial whose run ended before its driver recorded it, with its own run's
+        epochs: pruned (its value the last it reported), or failed and fit again as a new
+        trial of its params (its model is gone with the driver that fitted it)."""
+        optuna = require_optuna()
+        states = optuna.trial.TrialState
+        store = self.base.getStore()
+        epochs, pruned = ended_run(store, run_id)
+        trial = optuna.Trial(self.study, frozen._trial_id)
+        trial.set_user_attr(EPOCHS_ATTR, epochs)
+        try:  # the epochs the trial's fit had (the space may set them)
+            total = trial_params(self.base, self.space(trial)).get("epochs")
+        except Exception:
+            total = None
+        total = total or self.base.getEpochs()
+        if pruned:
+            frozen = self.study.tell(trial, state=states.PRUNED)
+            value = frozen.value * self.sign if frozen.value is not None else None
+            note = f"recorded from its run {run_id}, which ended before its driver was gone"
+            self._show(
+                trial_line(
+                    frozen.number,
+                    frozen.params,
+                    total,
+                    "pruned",
+                    epochs,
+                    value,
+                    self.metric,
+                    None,
+                    error=note,
+                )
+            )
+            return
+        number = self._enqueue_again(frozen)
+        error = (
+            f"its fit ended (run {run_id}, {epochs} epoch{'s' if epochs != 1 else ''}) but "
+            "the driver running the study was gone before recording it, and the fitted "
+            f"model with it; fit again as trial {number}"
+        )
+        trial.set_user_attr(ERROR_ATTR, error)
+        trial.set_user_attr(FIT_AGAIN_AS_ATTR, number)
+        self.study.tell(trial, state=states.FAIL)
+        self._show(
+            trial_line(
+                frozen.number,
+                frozen.params,
+                total,
+                "failed",
+                epochs,
+                None,
+                self.metric,
+                None,
+                error=error,
+            )
+        )
+
+    def _enqueue_again(self, frozen) -> int:
+        """The number of the trial that fits ``frozen``'s params again: enqueued now, or
+        found where an earlier fit enqueued it before it could record ``frozen``."""
+
+        def again():
+            for t in self.study.get_trials(deepcopy=False):
+                if t.user_attrs.get(FIT_AGAIN_OF_ATTR) == frozen.number:
+                    return t.number
+            return None
+
+        number = again()
+        if number is None:
+            self.study.enqueue_trial(frozen.params, user_attrs={FIT_AGAIN_OF_ATTR: frozen.number})
+            number = again()
+        return number
+
+    def _fit_again(self) -> bool:
+        """Whether a trial enqueued to fit again a trial whose model was lost waits: it is
+        asked whatever ``n_trials`` (it counts in the lost trial's place)."""
+        waiting = require_optuna().trial.TrialState.WAITING
+        return any(
+            FIT_AGAIN_OF_ATTR in t.user_attrs
+            for t in self.study.get_trials(deepcopy=False, states=(waiting,))
+        )
 
     def _stop_running(self) -> None:
         """Cancel the running trials' jobs until their fits end (a fit starts its job again
@@ -185,7 +305,9 @@ class StudyRun:
             return False
         if self.n_trials is None:
             return True
-        return len(self.study.get_trials(deepcopy=False)) < self.n_trials
+        trials = self.study.get_trials(deepcopy=False)
+        counted = [t for t in trials if FIT_AGAIN_AS_ATTR not in t.user_attrs]
+        return len(counted) < self.n_trials
 
     def _wait(self, ready, admit: TrialPlan | None = None) -> bool:
         """Wait until ``ready()``; with ``admit``, then hold its slots as a running trial.
@@ -252,11 +374,12 @@ class StudyRun:
                 if self.interrupted:
                     return  # left RUNNING: a later fit takes it up again
                 error = f"{type(e).__name__}: {e}".splitlines()[0][:500]
+                epochs = trained_epochs(plan.estimator.getStore(), plan.run_id, plan.reported)
                 plan.trial.set_user_attr(ERROR_ATTR, error)
-                plan.trial.set_user_attr(EPOCHS_ATTR, len(plan.reported))
+                plan.trial.set_user_attr(EPOCHS_ATTR, epochs)
                 self.study.tell(plan.trial, state=states.FAIL)
                 end_run("fail", None)
-                self._line(plan, "failed", len(plan.reported), None, started, error=error)
+                self._line(plan, "failed", epochs, None, started, error=error)
                 return
             epochs = len(model.getHistory())
             self._note_dataset(plan)
@@ -318,9 +441,24 @@ class StudyRun:
             )
 
     def _line(self, plan, state, epochs, value, started, best=False, error=None) -> None:
-        line = trial_line(
-            plan, state, epochs, value, self.metric, time.monotonic() - started, best, error
+        seconds = time.monotonic() - started
+        total = plan.estimator.getEpochs()
+        self._show(
+            trial_line(
+                plan.number,
+                plan.trial.params,
+                total,
+                state,
+                epochs,
+                value,
+                self.metric,
+                seconds,
+                best,
+                error,
+            )
         )
+
+    def _show(self, line: str) -> None:
         logger.info(line)
         if self.verbose:
             print(line, file=sys.stderr, flush=True)

@@ -5,8 +5,10 @@ epoch, passes its value to ``decide`` (which reports it to the Optuna trial and 
 pruner) and writes the answer that rank 0 is waiting for. Epochs answered before (by an
 earlier fit of a resumed trial) are skipped. A ``decide`` that fails (the study's storage
 unreachable) answers "go on": pruning is an optimization, never a reason to fail a fit.
-Once ``aborted()`` says so (the search was interrupted), every answer is "abort", and the
-"abort" answers an earlier fit of the trial left are removed before its next fit starts.
+Once ``aborted()`` says so (the search was interrupted), every answer is "abort". Before
+the next fit of the trial starts, the reports an earlier fit left with no answer (its
+driver killed while rank 0 waited) or answered "abort" are removed with those answers:
+that epoch was not checkpointed, so the next fit trains it again and reports it itself.
 """
 
 from __future__ import annotations
@@ -72,17 +74,25 @@ class TrialWatch:
         self.next_epoch += 1
         return True
 
-    def _remove_aborts(self) -> None:
-        """Remove the "abort" answers an interrupted fit of this trial left."""
+    def _remove_unanswered(self) -> None:
+        """Remove the reports an earlier fit of this trial left unanswered or answered
+        "abort", with those answers: epochs no fit goes on from."""
         if not self.store.exists(self.run.trial):
             return
         for path in self.store.fs.find(self.run.trial):
-            if posixpath.basename(path).startswith("answer-"):
-                if self.store.read_json(path).get("abort"):
-                    self.store.remove(path)
+            name = posixpath.basename(path)
+            if not name.startswith("epoch-"):
+                continue
+            epoch = int(name[len("epoch-") :].split(".")[0])
+            answer = self.run.trial_answer(epoch)
+            if self.store.exists(answer):
+                if not self.store.read_json(answer).get("abort"):
+                    continue
+                self.store.remove(answer)
+            self.store.remove(self.run.trial_report(epoch))
 
     def __enter__(self) -> TrialWatch:
-        self._remove_aborts()
+        self._remove_unanswered()
         self.thread.start()
         return self
 

@@ -6,8 +6,10 @@ the estimator, none the tuner sets itself), the trial's own ``run_id`` (kept in 
 user attributes, so a later fit of a resumed study finds the run and its checkpoints) and
 the callback by which rank 0 asks the tuner after each epoch whether to go on
 (``shared.pruning``). ``check_metric`` refuses, before any trial, a metric the fit does not
-record. ``trial_value`` is a finished fit's value; ``trial_line`` the line the driver shows
-for a finished trial.
+record. ``trial_value`` is a finished fit's value; ``trained_epochs`` the epochs a trial's
+run trained (its checkpoints from an earlier fit included); ``ended_run`` what a run that
+ended unrecorded (its driver gone) tells of its trial; ``trial_line`` the line the driver
+shows for a finished trial.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ from pyspark.sql import functions as F
 
 from ..shared.packages import lightning_package
 from ..shared.pruning import TrialPruning, history_value, lightning_trial_pruning
+from ..shared.serialization import state_from_bytes
 from . import validate_lightning, validate_training
 
 RUN_ID_ATTR = "run_id"  # the trial's user attribute naming its run in the store
 EPOCHS_ATTR = "epochs_trained"
 ERROR_ATTR = "error"
+# a trial whose fit ended but was not recorded (its driver gone): the trial fit again in its
+# place (on the closed one), and the closed one's number (on the new one)
+FIT_AGAIN_AS_ATTR = "fit_again_as"
+FIT_AGAIN_OF_ATTR = "fit_again_of"
 FIT_SECONDS_ATTR = "fit_seconds"  # the trial's fit, as its training summary times it
 # params the tuner sets on every trial's estimator itself
 TUNER_PARAMS = {"run_id": "each trial's run in the store, named by the tuner"}
@@ -90,8 +97,6 @@ def plan_trial(base, trial, space, metric: str, slots: int, resumed: bool = Fals
     estimator = base.copy({base.getParam(name): value for name, value in params.items()})
     store = estimator.getStore()
     run_id = trial.user_attrs.get(RUN_ID_ATTR) if resumed else None
-    if run_id is not None and store.exists(store.run(run_id).result):
-        run_id = None  # its fit ended but was not told: fit again, in a run of its own
     if run_id is None:
         run_id = f"trial-{trial.number}-{uuid.uuid4().hex[:8]}"
         trial.set_user_attr(RUN_ID_ATTR, run_id)
@@ -106,6 +111,23 @@ def plan_trial(base, trial, space, metric: str, slots: int, resumed: bool = Fals
     estimator = estimator.copy({estimator.getParam(k): v for k, v in extra.items()})
     procs = estimator.getNumProc() or slots
     return TrialPlan(trial, estimator, run_id, min(procs, slots) or procs, resumed)
+
+
+def trained_epochs(store, run_id: str, reported: list[tuple[int, float]]) -> int:
+    """The epochs a trial's run has trained: its newest checkpoint's (an earlier fit's
+    included), or the last epoch this fit reported, whichever is later."""
+    done = store.checkpoint_epochs(run_id) if store.exists(store.run(run_id).path) else []
+    return max([*done[-1:], *(epoch for epoch, _ in reported), 0])
+
+
+def ended_run(store, run_id: str) -> tuple[int, bool]:
+    """A finished run's epochs (its history's) and whether the tuner pruned it (its last
+    epoch's answer)."""
+    run = store.run(run_id)
+    epochs = len(state_from_bytes(store.read_bytes(run.result))["history"])
+    answer = run.trial_answer(epochs)
+    said = store.read_json(answer) if epochs and store.exists(answer) else {}
+    return epochs, bool(said.get("prune")) and not said.get("abort")
 
 
 def check_metric(estimator, metric: str) -> None:
@@ -177,18 +199,20 @@ def shown_params(params: dict) -> str:
 
 
 def trial_line(
-    plan: TrialPlan,
+    number: int,
+    params: dict,
+    total: int,
     state: str,
     epochs: int,
     value,
     metric: str,
-    seconds: float,
+    seconds: float | None,
     best: bool = False,
     error: str | None = None,
 ) -> str:
-    """The driver's line for a finished trial: its number, state, epochs, value, params."""
-    total = plan.estimator.getEpochs()
-    head = f"trial {plan.number}"
+    """The driver's line for a finished trial: its number, state, epochs (of ``total``),
+    value, params, ``error`` (or a note) and its ``seconds`` (where known)."""
+    head = f"trial {number}"
     if state == "pruned":
         head += f" pruned at epoch {epochs}/{total}"
     elif state == "complete":
@@ -198,8 +222,9 @@ def trial_line(
     shown = f"{metric} {value:.4g}" if isinstance(value, float) else ""
     if best:
         shown += " (best so far)"
-    parts = [head + (f": {shown}" if shown else ""), shown_params(plan.trial.params)]
+    parts = [head + (f": {shown}" if shown else ""), shown_params(params)]
     if error:
         parts.append(error)
-    parts.append(f"{seconds:.1f} s")
+    if seconds is not None:
+        parts.append(f"{seconds:.1f} s")
     return " | ".join(p for p in parts if p)

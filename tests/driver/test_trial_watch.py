@@ -3,6 +3,8 @@ rank 0's side (``shared.pruning``) called from this process."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from spark_estimator.driver.trial_watch import TrialWatch
@@ -43,3 +45,30 @@ def test_an_interrupted_search_answers_abort_and_a_later_fit_of_the_trial_is_ask
     with TrialWatch(store, "r", lambda epoch, value: asked.append(epoch) or False):
         assert pruning.ask_tuner(store, "r", 2, 0.8) is False  # the abort is gone
     assert asked == [2]
+
+
+def test_a_report_an_earlier_fit_left_unanswered_is_not_taken_for_the_next_fits(store):
+    """A driver killed while rank 0 waited for epoch 3's answer (and an interrupted search's
+    "abort" of epoch 2 in another run) leaves a report no fit goes on from: the epoch was
+    not checkpointed and is trained again, so the next fit's watch waits for its own
+    report of it."""
+    run = store.run("r")
+    store.write_json(run.trial_report(1), {"epoch": 1, "value": 3.0})
+    store.write_json(run.trial_answer(1), {"prune": False})
+    store.write_json(run.trial_report(2), {"epoch": 2, "value": 2.5})  # unanswered
+    asked = []
+    with TrialWatch(store, "r", lambda epoch, value: asked.append((epoch, value)) or False):
+        time.sleep(0.2)
+        assert asked == []  # the stale report of epoch 2 is not answered
+        assert pruning.ask_tuner(store, "r", 2, 2.0) is False
+    assert asked == [(2, 2.0)]
+
+    other = store.run("s")
+    store.write_json(other.trial_report(1), {"epoch": 1, "value": 1.0})
+    store.write_json(other.trial_answer(1), {"prune": True, "abort": True})
+    asked.clear()
+    with TrialWatch(store, "s", lambda epoch, value: asked.append((epoch, value)) or False):
+        time.sleep(0.2)
+        assert asked == [] and not store.exists(other.trial_report(1))
+        assert pruning.ask_tuner(store, "s", 1, 0.5) is False
+    assert asked == [(1, 0.5)]
