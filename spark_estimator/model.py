@@ -151,6 +151,9 @@ class TorchModel(TorchModelConstructor, Model, ModelParams, ObjectParamsReadWrit
             outputs of shape [B] or [B, 1], else array<float>), or with ``classification``
             the prediction, ``probabilityCol`` and ``rawPredictionCol`` of Spark ML's
             classifiers. Lazy, as any transformation: the model runs when it is read.
+            NaN and infinite feature values are not refused: a row whose class logits are
+            not finite gets prediction NaN, and the executors log a warning naming the
+            columns (docs/bad-input.md).
 
         Raises
         ------
