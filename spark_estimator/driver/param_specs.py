@@ -331,8 +331,19 @@ def _not_a_param(cls: str, name: str, value: Any, known: list[str]) -> str:
     close = [k for k in FOREIGN_NAMES.get(name.lower(), ()) if k in params]
     close += [k for k in params if k.startswith(name + "_")]
     if not close:
-        close = difflib.get_close_matches(name, params, n=3, cutoff=0.6)
+        close = difflib.get_close_matches(name, params, n=3, cutoff=0.75)
     close = list(dict.fromkeys(close))[:4]
+    if not close and "trainer_args" in params:
+        if name in ("lr", "learning_rate"):
+            return (
+                f"{name}: not a param of {cls}; the LightningModule's configure_optimizers() "
+                "sets the learning rate"
+            )
+        if name in _trainer_arguments():
+            return (
+                f"{name}: not a param of {cls}; a Lightning Trainer argument goes in "
+                f"trainer_args={{'{name}': {value!r}}}"
+            )
     if not close:
         return (
             f"{name}: not a param of {cls}; {cls}().explainParams() and docs/parameters.md "
@@ -342,6 +353,15 @@ def _not_a_param(cls: str, name: str, value: Any, known: list[str]) -> str:
     first = f"{close[0]}={shown if len(shown) <= 40 else '...'}"
     others = f" (or {', '.join(close[1:])})" if close[1:] else ""
     return f"{name}: not a param of {cls}; did you mean {first}{others}?"
+
+
+def _trainer_arguments() -> set[str]:
+    """The keyword arguments of Lightning's Trainer (none where Lightning is missing)."""
+    try:
+        from lightning.pytorch import Trainer
+    except ImportError:
+        return set()
+    return set(inspect.signature(Trainer.__init__).parameters) - {"self"}
 
 
 def check_spark_ml_names(stage: Params, kwargs: dict[str, Any]) -> None:

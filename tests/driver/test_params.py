@@ -305,6 +305,19 @@ def test_unknown_keywords_are_named_together_and_optuna_search_names_itself():
         OptunaSearch(n_trial=3)
 
 
+def test_a_lightning_estimator_points_trainer_arguments_and_the_rate_where_they_go():
+    with pytest.raises(TypeError, match=r"^lr: not a param of LightningEstimator; the "):
+        LightningEstimator(lr=0.1)  # "... LightningModule's configure_optimizers() sets ..."
+    with pytest.raises(TypeError) as info:
+        LightningEstimator(gradient_clip_val=0.5)
+    assert str(info.value) == (
+        "gradient_clip_val: not a param of LightningEstimator; a Lightning Trainer argument "
+        "goes in trainer_args={'gradient_clip_val': 0.5}"
+    )
+    with pytest.raises(TypeError, match=r"^gradient_clip_val: .* docs/parameters\.md list them$"):
+        TorchEstimator(gradient_clip_val=0.5)  # no far-fetched spelling offered
+
+
 @pytest.mark.parametrize(
     "typed,module",
     [
