@@ -45,6 +45,7 @@ def log_model(
     extra_pip_requirements: list[str] | None = None,
     pytorch_flavor: bool = False,
     metadata: dict | None = None,
+    code_paths: list[str] | None = None,
 ) -> ModelInfo:
     """Log a fitted TorchModel as an MLflow Model of the active run (a new run when none
     is active), as ``mlflow.<flavor>.log_model`` does.
@@ -82,6 +83,14 @@ def log_model(
         weights (see docs/serving.md for why it is off by default).
     metadata : dict, optional
         Custom metadata in the MLmodel file.
+    code_paths : list of str, optional
+        Files and folders of your own code copied into the model's ``code/`` folder, which
+        MLflow puts first on ``sys.path`` before it loads the model (as
+        ``mlflow.pyfunc.log_model``'s): what a loading process must import and does not
+        find by itself. The modules that define the model's classes and functions (the
+        module, ``decode_fn``, ``collate_fn``, the loss...) are shipped without it where
+        they are your own, not an installed package: read from the saved pickle, with the
+        modules they import (docs/serving.md, "Your own code").
 
     Returns
     -------
@@ -92,7 +101,8 @@ def log_model(
     ------
     TypeError, ValueError
         ``model`` holds no TorchModel; ``input_example`` lacks a feature column;
-        ``pip_requirements`` and ``extra_pip_requirements`` both given.
+        ``pip_requirements`` and ``extra_pip_requirements`` both given; a path of
+        ``code_paths`` does not exist, or two have one name.
 
     Examples
     --------
@@ -110,6 +120,7 @@ def log_model(
         extra_pip_requirements=extra_pip_requirements,
         pytorch_flavor=pytorch_flavor,
         metadata=metadata,
+        code_paths=code_paths,
     )
 
 
@@ -123,6 +134,7 @@ def save_model(
     extra_pip_requirements: list[str] | None = None,
     pytorch_flavor: bool = False,
     metadata: dict | None = None,
+    code_paths: list[str] | None = None,
 ) -> None:
     """Write a fitted TorchModel as an MLflow Model in the local folder ``path`` (which
     must not exist or be empty), without a tracking server: ``log_model``'s folder.
@@ -135,7 +147,7 @@ def save_model(
         A local folder.
     input_example, signature, pip_requirements, extra_pip_requirements, pytorch_flavor
         As ``log_model``'s.
-    metadata : dict, optional
+    metadata, code_paths
         As ``log_model``'s.
 
     Raises
@@ -159,6 +171,7 @@ def save_model(
         extra_pip_requirements=extra_pip_requirements,
         pytorch_flavor=pytorch_flavor,
         metadata=metadata,
+        code_paths=code_paths,
     )
 
 
@@ -179,7 +192,9 @@ def load_model(model_uri: str, dst_path: str | None = None) -> TorchModel:
     Returns
     -------
     TorchModel
-        The fitted model, as ``TorchModel.load`` reads the downloaded folder.
+        The fitted model, as ``TorchModel.load`` reads the downloaded folder, after the
+        model's ``code/`` folder (``code_paths``, your own modules) is put first on
+        ``sys.path``, as ``mlflow.pyfunc.load_model`` puts it.
 
     Examples
     --------
@@ -189,7 +204,9 @@ def load_model(model_uri: str, dst_path: str | None = None) -> TorchModel:
 
     from .model import TorchModel
 
-    return TorchModel.load(mlflow.artifacts.download_artifacts(model_uri, dst_path=dst_path))
+    path = mlflow.artifacts.download_artifacts(model_uri, dst_path=dst_path)
+    mlflow_model.add_code_to_path(path)
+    return TorchModel.load(path)
 
 
 def _load_pyfunc(path: str, model_config: dict | None = None) -> TorchPyfunc:

@@ -405,3 +405,201 @@ def test_mlflow_models_serve_answers_with_the_same_predictions(models, tracking,
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
+
+
+@pytest.mark.parametrize(
+    "kind, names",
+    [("classifier", ["probability"]), ("two_heads", ["embedding", "score"])],
+)
+def test_output_array_gives_the_named_columns_as_one_array_a_row_also_in_spark_udf(
+    models, kind, names
+):
+    """The opt-in form spark_udf converts a batch at once: transform's values, in the order
+    named, one array<double> a row (docs/serving.md, Throughput in Spark)."""
+    uri, model, df, want = models[kind]
+    expected = np.concatenate(
+        [np.stack([np.atleast_1d(getattr(v, "toArray", lambda v=v: v)()) for v in want[n]])
+         for n in names],
+        axis=1,
+    )  # fmt: skip
+    if kind == "classifier":
+        from pyspark.ml.functions import vector_to_array
+
+        df = df.select(vector_to_array("features").alias("features"))
+    loaded = mlflow.pyfunc.load_model(uri)
+    assert loaded.metadata.get_params_schema().to_dict()[0]["name"] == "output_array"
+    got = loaded.predict(df.toPandas(), params={"output_array": names})
+    assert got.dtype == np.float64 and got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    udf = mlflow.pyfunc.spark_udf(
+        df.sparkSession,
+        uri,
+        env_manager="local",
+        result_type="array<double>",
+        params={"output_array": names},
+    )
+    features = [F.col(c) for c in model.getFeatureCols()]
+    rows = df.coalesce(1).select(udf(*features).alias("out")).toPandas()["out"]
+    np.testing.assert_allclose(np.stack(rows), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(MlflowException, match=r"output_array: \['nope'\] are not output columns"):
+        loaded.predict(df.toPandas(), params={"output_array": ["nope"]})
+
+
+# -- the user's own code: modules a loading process does not have -------------------------
+
+NET_MODULE = '''
+import torch
+
+
+class UserNet(torch.nn.Module):
+    """Defined in the user's own module, not installed anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.linear = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.linear(x) * SCALE
+
+
+SCALE = 2.0
+'''
+
+DYNAMIC_MODULE = '''
+import importlib
+
+import torch
+
+
+class PluginNet(torch.nn.Module):
+    """Imports its plugin by name when it runs: no pickle names it."""
+
+    def __init__(self, plugin):
+        super().__init__()
+        torch.manual_seed(4)
+        self.linear, self.plugin = torch.nn.Linear(3, 1), plugin
+
+    def forward(self, x):
+        return importlib.import_module(self.plugin).shift(self.linear(x))
+'''
+
+
+@pytest.fixture
+def user_modules(tmp_path):
+    """``usernet_<id>`` (a model class) and ``pluginnet_<id>`` (a model that imports the
+    module ``plugin_<id>`` by name), in folders on sys.path for this test only; their
+    names."""
+    tag = tmp_path.name.replace("-", "_")
+    src, plugins = tmp_path / "src", tmp_path / "plugins"
+    src.mkdir()
+    plugins.mkdir()
+    (src / f"usernet_{tag}.py").write_text(NET_MODULE)
+    (src / f"pluginnet_{tag}.py").write_text(DYNAMIC_MODULE)
+    (plugins / f"plugin_{tag}.py").write_text("def shift(y):\n    return y + 10\n")
+    sys.path[:0] = [str(src), str(plugins)]
+    try:
+        yield {"net": f"usernet_{tag}", "dynamic": f"pluginnet_{tag}", "plugin": f"plugin_{tag}"}
+    finally:
+        sys.path[:] = [p for p in sys.path if p not in (str(src), str(plugins))]
+        for name in [n for n in sys.modules if tag in n]:
+            del sys.modules[name]
+
+
+PREDICT_ELSEWHERE = """
+import importlib.util, json, sys
+import mlflow, pandas as pd
+hidden = json.loads(sys.argv[3])
+assert not any(importlib.util.find_spec(m) for m in hidden), "this process has the module"
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model(sys.argv[2])
+rows = json.loads(sys.stdin.read())
+out = model.predict(pd.DataFrame({"x": rows}))
+print(json.dumps(out["prediction"].tolist()))
+"""
+
+
+def predict_elsewhere(tracking: str, uri: str, x: list, hidden: list[str], tmp_path):
+    """``mlflow.pyfunc.load_model(uri).predict`` of the rows ``x`` in a fresh Python whose
+    sys.path holds none of the modules ``hidden`` (checked there)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, "-c", PREDICT_ELSEWHERE, tracking, uri, json.dumps(hidden)],
+        input=json.dumps(x),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_a_model_class_of_the_users_own_module_loads_where_that_module_is_not(
+    models, tracking, user_modules, tmp_path
+):
+    """Logged by mlflow_logging after a fit (the module shipped to the executors with
+    addPyFile) and saved by save_model: its module travels in code/, found in the pickle."""
+    import importlib
+
+    module = importlib.import_module(user_modules["net"])
+    spark = spark_session(LOCAL)
+    spark.sparkContext.addPyFile(module.__file__)  # as --py-files ships it to executors
+    rows = [[float(i), 1.0 - i, 0.5 * i] for i in range(8)]
+    df = spark.createDataFrame([(r, float(sum(r))) for r in rows], "x array<double>, y double")
+    net = module.UserNet()
+    with mlflow.start_run() as run:
+        fitted = TorchEstimator(
+            model=net,
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+            loss=torch.nn.MSELoss(),
+            feature_cols=["x"],
+            label_cols=["y"],
+            batch_size=4,
+            epochs=1,
+            num_proc=1,
+            use_gpu=False,
+            verbose=False,
+            store=Store.create(str(tmp_path / "store")),
+            mlflow_logging=True,
+        ).fit(df)
+    want = fitted.transform(df).select("prediction").toPandas()["prediction"].tolist()
+    saved = tmp_path / "saved"
+    se_mlflow.save_model(fitted, str(saved))
+    assert (saved / "code" / f"{user_modules['net']}.py").read_text() == NET_MODULE
+    for uri in (f"runs:/{run.info.run_id}/model", str(saved)):
+        done = predict_elsewhere(tracking, uri, rows, [user_modules["net"]], tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        np.testing.assert_allclose(json.loads(done.stdout), want, rtol=1e-5, atol=1e-6)
+
+
+def test_code_paths_ship_what_no_pickle_names_and_are_checked(tracking, user_modules, tmp_path):
+    import importlib
+
+    module = importlib.import_module(user_modules["dynamic"])
+    model = TorchModel(
+        model=module.PluginNet(user_modules["plugin"]),
+        feature_cols=["x"],
+        output_shapes=[[1]],
+        feature_kinds={"x": ["array", "float32"]},
+    )
+    rows = [[float(i), -1.0, 0.25 * i] for i in range(5)]
+    x = torch.tensor(rows)
+    want = (model.getModel()(x)).squeeze(1).tolist()
+    plugin = str(tmp_path / "plugins" / f"{user_modules['plugin']}.py")
+    hidden = [user_modules["dynamic"], user_modules["plugin"]]
+    without = se_mlflow.log_model(model, "without").model_uri
+    done = predict_elsewhere(tracking, without, rows, hidden, tmp_path)
+    assert done.returncode != 0 and f"No module named '{user_modules['plugin']}'" in done.stderr
+    with_code = se_mlflow.log_model(model, "with", code_paths=[plugin]).model_uri
+    done = predict_elsewhere(tracking, with_code, rows, hidden, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    np.testing.assert_allclose(json.loads(done.stdout), want, rtol=1e-5, atol=1e-6)
+    # spark_estimator.mlflow.load_model puts code/ on sys.path too
+    sys.path.remove(str(tmp_path / "plugins"))
+    del sys.modules[user_modules["plugin"]]
+    assert se_mlflow.load_model(with_code).getModel()(x).squeeze(1).tolist() == want
+    with pytest.raises(ValueError, match=r"code_paths: \['nowhere.py'\] do not exist"):
+        se_mlflow.save_model(model, str(tmp_path / "bad"), code_paths=["nowhere.py"])
+    with pytest.raises(TypeError, match="code_paths: a list of paths"):
+        se_mlflow.save_model(model, str(tmp_path / "bad"), code_paths=plugin)
+    assert not (tmp_path / "bad").exists()

@@ -19,7 +19,8 @@ known width, not all numbers: MLflow checks those a column at once. Else they ar
 numbers as ``double``, arrays and vectors as arrays of ``double`` (token-id sequences of
 ``long``), images as ``binary``, strings as ``string``, Spark's image struct as an object.
 Outputs are columns: ``double`` or arrays of ``float`` (``double`` for the classifier
-columns).
+columns); its one param, ``output_array`` (``params_schema``), asks ``predict`` for chosen
+output columns as one array a row instead.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from pyspark.sql.types import (
 
 from ..shared.shapes import row_length
 from ..shared.spec import ROW_NAMES, ColumnSpec
+from . import mlflow_code
+from .persistence import OBJECTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +218,15 @@ def infer_signature(model, example=None):
     if any(c.variable for c in features) and ROW_NAMES not in model.getFeatureCols():
         inputs.append(ColSpec("string", ROW_NAMES, required=False))  # names rows in errors
     outputs = [ColSpec(mlflow_type(f.dataType), f.name) for f in fields]
-    return ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs))
+    return ModelSignature(inputs=Schema(inputs), outputs=Schema(outputs), params=params_schema())
+
+
+def params_schema():
+    """The params ``predict`` takes: ``output_array``, the output columns to give as one
+    float64 array a row (``spark_estimator.pyfunc.rows_array``), none by default."""
+    from mlflow.types.schema import ParamSchema, ParamSpec
+
+    return ParamSchema([ParamSpec("output_array", "string", [], (-1,))])
 
 
 def tensor_inputs(model, features: list[ColumnSpec], example=None) -> list | None:
@@ -281,12 +292,14 @@ def save_model(
     extra_pip_requirements: list[str] | None = None,
     pytorch_flavor: bool = False,
     metadata: dict | None = None,
+    code_paths: list[str] | None = None,
 ) -> None:
     """Write ``torch_model`` (a TorchModel) at ``path`` as an MLflow Model (see the
     module); MLflow's ``Model.log`` calls this with the ``mlflow_model`` it logs."""
     import mlflow
     from mlflow.models import Model
 
+    code_paths = checked_code_paths(code_paths)
     mlflow_model = mlflow_model if mlflow_model is not None else Model()
     if metadata:
         mlflow_model.metadata = metadata
@@ -312,6 +325,7 @@ def save_model(
         module_dir = None
         if pytorch_flavor:
             module_dir = _pytorch_flavor(mlflow_model, torch_model.getModel(), scratch)
+        shipped = [*code_paths, *own_code(stage, os.path.join(scratch, "code"), code_paths)]
         mlflow.pyfunc.save_model(
             path,
             loader_module=LOADER_MODULE,
@@ -319,6 +333,7 @@ def save_model(
             signature=signature,
             input_example=example,
             pip_requirements=requirements,
+            code_paths=shipped or None,
         )
         for name in os.listdir(stage):
             shutil.move(os.path.join(stage, name), os.path.join(path, name))
@@ -330,6 +345,44 @@ def save_model(
         for name in names
     )
     mlflow_model.save(os.path.join(path, "MLmodel"))
+
+
+def checked_code_paths(code_paths) -> list[str]:
+    """``code_paths`` as a list of existing files and folders; a ValueError or TypeError
+    naming the parameter for anything else."""
+    if code_paths is None:
+        return []
+    if isinstance(code_paths, (str, bytes)) or not all(isinstance(p, str) for p in code_paths):
+        raise TypeError(
+            f"code_paths: a list of paths of files or folders, e.g. ['src/mypkg'] "
+            f"(given: {code_paths!r})"
+        )
+    missing = [p for p in code_paths if not os.path.exists(p)]
+    if missing:
+        raise ValueError(f"code_paths: {missing} do not exist (from {os.getcwd()})")
+    names = [os.path.basename(os.path.abspath(p)) for p in code_paths]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(
+            f"code_paths: several paths named {twice}; each is copied into the model's code/ "
+            "folder by its name"
+        )
+    return list(code_paths)
+
+
+def own_code(stage: str, folder: str, code_paths: list[str]) -> list[str]:
+    """The user's own modules that the saved ``stage``'s pickle needs
+    (``mlflow_code``), written into ``folder``; those of a top-level name that one of
+    ``code_paths`` ships left out. Logged at INFO."""
+    given = {os.path.basename(os.path.abspath(p)) for p in code_paths}
+    found = mlflow_code.inferred_code_paths(os.path.join(stage, OBJECTS_FILE), folder)
+    found = [p for p in found if os.path.basename(p) not in given]
+    if found:
+        log.info(
+            "the model's own modules, shipped in its code/ folder: %s",
+            [os.path.basename(p) for p in found],
+        )
+    return found
 
 
 def _pytorch_flavor(mlflow_model, module, scratch: str) -> str:
@@ -352,6 +405,20 @@ def _pytorch_flavor(mlflow_model, module, scratch: str) -> str:
     conf.pop("code", None)
     mlflow_model.add_flavor("pytorch", **conf)
     return os.path.join(saved, conf["model_data"])
+
+
+def add_code_to_path(path: str) -> None:
+    """Put the ``code/`` folder of the MLflow Model at ``path`` (where its python_function
+    has one) first on ``sys.path``, as ``mlflow.pyfunc.load_model`` does before loading."""
+    from mlflow.models import Model
+
+    mlmodel = os.path.join(path, "MLmodel")
+    if not os.path.isfile(mlmodel):  # a stage that mlflow_logging logged before MLmodel
+        return
+    code = Model.load(mlmodel).flavors.get("python_function", {}).get("code")
+    folder = os.path.join(path, code) if code else None
+    if folder and os.path.isdir(folder) and folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def installed_version(name: str) -> str | None:
