@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -572,3 +573,8 @@ def test_a_lightning_fit_shows_lightnings_lines_once_and_none_of_its_checkpoints
     # Lightning's own lines: once, as rank 0's logging
     stopped = [line for line in lines if "`max_epochs=3` reached" in line]
     assert len(stopped) == 1 and stopped[0].startswith("[rank 0] INFO "), stopped
+    # Lightning's warnings (deprecations, tips) once, from rank 0, not once per rank
+    own = re.compile(r"/(lightning|pytorch_lightning|lightning_fabric)/|Tip:|deprecated")
+    warned = [line for line in lines if line.startswith("[rank") and own.search(line)]
+    assert warned and all(line.startswith("[rank 0] ") for line in warned), warned
+    assert len(warned) == len(set(warned)), warned

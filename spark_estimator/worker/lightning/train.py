@@ -24,6 +24,7 @@ import importlib.util
 import itertools
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 import torch
@@ -114,13 +115,39 @@ def lightning_console_once() -> Iterator[None]:
             log.propagate = propagate
 
 
+# the modules of Lightning's own warnings (warnings.filterwarnings' module pattern)
+LIGHTNING_MODULES = r"(lightning|pytorch_lightning|lightning_fabric|lightning_utilities)(\.|$)"
+
+
+@contextlib.contextmanager
+def lightning_warnings_once(rank: int) -> Iterator[None]:
+    """Lightning's warnings (deprecations, its tips) from rank 0 only, as Lightning means
+    them: its ``rank_zero_*`` helpers told this task's rank (a reused Python worker keeps
+    the rank of the task that first imported Lightning), and on the other ranks the
+    ``warnings`` raised in Lightning's own code (the same on every rank) ignored. Restored
+    after: Python workers are reused."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    before = getattr(rank_zero_only, "rank", None)
+    rank_zero_only.rank = rank
+    try:
+        with warnings.catch_warnings():
+            if rank != 0:
+                warnings.filterwarnings("ignore", module=LIGHTNING_MODULES)
+            yield
+    finally:
+        if before is not None:
+            rank_zero_only.rank = before
+
+
 def train_lightning(
     spec: TrainSpec, info: RankInfo, report: Callable[..., None] | None
 ) -> RankSummary:
     """Train this rank; return its summary (rank 0 also writes the result to the store)."""
-    objects = loads(spec.bundle)  # imports Lightning: its loggers exist from here
-    with lightning_console_once():
-        return _train(spec, info, report, objects)
+    with lightning_warnings_once(info.rank):
+        objects = loads(spec.bundle)  # imports Lightning: its loggers exist from here
+        with lightning_console_once():
+            return _train(spec, info, report, objects)
 
 
 def _train(
