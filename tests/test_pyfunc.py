@@ -447,7 +447,11 @@ def test_images_over_rest_in_every_form_predict_what_transform_appends(served, k
 @pytest.mark.parametrize("kind", ["images", "images_fn"])
 def test_bytes_that_are_not_an_image_are_refused_saying_what_to_send(served, kind, form):
     server, rows, _ = served[kind]
-    expects = "an image file's bytes" if kind == "images" else "the bytes its decode_fn reads"
+    expects = (
+        "an image file's bytes (PNG, JPEG, ...: binaryFile's content)"
+        if kind == "images"
+        else "the bytes its decode_fn reads"
+    )
     status, answer = server.post(request_body(pd.DataFrame({"content": [b"no image"]}), form))
     assert status == 400, answer
     message = answer["message"]
