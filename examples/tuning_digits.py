@@ -11,6 +11,12 @@ log-uniformly from 1e-4 to 1e-1, its width from {8, 16, 32}); two trials train a
 goes to Optuna's MedianPruner, which stops trials that do worse than the median of the
 earlier ones at the same epoch. The driver prints one line per trial as it ends, then the
 trials, the epochs pruning saved, and the best model's accuracy on held-out images.
+
+The study is kept in the store (an Optuna journal file, `studies/<study name>.journal`)
+under `--study-name`: run the script again with the same `--store` and it resumes the
+study, taking up the trials a killed run left running from their checkpoints and asking
+new trials until the study holds `--trials` (a study already complete trains nothing and
+gives its best model again). A new `--study-name` or `--store` starts a new study.
 """
 
 from __future__ import annotations
@@ -67,6 +73,17 @@ def space(trial: optuna.Trial) -> dict:
     }
 
 
+def held_trials(store: Store, study_name: str) -> int:
+    """The trials the study holds already in the store (0 for a new study)."""
+    if not store.exists(store.study_journal(study_name)):
+        return 0
+    backend = optuna.storages.journal.JournalFileBackend(store.study_journal(study_name))
+    study = optuna.load_study(
+        study_name=study_name, storage=optuna.storages.JournalStorage(backend)
+    )
+    return len(study.trials)
+
+
 def accuracy(predictions) -> float:
     predicted_class = F.expr("array_position(prediction, array_max(prediction)) - 1")
     correct = (predicted_class == F.col("label")).cast("double")
@@ -80,7 +97,10 @@ def main(argv=None) -> int:
         default=os.path.join(tempfile.gettempdir(), "spark-estimator-tuning"),
         help="store folder (default: %(default)s)",
     )
-    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument(
+        "--study-name", default="tuning-digits", help="the study in the store (%(default)s)"
+    )
+    parser.add_argument("--trials", type=int, default=10, help="trials in the study in all")
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--parallelism", type=int, default=2, help="trials at once")
     parser.add_argument("--num-proc", type=int, default=1, help="processes per trial")
@@ -115,7 +135,12 @@ def main(argv=None) -> int:
         parallelism=args.parallelism,
         seed=0,
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=2),
+        storage="store",  # the study in the store: running the script again resumes it
+        study_name=args.study_name,
     )
+    held = held_trials(estimator.getStore(), args.study_name)
+    if held:
+        print(f"resuming study {args.study_name!r}: {held} trial(s) in the store already")
     model = search.fit(train)
 
     trials = model.trials_dataframe()

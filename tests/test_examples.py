@@ -108,6 +108,14 @@ def test_tuning_digits_job(tmp_path):
     assert trained == sum(int(epochs) for _, _, epochs in rows)
     accuracy = float(re.search(r"held-out accuracy of the best model: ([0-9.]+)", out).group(1))
     assert accuracy >= 0.85, out  # 0.91 when measured
+    # run again: the study in the store is complete, so nothing trains and the same best
+    # model comes back (from its run in the store)
+    again = run_example(
+        "tuning_digits.py", "--store", str(tmp_path / "store"), "--trials", "4", "--epochs", "3"
+    )
+    assert "resuming study 'tuning-digits': 4 trial(s) in the store already" in again, again
+    assert re.findall(r"^\s+(\d)\s+(complete|pruned|fail)\s+(\d)\s", again, re.M) == rows
+    assert f"held-out accuracy of the best model: {accuracy:.3f}" in again, again
 
 
 def test_horovod_style_job():
