@@ -18,6 +18,7 @@ import sys
 import tempfile
 
 import torch
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
@@ -54,12 +55,6 @@ def make_net() -> torch.nn.Module:
     )
 
 
-def accuracy(predictions) -> float:
-    predicted_class = F.expr("array_position(prediction, array_max(prediction)) - 1")
-    correct = (predicted_class == F.col("label")).cast("double")
-    return predictions.select(F.avg(correct)).first()[0]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -91,6 +86,8 @@ def main(argv=None) -> int:
         num_proc=args.num_proc,
         validation=0.2,
         random_seed=42,
+        # labels are class indices; transform adds prediction, probability, rawPrediction
+        classification=True,
         store=Store.create(args.store),
         # averaged over every row of every process, once per epoch
         metrics={"accuracy": lambda logits, label: (logits.argmax(1) == label).float().mean()},
@@ -108,7 +105,8 @@ def main(argv=None) -> int:
         )
     print(f"model weights from epoch {model.getTrainingSummary()['selected_epoch']}")
 
-    held_out = accuracy(model.transform(test))
+    evaluator = MulticlassClassificationEvaluator(metricName="accuracy")
+    held_out = evaluator.evaluate(model.transform(test))
     print(f"\nheld-out accuracy: {held_out:.3f} on {test.count()} images")
 
     path = os.path.join(args.store, "models", "digits")
@@ -116,7 +114,7 @@ def main(argv=None) -> int:
     loaded = TorchModel.load(path)
     print(f"saved to {path} and loaded back; a few predictions from the loaded model:")
     sample = loaded.transform(test.limit(8)).select(
-        "label", F.expr("array_position(prediction, array_max(prediction)) - 1").alias("predicted")
+        "label", F.col("prediction").cast("int").alias("predicted")
     )
     for row in sample.collect():
         print(f"  label {row.label}  predicted {row.predicted}")
