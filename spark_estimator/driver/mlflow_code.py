@@ -3,13 +3,13 @@ the MLflow Model's ``code/`` folder (``mlflow_model.save_model``).
 
 A saved stage's ``objects.pkl`` (a cloudpickle) refers by name to every class and function
 that cloudpickle did not pickle by value: those of installed packages, and those of the
-user's own modules (a model class, a ``decode_fn``, a loss in ``mymodels.py`` beside the
+user's own modules (a model class, a ``decode_fn``, a loss in a module beside the
 script, or shipped with ``--py-files`` / ``SparkContext.addPyFile``), which a process that
 loads the model elsewhere does not have. ``pickled_modules`` reads those names from the
 pickle's opcodes without unpickling it; ``own_modules`` keeps the modules that are the
 user's own: imported here from a file that is not of the standard library, nor of an
 installed distribution (``importlib.metadata``), nor under site-packages; with the modules
-of this kind that their source imports (``ast``), and their packages' ``__init__.py``.
+of this kind that their source imports (``ast``), and their packages' init files.
 ``write_tree`` writes their files into a folder as the packages lay them out, from which
 MLflow copies them into the model's ``code/`` folder, which it puts first on ``sys.path``
 before loading the model (``mlflow.pyfunc.load_model``, ``spark_udf``, ``mlflow models
@@ -162,8 +162,8 @@ def _read(module: ModuleType) -> bytes:
 
 
 def relative_path(name: str, module: ModuleType) -> str:
-    """Where module ``name``'s file goes under a ``sys.path`` folder: ``a/b/c.py`` for
-    ``a.b.c``, ``a/b/__init__.py`` for the package ``a.b``."""
+    """Where module ``name``'s file goes under a ``sys.path`` folder: the file ``c`` in the
+    folder ``a/b`` for ``a.b.c``, the package ``a.b``'s init file in ``a/b``."""
     parts = name.split(".")
     filename = os.path.basename(module.__file__)
     if hasattr(module, "__path__"):  # a package: its __init__ file
