@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import logging
 import os
 import pickletools
 import sys
@@ -33,6 +34,7 @@ from functools import cache
 from importlib import metadata as importlib_metadata
 from types import ModuleType
 
+log = logging.getLogger(__name__)
 # cloudpickle's functions that import a module given by name (a module object in a pickle)
 _SUBIMPORTS = {"subimport", "dynamic_subimport"}
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING",
@@ -176,10 +178,16 @@ def write_tree(modules: dict[str, ModuleType], folder: str) -> list[str]:
     paths of the top-level files and folders written (what ``code_paths`` takes)."""
     tops = set()
     for name, module in sorted(modules.items()):
+        try:
+            data = _read(module)
+        except (OSError, AttributeError, ImportError) as e:  # a loader that cannot give it
+            log.warning("module %s is not shipped with the model: %s cannot be read (%s)",
+                        name, module.__file__, e)  # fmt: skip
+            continue
         target = os.path.join(folder, relative_path(name, module))
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(target, "wb") as f:
-            f.write(_read(module))
+            f.write(data)
         tops.add(os.path.join(folder, relative_path(name, module).split(os.sep)[0]))
     return sorted(tops)
 

@@ -9,8 +9,9 @@ What is logged, into the active MLflow run, or else into a new run named by the 
   loss and every metric, and ``lr/group_<i>``, the names TensorBoard shows;
 - the fitted TorchModel as an MLflow Model named ``model`` (``mlflow_model.log_model``: the
   Spark ML stage with MLmodel beside it, its signature from the fit's columns, its input
-  example the dataset's first rows), which ``mlflow.pyfunc.load_model("runs:/<id>/model")``
-  and ``TorchModel.load(<downloaded folder>)`` both read.
+  example the dataset's first rows, the user's own modules it needs in its ``code/``
+  folder), which ``mlflow.pyfunc.load_model("runs:/<id>/model")`` and
+  ``TorchModel.load(<downloaded folder>)`` both read.
 
 An MLflow failure is a warning, never a failed fit (see ``log_fit``).
 

@@ -9,6 +9,8 @@ The model's folder is the Spark ML stage ``TorchModel.save`` writes (``metadata/
     requirements.txt, python_env.yaml, conda.yaml     the pip requirements
     input_example.json, serving_input_example.json    where an example was given or found
     data/                    pytorch_flavor=True only: MLflow's pickle of the whole module
+    code/                    the user's own modules the pickle needs (``mlflow_code``) and
+                             ``code_paths``: first on sys.path when MLflow loads the model
 
 so ``TorchModel.load`` reads the folder MLflow downloads, as it read the folders that
 ``mlflow_logging`` logged before (the stage alone, no MLmodel). The signature comes from the
