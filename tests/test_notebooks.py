@@ -5,6 +5,7 @@ the notebook sees the same torch, pyspark and spark-estimator), with matplotlib'
 backend: figures become PNG outputs, and nothing tries to open a window.
 """
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -32,9 +33,12 @@ def jupyter_path(tmp_path_factory):
     return root
 
 
-def run_notebook(name: str, jupyter_path: Path, cwd: Path, monkeypatch) -> tuple[str, int]:
-    """Execute notebooks/``name`` in a fresh kernel; its stdout and how many figures it
-    drew. A cell that raises fails the test with that cell's error."""
+def run_notebook(
+    name: str, jupyter_path: Path, cwd: Path, monkeypatch
+) -> tuple[str, int, list[str]]:
+    """Execute notebooks/``name`` in a fresh kernel; its stdout, how many figures it drew
+    and the saved text of its progress widgets (what static viewers show). A cell that
+    raises fails the test with that cell's error."""
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter_path))
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(
@@ -46,7 +50,12 @@ def run_notebook(name: str, jupyter_path: Path, cwd: Path, monkeypatch) -> tuple
     outputs = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs]
     text = "".join(out.text for out in outputs if out.output_type == "stream")
     figures = sum("image/png" in out.get("data", {}) for out in outputs)
-    return text, figures
+    bars = [  # the text of the progress widgets, as saved
+        o.data["text/plain"]
+        for o in outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    return text, figures, bars
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
@@ -58,7 +67,9 @@ def test_notebooks_are_committed_without_outputs(name):
 
 
 def test_quickstart_notebook(jupyter_path, tmp_path, monkeypatch):
-    text, figures = run_notebook("quickstart.ipynb", jupyter_path, tmp_path, monkeypatch)
+    text, figures, bars = run_notebook("quickstart.ipynb", jupyter_path, tmp_path, monkeypatch)
+    if importlib.util.find_spec("ipywidgets"):  # the first fit's bar, saved as it ended
+        assert bars and "epoch 6/6: 100%" in bars[0], bars
     history = re.findall(r"^epoch (\d+): train loss ([0-9.]+)", text, re.M)
     assert [int(epoch) for epoch, _ in history] == list(range(1, 7))
     assert float(history[-1][1]) < float(history[0][1])
@@ -75,7 +86,7 @@ def test_quickstart_notebook(jupyter_path, tmp_path, monkeypatch):
 
 
 def test_tabular_regression_notebook(jupyter_path, tmp_path, monkeypatch):
-    text, figures = run_notebook("tabular_regression.ipynb", jupyter_path, tmp_path, monkeypatch)
+    text, figures, _ = run_notebook("tabular_regression.ipynb", jupyter_path, tmp_path, monkeypatch)
     assert figures == 2
     found = re.search(r"held-out RMSE: ([0-9.]+)  R\^2: (-?[0-9.]+) on \d+ rows", text)
     rmse, r2 = float(found.group(1)), float(found.group(2))
@@ -95,7 +106,7 @@ def in_repository_layout(tmp_path: Path) -> Path:
 def test_image_classification_notebook(jupyter_path, tmp_path, monkeypatch):
     pytest.importorskip("PIL")
     cwd = in_repository_layout(tmp_path)
-    text, figures = run_notebook("image_classification.ipynb", jupyter_path, cwd, monkeypatch)
+    text, figures, _ = run_notebook("image_classification.ipynb", jupyter_path, cwd, monkeypatch)
     assert figures == 2  # the augmented crops, the history
     history = re.findall(r"^epoch (\d+): train loss ([0-9.]+)", text, re.M)
     assert [int(epoch) for epoch, _ in history] == list(range(1, 7)), text
@@ -108,7 +119,7 @@ def test_image_classification_notebook(jupyter_path, tmp_path, monkeypatch):
 def test_text_classification_notebook(jupyter_path, tmp_path, monkeypatch):
     pytest.importorskip("tokenizers")
     cwd = in_repository_layout(tmp_path)
-    text, figures = run_notebook("text_classification.ipynb", jupyter_path, cwd, monkeypatch)
+    text, figures, _ = run_notebook("text_classification.ipynb", jupyter_path, cwd, monkeypatch)
     assert figures == 1
     assert re.search(r"'The stadum was too fast' -> \['the', 'st[^]]*'##", text)  # a typo's pieces
     history = re.findall(r"^epoch (\d+): train loss ([0-9.]+)", text, re.M)
