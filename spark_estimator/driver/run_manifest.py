@@ -145,9 +145,10 @@ def _data_changes(saved: dict, now: dict) -> list[str]:
         named.append(f"rows per split (was {saved['rows']}, now {now['rows']})")
     if "content" in changed:
         was, new = saved["content"], now["content"]
+        values = ": some values differ" if was["rows"] == new["rows"] else ""
         named.append(
             f"the rows' content (digest {was['digest']} of {was['rows']} rows, now "
-            f"{new['digest']} of {new['rows']} rows: some values differ)"
+            f"{new['digest']} of {new['rows']} rows{values})"
         )
     if "columns" in changed:
         named.append(f"columns (was {saved['columns']}, now {now['columns']})")
