@@ -243,6 +243,13 @@ def main() -> None:
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--data", default=str(bc.DATA), help="folder of the generated Parquet")
     parser.add_argument("--quiet-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(BEST),
+        default=list(BEST),
+        help="the models to time (REST: with the regressor only)",
+    )
     bc.add_record_args(parser)
     args = parser.parse_args()
 
@@ -334,6 +341,7 @@ def main() -> None:
     for name, sig in signatures.items():
         print(f"{name}'s signature: {sig.inputs} -> {sig.outputs}", flush=True)
     results, ratios, contended = {}, {}, 0
+    runs = {name: configs for name, configs in runs.items() if name in args.models}
     for name, configs in runs.items():
         results[name] = rates(configs, args.rows, args.repeats, args.quiet_timeout)
         contended += results[name].pop("contended")
@@ -342,10 +350,10 @@ def main() -> None:
 
     first = bc.job_arrays(max(REQUEST_ROWS))[0]
     port = free_port()
-    server = serve(saved["regressor"], port, work / "server.log")
     served: dict[int, list[float]] = {}
+    server = serve(saved["regressor"], port, work / "server.log")
     try:
-        for rows in REQUEST_ROWS:
+        for rows in REQUEST_ROWS if "regressor" in args.models else ():
             data = [[x.tolist()] for x in first[:rows]]
             body = json.dumps({"dataframe_split": {"columns": ["features"], "data": data}})
             bc.wait_quiet(args.quiet_timeout)
@@ -387,6 +395,8 @@ def main() -> None:
             )
     lines.append("")
     for name, config in BEST.items():
+        if name not in ratios:
+            continue
         ratio = statistics.median(ratios[name][config])
         lines.append(
             f"- {name}, {config} / transform, the median of the rounds' ratios: "
