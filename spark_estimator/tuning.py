@@ -116,7 +116,10 @@ class OptunaSearch(OptunaSearchConstructor, Estimator, SearchParams, NestedStage
         run.run()
         model = self._model(optuna, study, run.models)
         if run.parent_run is not None:  # mlflow_logging: the best model in the study's run
-            mlflow_log.log_best(run.parent_run, model.bestModel, model.bestTrial, dataset)
+            code_paths = self.getOrDefault("estimator").getMlflowCodePaths()
+            mlflow_log.log_best(
+                run.parent_run, model.bestModel, model.bestTrial, dataset, code_paths
+            )
         return model
 
     def _check(self) -> None:

@@ -572,6 +572,54 @@ def test_a_model_class_of_the_users_own_module_loads_where_that_module_is_not(
         np.testing.assert_allclose(json.loads(done.stdout), want, rtol=1e-5, atol=1e-6)
 
 
+def test_mlflow_code_paths_ship_with_the_model_mlflow_logging_logs(
+    tracking, user_modules, tmp_path
+):
+    """``mlflow_code_paths`` reaches the model ``mlflow_logging`` logs (a plugin imported by
+    name in forward, which no pickle names); refused before any job without
+    ``mlflow_logging`` or for a path that is not there."""
+    import importlib
+
+    module = importlib.import_module(user_modules["dynamic"])
+    plugin = importlib.import_module(user_modules["plugin"])
+    spark = spark_session(LOCAL)
+    for shipped in (module, plugin):  # as --py-files ships them to executors
+        spark.sparkContext.addPyFile(shipped.__file__)
+    rows = [[float(i), 1.0 - i, 0.5 * i] for i in range(8)]
+    df = spark.createDataFrame([(r, float(sum(r))) for r in rows], "x array<double>, y double")
+    net = module.PluginNet(user_modules["plugin"])
+    store = Store.create(str(tmp_path / "store"))
+
+    def estimator(**params):
+        return TorchEstimator(
+            model=net,
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+            loss=torch.nn.MSELoss(),
+            feature_cols=["x"],
+            label_cols=["y"],
+            batch_size=4,
+            epochs=1,
+            num_proc=1,
+            use_gpu=False,
+            verbose=False,
+            store=store,
+            **params,
+        )
+
+    with pytest.raises(ValueError, match="mlflow_code_paths: given without mlflow_logging=True"):
+        estimator(mlflow_code_paths=[plugin.__file__]).fit(df)
+    with pytest.raises(ValueError, match=r"mlflow_code_paths: \['nowhere.py'\] do not exist"):
+        estimator(mlflow_logging=True, mlflow_code_paths=["nowhere.py"]).fit(df)
+    assert not store.fs.exists(store.datasets)  # both before any job
+    with mlflow.start_run() as run:
+        fitted = estimator(mlflow_logging=True, mlflow_code_paths=[plugin.__file__]).fit(df)
+    want = fitted.transform(df).select("prediction").toPandas()["prediction"].tolist()
+    hidden = [user_modules["dynamic"], user_modules["plugin"]]
+    done = predict_elsewhere(tracking, f"runs:/{run.info.run_id}/model", rows, hidden, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    np.testing.assert_allclose(json.loads(done.stdout), want, rtol=1e-5, atol=1e-6)
+
+
 def test_code_paths_ship_what_no_pickle_names_and_are_checked(tracking, user_modules, tmp_path):
     import importlib
 

@@ -65,6 +65,7 @@ class TorchEstimatorConstructor:
         collective_timeout: float = 600.0,
         verbose: bool | int = True,
         mlflow_logging: bool = False,
+        mlflow_code_paths: list[str] | None = None,
         callbacks: list[Any] | None = None,
         bad_rows: str = "fail",
         partitions_per_process: int = 4,
@@ -253,6 +254,11 @@ class TorchEstimatorConstructor:
             log the fit to MLflow (pip install spark-estimator[mlflow]): params, per-epoch
             metrics and the fitted TorchModel as artifacts, into the active MLflow run or a new
             run named by run_id in the current experiment
+        mlflow_code_paths : list[str] | None
+            with mlflow_logging: files and folders of your own code that the logged model needs
+            where it is loaded (MLflow's code_paths: put first on sys.path there), beside the
+            modules of yours its pickle names, which are shipped anyway; e.g. a module the model
+            imports by name inside forward
         callbacks : list[Any] | None
             list of spark_estimator.callbacks.Callback (EarlyStopping, BestModel or your own),
             run on every process
@@ -450,6 +456,7 @@ class LightningEstimatorConstructor:
         collective_timeout: float = 600.0,
         verbose: bool | int = True,
         mlflow_logging: bool = False,
+        mlflow_code_paths: list[str] | None = None,
         callbacks: list[Any] | None = None,
         bad_rows: str = "fail",
         partitions_per_process: int = 4,
@@ -611,6 +618,11 @@ class LightningEstimatorConstructor:
             log the fit to MLflow (pip install spark-estimator[mlflow]): params, per-epoch
             metrics and the fitted TorchModel as artifacts, into the active MLflow run or a new
             run named by run_id in the current experiment
+        mlflow_code_paths : list[str] | None
+            with mlflow_logging: files and folders of your own code that the logged model needs
+            where it is loaded (MLflow's code_paths: put first on sys.path there), beside the
+            modules of yours its pickle names, which are shipped anyway; e.g. a module the model
+            imports by name inside forward
         callbacks : list[Any] | None
             list of Lightning callbacks (EarlyStopping, ModelCheckpoint or your own), run on
             every process; with a ModelCheckpoint that monitors a value, the fitted model has

@@ -187,6 +187,7 @@ class FitChecks:
         )
         if self.getMlflowLogging():
             mlflow_log.check_installed()
+        mlflow_log.check_code_paths(self.getMlflowLogging(), self.getMlflowCodePaths())
         slots = available_slots(spark, self.getNumProc(), profile=stage.profile)
         num_proc = self.getNumProc() if self.getNumProc() is not None else slots
         if self.getMinNumProc() is None:

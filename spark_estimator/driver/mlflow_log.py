@@ -50,6 +50,20 @@ def check_installed() -> None:
         )
 
 
+def check_code_paths(logging: bool, code_paths: list[str] | None) -> None:
+    """``mlflow_code_paths`` before any job: existing files and folders, given with
+    ``mlflow_logging`` (nothing else reads it)."""
+    if code_paths is None:
+        return
+    if not logging:
+        raise ValueError(
+            "mlflow_code_paths: given without mlflow_logging=True, and only the model that "
+            "mlflow_logging logs ships it; set mlflow_logging=True, or log a fitted model "
+            "with spark_estimator.mlflow.log_model(model, code_paths=...)"
+        )
+    mlflow_model.checked_code_paths(code_paths, "mlflow_code_paths")
+
+
 def logged_params(estimator: Params, run_id: str) -> dict[str, str]:
     """The params as MLflow takes them: strings, object params by their class name."""
     logged = {"run_id": run_id}
@@ -108,7 +122,8 @@ def _log_fit(estimator: Params, model, store, data) -> str:
         example = None
         if data is not None:
             example = mlflow_model.example_rows(store, data, model.getFeatureCols())
-        mlflow_model.log_model(model, "model", input_example=example)
+        code_paths = estimator.getOrDefault("mlflow_code_paths")
+        mlflow_model.log_model(model, "model", input_example=example, code_paths=code_paths)
         return current.info.run_id
 
 
@@ -141,11 +156,12 @@ def study_run(study_name: str):
             mlflow.end_run()
 
 
-def log_best(parent_run_id: str, model, trial, dataset) -> None:
+def log_best(parent_run_id: str, model, trial, dataset, code_paths=None) -> None:
     """The study's best model (the best trial's fitted TorchModel) logged as the MLflow
     Model ``model`` of the study's run ``parent_run_id``, as a fit's model is logged (its
-    input example the first rows of the study's ``dataset``), with the best trial's number,
-    value and params; a failure of MLflow is a warning."""
+    input example the first rows of the study's ``dataset``, the estimator's
+    ``code_paths``), with the best trial's number, value and params; a failure of MLflow
+    is a warning."""
     try:
         import mlflow
 
@@ -158,7 +174,7 @@ def log_best(parent_run_id: str, model, trial, dataset) -> None:
             best = {f"best.{k}": str(v)[:_MAX_PARAM_CHARS] for k, v in trial.params.items()}
             mlflow.log_params(best)
             example = mlflow_model.example_frame(dataset, model.getFeatureCols())
-            mlflow_model.log_model(model, "model", input_example=example)
+            mlflow_model.log_model(model, "model", input_example=example, code_paths=code_paths)
     except Exception as e:
         log.warning(
             "mlflow_logging: MLflow could not log the study's best model (%s: %s)",

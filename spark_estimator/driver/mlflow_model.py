@@ -349,24 +349,24 @@ def save_model(
     mlflow_model.save(os.path.join(path, "MLmodel"))
 
 
-def checked_code_paths(code_paths) -> list[str]:
+def checked_code_paths(code_paths, param: str = "code_paths") -> list[str]:
     """``code_paths`` as a list of existing files and folders; a ValueError or TypeError
-    naming the parameter for anything else."""
+    naming the parameter ``param`` for anything else."""
     if code_paths is None:
         return []
     if isinstance(code_paths, (str, bytes)) or not all(isinstance(p, str) for p in code_paths):
         raise TypeError(
-            f"code_paths: a list of paths of files or folders, e.g. ['src/mypkg'] "
+            f"{param}: a list of paths of files or folders, e.g. ['src/mypkg'] "
             f"(given: {code_paths!r})"
         )
     missing = [p for p in code_paths if not os.path.exists(p)]
     if missing:
-        raise ValueError(f"code_paths: {missing} do not exist (from {os.getcwd()})")
+        raise ValueError(f"{param}: {missing} do not exist (from {os.getcwd()})")
     names = [os.path.basename(os.path.abspath(p)) for p in code_paths]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(
-            f"code_paths: several paths named {twice}; each is copied into the model's code/ "
+            f"{param}: several paths named {twice}; each is copied into the model's code/ "
             "folder by its name"
         )
     return list(code_paths)

@@ -274,6 +274,7 @@ class FitParamsAccessors(Params):
     collective_timeout: Param[float]
     verbose: Param[bool]
     mlflow_logging: Param[bool]
+    mlflow_code_paths: Param[list[str]]
     callbacks: Param[Any]
     bad_rows: Param[str]
     partitions_per_process: Param[int]
@@ -529,6 +530,22 @@ class FitParamsAccessors(Params):
         into the active MLflow run or a new run named by run_id in the current experiment
         """
         return self._set(mlflow_logging=value)
+
+    def getMlflowCodePaths(self) -> list[str]:
+        """Gets the value of `mlflow_code_paths`: with mlflow_logging: files and folders of your
+        own code that the logged model needs where it is loaded (MLflow's code_paths: put
+        first on sys.path there), beside the modules of yours its pickle names, which are
+        shipped anyway; e.g. a module the model imports by name inside forward
+        """
+        return self.getOrDefault(self.mlflow_code_paths)
+
+    def setMlflowCodePaths(self: _P, value: list[str]) -> _P:
+        """Sets the value of `mlflow_code_paths`: with mlflow_logging: files and folders of your
+        own code that the logged model needs where it is loaded (MLflow's code_paths: put
+        first on sys.path there), beside the modules of yours its pickle names, which are
+        shipped anyway; e.g. a module the model imports by name inside forward
+        """
+        return self._set(mlflow_code_paths=value)
 
     def getCallbacks(self) -> Any:
         """Gets the value of `callbacks`: list of callbacks run on every process (see each

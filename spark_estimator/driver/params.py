@@ -331,6 +331,16 @@ class FitParams(accessors.FitParamsAccessors, HasModelIO):
             default=False,
         ),
         ParamSpec(
+            "mlflow_code_paths",
+            "with mlflow_logging: files and folders of your own code that the logged model "
+            "needs where it is loaded (MLflow's code_paths: put first on sys.path there), "
+            "beside the modules of yours its pickle names, which are shipped anyway; e.g. a "
+            "module the model imports by name inside forward",
+            TypeConverters.toListString,
+            default=None,
+            hint="list[str]",
+        ),
+        ParamSpec(
             "callbacks",
             "list of callbacks run on every process (see each estimator)",
             default=None,
