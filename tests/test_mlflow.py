@@ -7,6 +7,7 @@ appends, through pyfunc, spark_udf and REST."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import signal
@@ -534,6 +535,24 @@ def predict_elsewhere(tracking: str, uri: str, x: list, hidden: list[str], tmp_p
     )
 
 
+def one_epoch_estimator(net, store: Store, **params) -> TorchEstimator:
+    """One epoch of ``net`` on columns x -> y, on one process, quietly."""
+    return TorchEstimator(
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=4,
+        epochs=1,
+        num_proc=1,
+        use_gpu=False,
+        verbose=False,
+        store=store,
+        **params,
+    )
+
+
 def test_a_model_class_of_the_users_own_module_loads_where_that_module_is_not(
     models, tracking, user_modules, tmp_path
 ):
@@ -546,22 +565,9 @@ def test_a_model_class_of_the_users_own_module_loads_where_that_module_is_not(
     spark.sparkContext.addPyFile(module.__file__)  # as --py-files ships it to executors
     rows = [[float(i), 1.0 - i, 0.5 * i] for i in range(8)]
     df = spark.createDataFrame([(r, float(sum(r))) for r in rows], "x array<double>, y double")
-    net = module.UserNet()
+    store = Store.create(str(tmp_path / "store"))
     with mlflow.start_run() as run:
-        fitted = TorchEstimator(
-            model=net,
-            optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
-            loss=torch.nn.MSELoss(),
-            feature_cols=["x"],
-            label_cols=["y"],
-            batch_size=4,
-            epochs=1,
-            num_proc=1,
-            use_gpu=False,
-            verbose=False,
-            store=Store.create(str(tmp_path / "store")),
-            mlflow_logging=True,
-        ).fit(df)
+        fitted = one_epoch_estimator(module.UserNet(), store, mlflow_logging=True).fit(df)
     want = fitted.transform(df).select("prediction").toPandas()["prediction"].tolist()
     saved = tmp_path / "saved"
     se_mlflow.save_model(fitted, str(saved))
@@ -589,22 +595,7 @@ def test_mlflow_code_paths_ship_with_the_model_mlflow_logging_logs(
     df = spark.createDataFrame([(r, float(sum(r))) for r in rows], "x array<double>, y double")
     net = module.PluginNet(user_modules["plugin"])
     store = Store.create(str(tmp_path / "store"))
-
-    def estimator(**params):
-        return TorchEstimator(
-            model=net,
-            optimizer=torch.optim.SGD(net.parameters(), lr=0.01),
-            loss=torch.nn.MSELoss(),
-            feature_cols=["x"],
-            label_cols=["y"],
-            batch_size=4,
-            epochs=1,
-            num_proc=1,
-            use_gpu=False,
-            verbose=False,
-            store=store,
-            **params,
-        )
+    estimator = functools.partial(one_epoch_estimator, net, store)
 
     with pytest.raises(ValueError, match="mlflow_code_paths: given without mlflow_logging=True"):
         estimator(mlflow_code_paths=[plugin.__file__]).fit(df)
