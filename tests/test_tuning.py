@@ -146,33 +146,15 @@ def test_a_study_left_running_goes_on_from_its_trials_checkpoints_to_n_trials(re
     trial 1 runs: the journal in the store keeps trial 1 RUNNING and its run's checkpoint
     of epoch 1; a new search of the same study takes it up from there and ends with
     n_trials."""
-    est = make_estimator(store=store, validation=0.25, epochs=3, max_restarts=0)
-    search = OptunaSearch(
-        estimator=est,
-        space=lr_space,
-        n_trials=3,
-        seed=0,
-        storage="store",
-        study_name="resumed",
-        pruner=PruneAt(1, 2, then=_interrupt_and_wait),
-    )
-    with pytest.raises(KeyboardInterrupt):
-        search.fit(regression_df)
-    journal = optuna.load_study(
-        study_name="resumed",
-        storage=optuna.storages.JournalStorage(
-            optuna.storages.journal.JournalFileBackend(store.study_journal("resumed"))
-        ),
-    )
-    assert [t.state for t in journal.trials] == [States.COMPLETE, States.RUNNING]
-    run_id = journal.trials[1].user_attrs["run_id"]
-    assert store.checkpoint_epochs(run_id) == [1]
+    search, run_id = interrupted_in_trial_1(regression_df, store, "resumed", n_trials=3)
+    left = journal(store, "resumed")
+    assert [t.state for t in left.trials] == [States.COMPLETE, States.RUNNING]
 
     again = search.copy({search.pruner: optuna.pruners.NopPruner()})
     model = again.fit(regression_df)
     assert [t.state for t in model.trials] == [States.COMPLETE] * 3, model.trials
     assert model.trials[1].user_attrs["run_id"] == run_id
-    assert model.trials[1].params == journal.trials[1].params
+    assert model.trials[1].params == left.trials[1].params
     result = state_from_bytes(store.read_bytes(store.run(run_id).result))
     assert result["summary"]["resumed_from_epoch"] == 1 and len(result["history"]) == 3
     assert model.trials[1].user_attrs["epochs_trained"] == 3
@@ -289,21 +271,7 @@ def test_a_resumed_trial_that_fails_counts_the_epochs_of_its_checkpoints(
     its run refuses: it failed after the 1 epoch it trained, as its line and its row say."""
     from spark_estimator.driver import study as study_module
 
-    est = make_estimator(store=store, validation=0.25, epochs=3, max_restarts=0)
-    search = OptunaSearch(
-        estimator=est,
-        space=lr_space,
-        n_trials=2,
-        seed=0,
-        storage="store",
-        study_name="other-rows",
-        pruner=PruneAt(1, 2, then=_interrupt_and_wait),
-    )
-    with pytest.raises(KeyboardInterrupt):
-        search.fit(regression_df)
-    run_id = journal(store, "other-rows").trials[1].user_attrs["run_id"]
-    assert store.checkpoint_epochs(run_id) == [1]
-
+    search, _ = interrupted_in_trial_1(regression_df, store, "other-rows", n_trials=2)
     monkeypatch.setattr(study_module, "logging_configured", lambda log: False)
     capsys.readouterr()
     again = search.copy({search.pruner: optuna.pruners.NopPruner()})
@@ -313,6 +281,27 @@ def test_a_resumed_trial_that_fails_counts_the_epochs_of_its_checkpoints(
     assert "another data" in failed["error"] or "differ" in failed["error"], failed["error"]
     line = trial_lines(capsys.readouterr().err)[1]
     assert line.startswith("trial 1 failed after 1 epoch | lr="), line
+
+
+def interrupted_in_trial_1(df, store, study_name: str, n_trials: int):
+    """A search of the study ``study_name`` in the store (3 epochs a trial) whose driver's
+    loop is interrupted while trial 1 waits after its epoch 1 checkpoint (checked); the
+    search and trial 1's run id."""
+    est = make_estimator(store=store, validation=0.25, epochs=3, max_restarts=0)
+    search = OptunaSearch(
+        estimator=est,
+        space=lr_space,
+        n_trials=n_trials,
+        seed=0,
+        storage="store",
+        study_name=study_name,
+        pruner=PruneAt(1, 2, then=_interrupt_and_wait),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        search.fit(df)
+    run_id = journal(store, study_name).trials[1].user_attrs["run_id"]
+    assert store.checkpoint_epochs(run_id) == [1]
+    return search, run_id
 
 
 def _interrupt_and_wait() -> bool:
