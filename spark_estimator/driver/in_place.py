@@ -55,7 +55,7 @@ DATA_COPIES = ("auto", "always", "never")  # data_copy's values
 CHECK_PASS_BYTES = 64 * 2**20
 _PASS_THROUGH = {"Project", "SubqueryAlias"}
 # object stores named as Spark's Hadoop connectors name them, and as fsspec does
-_PROTOCOLS = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "abfss": "abfs"}
+HADOOP_PROTOCOLS = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "abfss": "abfs"}
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ def _file_path(store: Store, uri: str) -> str | None:
     another filesystem."""
     url = spark_url(uri, "data_copy")
     protocol, path = fsspec.core.split_protocol(url)
-    protocol = _PROTOCOLS.get(protocol or "file", protocol or "file")
+    protocol = HADOOP_PROTOCOLS.get(protocol or "file", protocol or "file")
     if protocol in ("file", "local"):
         return path if store.protocol == "file" else None
     if protocol != store.protocol:

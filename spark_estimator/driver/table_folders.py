@@ -21,10 +21,9 @@ import fsspec
 from pyspark.sql import DataFrame
 
 from ..store import Store, spark_url
+from .in_place import HADOOP_PROTOCOLS
 from .launch import is_connect
 
-# object stores as Spark's Hadoop connectors name them, and as fsspec does
-_PROTOCOLS = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "abfss": "abfs"}
 _METADATA = re.compile(r"^(?:v?(\d+)[-.]).*\.metadata\.json$")
 
 
@@ -159,7 +158,7 @@ def check_not_table_folder(df: DataFrame, store: Store) -> None:
     for path in _parquet_roots(df):
         uri = spark_url(re.sub(r"^file:///", "file:/", path))  # file:/x is the local /x
         protocol, rest = fsspec.core.split_protocol(uri)
-        protocol = _PROTOCOLS.get(protocol, protocol)
+        protocol = HADOOP_PROTOCOLS.get(protocol, protocol)
         uri = uri if protocol is None else f"{protocol}://{rest}"
         options = store.fsspec_target(store.root)[1] if protocol == store.protocol else None
         options = None if protocol in (None, "file") else options
